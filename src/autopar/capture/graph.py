@@ -1,0 +1,262 @@
+"""The Graph IR: an aten-level forward graph with per-node costs.
+
+Every later stage reads this: analysis groups nodes into blocks, the cost model prices them, the memory model sums
+what they save for backward. Nodes are kept in execution order; a value is named by the node that produced it and
+the output index (`Ref`), and model state (parameters, buffers) is named by its FQN.
+
+FLOP convention: ``flops_forward`` and ``flops_backward`` are *model* FLOPs of contractions (matmul, convolution,
+attention), the convention behind MFU: a contraction's backward costs one forward-sized product per input that needs
+a gradient. Kernel-level recomputation (flash attention re-forming the score matrix) is not counted. Elementwise
+and data-movement ops carry 0 FLOPs; their cost is in ``bytes_read`` / ``bytes_written``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> ``"bfloat16"``; the IR stores dtypes as names so it pickles and prints plainly."""
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Where a node input comes from: ``node`` >= 0 is a producing node and ``index`` its output; ``node == -1``
+    is a model input (``index`` its position among the flattened example inputs) or, with ``state`` set, a
+    parameter or buffer named by FQN."""
+
+    node: int
+    index: int = 0
+    state: str | None = None
+
+    @property
+    def is_model_state(self) -> bool:
+        return self.state is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    id: int
+    op: str  # "aten.mm.default"
+    module: str  # FQN of the innermost module whose forward ran the op ("" is the root)
+    module_type: str  # that module's class name
+    inputs: tuple[TensorInfo, ...]
+    sources: tuple[Ref, ...]  # one per input
+    outputs: tuple[TensorInfo, ...]
+    flops_forward: int = 0
+    flops_backward: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    saved_bytes: int = 0  # activation bytes this node saves for backward, counted once per storage in the trace
+    is_view: bool = False
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """FQNs of the parameters and buffers this node reads."""
+        return tuple(s.state for s in self.sources if s.state is not None)
+
+    @property
+    def reads_params(self) -> bool:
+        return any(s.state is not None for s in self.sources)
+
+    @property
+    def output_bytes(self) -> int:
+        return 0 if self.is_view else sum(t.nbytes for t in self.outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class StateInfo:
+    """A parameter or buffer of the model."""
+
+    fqn: str
+    tensor: TensorInfo
+    requires_grad: bool
+    is_buffer: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatGroup:
+    """Module instances that share one fingerprint and input signature: the first was traced, the rest reuse its
+    nodes. ``spans[i]`` is the half-open node-id range of ``instances[i]``."""
+
+    fingerprint: str
+    module_type: str
+    instances: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleMemory:
+    """MAP's memory categories (section 4.1) of one module, in bytes, for one forward/backward of the traced batch.
+
+    fwd_in: activations saved for backward (model state excluded); fwd_tmp: outputs of its ops that are neither
+    saved nor module outputs (freed when its forward ends); fwd_out: module outputs; bwd_out: gradients of its
+    floating-point inputs; bwd_tmp: upper bound on backward temporaries, taken as the largest op's output gradient.
+    """
+
+    fwd_in: int
+    fwd_tmp: int
+    fwd_out: int
+    bwd_tmp: int
+    bwd_out: int
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    modules: dict[str, str]  # FQN -> class name, for every module in the model
+    state: dict[str, StateInfo]  # parameters (deduplicated, as named_parameters) and buffers
+    inputs: tuple[TensorInfo, ...]  # flattened tensor leaves of the example inputs
+    repeats: list[RepeatGroup] = field(default_factory=list)
+    trace_seconds: float = 0.0
+
+    # ---- totals -------------------------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        return sum(s.tensor.numel for s in self.state.values() if not s.is_buffer)
+
+    @property
+    def flops_forward(self) -> int:
+        return sum(n.flops_forward for n in self.nodes)
+
+    @property
+    def flops_backward(self) -> int:
+        return sum(n.flops_backward for n in self.nodes)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(n.saved_bytes for n in self.nodes)
+
+    # ---- module views -------------------------------------------------------------------------------------
+    def module_nodes(self, fqn: str) -> list[Node]:
+        """Nodes run inside module ``fqn`` (itself or a descendant)."""
+        return [n for n in self.nodes if _within(n.module, fqn)]
+
+    def module_params(self, fqn: str) -> int:
+        return sum(
+            s.tensor.numel for s in self.state.values() if not s.is_buffer and _within(_owner(s.fqn), fqn)
+        )
+
+    @cached_property
+    def _unit_index(self) -> tuple[frozenset[str], frozenset[str]]:
+        units = frozenset(fqn for g in self.repeats for fqn in g.instances)
+        ancestors = frozenset(".".join(u.split(".")[:d]) for u in units for d in range(u.count(".") + 1))
+        return units, ancestors
+
+    def layer_of(self, module: str) -> str:
+        """The profile row a module belongs to: its shallowest ancestor that is a repeated unit or contains none.
+
+        Repeated units (transformer blocks) become one row each; the rest (embeddings, final norm, head) groups
+        under the outermost module that holds no repeated block, and ops run directly by an ancestor of the blocks
+        (the loss, say) stay with that ancestor. Without repeats the rows are the root's children.
+        """
+        units, ancestors = self._unit_index
+        parts = module.split(".") if module else []
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if prefix in units or prefix not in ancestors:
+                return prefix
+        return module
+
+    def layers(self) -> list[LayerSummary]:
+        """Per-layer totals in first-execution order (what ``autopar profile`` prints)."""
+        rows: dict[str, LayerSummary] = {}
+        for n in self.nodes:
+            name = self.layer_of(n.module)
+            row = rows.get(name)
+            if row is None:
+                row = rows[name] = LayerSummary(name=name, module_type=self.modules.get(name, ""))
+            row.flops_forward += n.flops_forward
+            row.flops_backward += n.flops_backward
+            row.saved_bytes += n.saved_bytes
+            row.nodes += 1
+        for s in self.state.values():
+            if s.is_buffer:
+                continue
+            name = self.layer_of(_owner(s.fqn))
+            if name not in rows:
+                rows[name] = LayerSummary(name=name, module_type=self.modules.get(name, ""))
+            rows[name].params += s.tensor.numel
+        return list(rows.values())
+
+    def module_memory(self, fqn: str) -> ModuleMemory:
+        """MAP memory categories of module ``fqn``; see `ModuleMemory`."""
+        inside = self.module_nodes(fqn)
+        ids = {n.id for n in inside}
+        consumed_outside: set[tuple[int, int]] = set()
+        for n in self.nodes:
+            if n.id in ids:
+                continue
+            for s in n.sources:
+                if s.node in ids:
+                    consumed_outside.add((s.node, s.index))
+        fwd_out = sum(
+            inside_node.outputs[i].nbytes
+            for inside_node in inside
+            for i in range(len(inside_node.outputs))
+            if (inside_node.id, i) in consumed_outside
+        )
+        fwd_in = sum(n.saved_bytes for n in inside)
+        produced = sum(n.output_bytes for n in inside)
+        fwd_tmp = max(0, produced - fwd_in - fwd_out)
+        external = {
+            (s.node, s.index): t.nbytes
+            for n in inside
+            for t, s in zip(n.inputs, n.sources)
+            if s.node not in ids and s.state is None and t.dtype.startswith(("float", "bfloat"))
+        }
+        bwd_out = sum(external.values())
+        bwd_tmp = max((n.output_bytes for n in inside), default=0)
+        return ModuleMemory(fwd_in=fwd_in, fwd_tmp=fwd_tmp, fwd_out=fwd_out, bwd_tmp=bwd_tmp, bwd_out=bwd_out)
+
+
+@dataclass(slots=True)
+class LayerSummary:
+    name: str
+    module_type: str
+    params: int = 0
+    flops_forward: int = 0
+    flops_backward: int = 0
+    saved_bytes: int = 0
+    nodes: int = 0
+
+
+def _owner(state_fqn: str) -> str:
+    return state_fqn.rpartition(".")[0]
+
+
+def _within(module: str, ancestor: str) -> bool:
+    return not ancestor or module == ancestor or module.startswith(ancestor + ".")
