@@ -12,7 +12,8 @@ and data-movement ops carry 0 FLOPs; their cost is in ``bytes_read`` / ``bytes_w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -134,31 +135,66 @@ class ModuleMemory:
     bwd_out: int
 
 
-@dataclass
 class Graph:
-    nodes: list[Node]
-    modules: dict[str, str]  # FQN -> class name, for every module in the model
-    state: dict[str, StateInfo]  # parameters (deduplicated, as named_parameters) and buffers
-    inputs: tuple[TensorInfo, ...]  # flattened tensor leaves of the example inputs
-    repeats: list[RepeatGroup] = field(default_factory=list)
-    trace_seconds: float = 0.0
+    """The traced forward graph of one training step.
+
+    Totals (``num_nodes``, FLOPs, ``saved_bytes``) and the repeat groups are available at once; the full node
+    list is built from the traced templates the first time `nodes` is read, so tracing a 1,000-layer model costs
+    about what a 10-layer one does until someone asks for all 1,000 layers' nodes.
+    """
+
+    def __init__(
+        self,
+        *,
+        modules: dict[str, str],
+        state: dict[str, StateInfo] | Callable[[], dict[str, StateInfo]],
+        inputs: tuple[TensorInfo, ...],
+        repeats: list[RepeatGroup],
+        num_nodes: int,
+        flops_forward: int,
+        flops_backward: int,
+        saved_bytes: int,
+        expand: Callable[[], list[Node]],
+        trace_seconds: float = 0.0,
+    ) -> None:
+        self.modules = modules  # FQN -> class name, for every module in the model
+        self._state = state
+        self.inputs = inputs  # flattened tensor leaves of the example inputs
+        self.repeats = repeats
+        self.num_nodes = num_nodes
+        self.flops_forward = flops_forward  # model FLOPs of one forward pass
+        self.flops_backward = flops_backward
+        self.saved_bytes = saved_bytes  # activation bytes kept for backward
+        self.trace_seconds = trace_seconds
+        self._expand: Callable[[], list[Node]] | None = expand
+        self._nodes: list[Node] | None = None
+
+    @property
+    def state(self) -> dict[str, StateInfo]:
+        """Parameters (deduplicated and named as `named_parameters` does) and buffers, by FQN."""
+        if callable(self._state):
+            self._state = self._state()
+        return self._state
+
+    @property
+    def nodes(self) -> list[Node]:
+        """Every aten op in execution order (built on first access)."""
+        if self._nodes is None:
+            assert self._expand is not None
+            self._nodes = self._expand()
+            self._expand = None
+        return self._nodes
+
+    def __repr__(self) -> str:
+        return (
+            f"Graph({self.num_nodes} nodes, {self.num_params:,} params, {len(self.repeats)} repeat groups, "
+            f"{self.flops_forward:.3g} fwd FLOPs)"
+        )
 
     # ---- totals -------------------------------------------------------------------------------------------
     @property
     def num_params(self) -> int:
         return sum(s.tensor.numel for s in self.state.values() if not s.is_buffer)
-
-    @property
-    def flops_forward(self) -> int:
-        return sum(n.flops_forward for n in self.nodes)
-
-    @property
-    def flops_backward(self) -> int:
-        return sum(n.flops_backward for n in self.nodes)
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(n.saved_bytes for n in self.nodes)
 
     # ---- module views -------------------------------------------------------------------------------------
     def module_nodes(self, fqn: str) -> list[Node]:

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.capture import _hf_compat
 from autopar.capture import _torch_private as tp
 from autopar.capture.flops import backward_flops, forward_flops
 from autopar.capture.graph import Graph, Node, Ref, RepeatGroup, StateInfo, TensorInfo, dtype_name
-from autopar.capture.reuse import find_units, input_signature
+from autopar.capture.reuse import input_signature, scan
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def trace(
     recorder = _Recorder(model, reuse=reuse)
     graph = recorder.run(tuple(example_inputs), dict(example_kwargs or {}))
     graph.trace_seconds = time.perf_counter() - start
-    log.info("traced %s: %d nodes in %.2f s", type(model).__name__, len(graph.nodes), graph.trace_seconds)
+    log.info("traced %s: %d nodes in %.2f s", type(model).__name__, graph.num_nodes, graph.trace_seconds)
     return graph
 
 
@@ -93,6 +94,14 @@ class _Save:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
 @dataclass(slots=True)
 class _Template:
     fingerprint: str
@@ -102,7 +111,7 @@ class _Template:
     input_sources: tuple[_Source, ...]
     output_sources: tuple[_Source, ...]
     output_spec: Any
-    output_leaves: tuple[Any, ...]  # non-tensor leaves as they were; tensors as (shape, stride, dtype, grad)
+    output_leaves: tuple[Any, ...]  # non-tensor leaves as they were, tensors as _TensorSpec
     events: tuple[int, int]  # range of pack events recorded while it ran
     input_keys: tuple[int, ...]
     output_keys: tuple[int, ...]
@@ -113,8 +122,8 @@ class _Replay:
     template: _Template
     fqn: str
     input_sources: tuple[_Source, ...]
-    input_keys: tuple[int, ...]
-    output_keys: tuple[int, ...]
+    storage_sizes: dict[int, int]  # template storage key -> size of the replay's storage in its place
+    storage_keys: dict[int, int]  # template storage key -> the replay's storage key (inputs and outputs)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -133,13 +142,15 @@ class _Recorder(tp.TorchDispatchMode):
     def __init__(self, model: nn.Module, *, reuse: bool) -> None:
         super().__init__()
         self.model = model
-        self.fqn_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self.type_of = {name: type(m).__name__ for name, m in model.named_modules()}
-        self.units = find_units(model) if reuse else {}
+        modules = scan(model, find_repeats=reuse)
+        self.fqn_of, self.type_of, self.units = modules.fqn_of, modules.types, modules.units
+        self.fake_mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
         self.entries: list[_Draft | _Replay] = []
         self.producer: dict[int, tuple[Any, ...]] = {}
         self.keep: list[torch.Tensor] = []  # holds every traced tensor so ids and storages stay unique
         self.state_storage: dict[int, str] = {}
+        self.fakes: dict[int, torch.Tensor] = {}  # id(real parameter or buffer) -> its fake
+        self.swapped: list[tuple[dict[str, Any], str, Any]] = []  # (module._parameters or _buffers, name, real)
         self.events: list[_Save | int] = []  # pack events in time order; an int is the entry index of a replay
         self.pending: list[tuple[_Save, str]] = []  # packed before the op that saves them, with the pack's module
         self.last_entry: int | None = None
@@ -147,25 +158,26 @@ class _Recorder(tp.TorchDispatchMode):
         self.last_in_module: dict[str, int] = {}
         self.module_stack: list[str] = [""]
         self.templates: dict[tuple[str, Any], _Template] = {}
-        self.instances: list[tuple[str, str, int]] = []  # (fingerprint, fqn, live entry index), call order
+        # (fingerprint, fqn, the template it ran as, or the entry index of its replay), in call order
+        self.instances: list[tuple[str, str, _Template | int]] = []
         self.recording = False
 
     # ---- driving -------------------------------------------------------------------------------------------
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Graph:
-        fake_mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
         hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._enter),
             nn.modules.module.register_module_forward_hook(self._exit),
         ]
         patched = self._patch_units()
         try:
-            with fake_mode:
-                state, state_infos = self._fake_state()
+            with self.fake_mode, _hf_compat.real_execution_paths():
+                # Repeated layers get fake state only when they run as a template: replays never touch theirs.
+                self._swap_in(self._modules_outside_units())
                 (fake_args, fake_kwargs), input_infos = self._fake_inputs((args, kwargs))
                 with self, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                     self.recording = True
                     try:
-                        torch.func.functional_call(self.model, state, fake_args, fake_kwargs)
+                        self.model(*fake_args, **fake_kwargs)
                     except CaptureError:
                         raise
                     except Exception as exc:
@@ -184,23 +196,54 @@ class _Recorder(tp.TorchDispatchMode):
                     del module.forward
                 else:
                     module.forward = had_own
+            for table, name, real in reversed(self.swapped):
+                table[name] = real
         self._flush_pending(None)
-        return self._build(state_infos, input_infos)
+        self.keep.clear()
+        self.producer.clear()
+        return _GraphBuilder(self, input_infos).build()
 
-    def _fake_state(self) -> tuple[dict[str, torch.Tensor], dict[str, StateInfo]]:
-        tensors: dict[str, torch.Tensor] = {}
-        infos: dict[str, StateInfo] = {}
-        named = [(n, p, False) for n, p in self.model.named_parameters()]
-        named += [(n, b, True) for n, b in self.model.named_buffers()]
-        for name, real, is_buffer in named:
-            fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="cpu")
-            if real.requires_grad and not is_buffer:
-                fake.requires_grad_(True)
-            tensors[name] = fake
-            self.state_storage[_storage_key(fake)] = name
-            self.keep.append(fake)
-            infos[name] = StateInfo(name, _info(real), bool(real.requires_grad) and not is_buffer, is_buffer)
-        return tensors, infos
+    def _modules_outside_units(self) -> list[nn.Module]:
+        """Pre-order, like `named_modules`, so a shared tensor is named where `named_parameters` names it."""
+        found, todo = [], [self.model]
+        while todo:
+            module = todo.pop()
+            if id(module) in self.units:
+                continue
+            found.append(module)
+            todo.extend(reversed([c for c in module._modules.values() if c is not None]))
+        return found
+
+    def _swap_in(self, modules: Sequence[nn.Module] | Any) -> None:
+        """Put fake tensors in place of the modules' own parameters and buffers (undone when the trace ends)."""
+        for module in modules:
+            for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
+                for name, real in table.items():
+                    if real is None or isinstance(real, tp.FakeTensor):
+                        continue
+                    fake = self.fakes.get(id(real))
+                    if fake is None:
+                        grad = bool(real.requires_grad) and not is_buffer
+                        fake = self._new_fake(tuple(real.shape), real.stride(), real.dtype, grad)
+                        self.fakes[id(real)] = fake
+                        prefix = self.fqn_of.get(id(module), "?")
+                        self.state_storage[_storage_key(fake)] = f"{prefix}.{name}" if prefix else name
+                    self.swapped.append((table, name, real))
+                    table[name] = fake
+
+    def _new_fake(
+        self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, requires_grad: bool
+    ) -> torch.Tensor:
+        return tp.new_fake(self.fake_mode, shape, stride, dtype, requires_grad)  # dispatch modes are off inside
+
+    def state_infos(self) -> dict[str, StateInfo]:
+        """Parameters (as `named_parameters` names them) and buffers; read only when someone asks."""
+        infos = {
+            name: StateInfo(name, _info(p), bool(p.requires_grad)) for name, p in self.model.named_parameters()
+        }
+        for name, b in self.model.named_buffers():
+            infos[name] = StateInfo(name, _info(b), False, is_buffer=True)
+        return infos
 
     def _fake_inputs(self, tree: Any) -> tuple[Any, tuple[TensorInfo, ...]]:
         leaves, spec = tree_flatten(tree)
@@ -208,9 +251,7 @@ class _Recorder(tp.TorchDispatchMode):
         out = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                fake = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="cpu")
-                if leaf.requires_grad:
-                    fake.requires_grad_(True)
+                fake = self._new_fake(tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.requires_grad)
                 self.producer[id(fake)] = ("in", len(infos))
                 self.keep.append(fake)
                 infos.append(_info(leaf))
@@ -323,14 +364,14 @@ class _Recorder(tp.TorchDispatchMode):
         fqn = self.fqn_of[id(module)]
 
         def run_unit(*args: Any, **kwargs: Any) -> Any:
-            signature = input_signature(args, kwargs)
-            inputs = _tensor_leaves((args, kwargs))
+            signature, inputs = input_signature(args, kwargs)
             sources = tuple(self.producer.get(id(t)) for t in inputs)
-            input_keys = tuple(_storage_key(t) for t in inputs)
             template = self.templates.get((fingerprint, signature))
             if template is not None:
-                return self._replay(template, fqn, sources, input_keys)
+                return self._replay(template, fqn, sources, inputs)
+            input_keys = tuple(_storage_key(t) for t in inputs)
             start, first_event = len(self.entries), len(self.events)
+            self._swap_in(module.modules())
             out = forward(*args, **kwargs)
             self._flush_pending(None)
             leaves, spec = tree_flatten(out)
@@ -343,96 +384,177 @@ class _Recorder(tp.TorchDispatchMode):
                 output_sources=tuple(self.producer.get(id(x)) for x in leaves if isinstance(x, torch.Tensor)),
                 output_spec=spec,
                 output_leaves=tuple(
-                    (tuple(x.shape), x.stride(), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+                    _TensorSpec(tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+                    if isinstance(x, torch.Tensor)
+                    else x
                     for x in leaves
                 ),
                 events=(first_event, len(self.events)),
                 input_keys=input_keys,
                 output_keys=tuple(_storage_key(x) for x in leaves if isinstance(x, torch.Tensor)),
             )
-            self.instances.append((fingerprint, fqn, start))
+            self.instances.append((fingerprint, fqn, self.templates[(fingerprint, signature)]))
             return out
 
         return run_unit
 
     def _replay(
-        self, template: _Template, fqn: str, sources: tuple[_Source, ...], input_keys: tuple[int, ...]
+        self, template: _Template, fqn: str, sources: tuple[_Source, ...], inputs: list[torch.Tensor]
     ) -> Any:
         index = len(self.entries)
         self.instances.append((template.fingerprint, fqn, index))
         self.events.append(index)
-        leaves, output_keys = [], []
-        self.recording = False
-        try:
-            k = 0
-            for leaf in template.output_leaves:
-                if isinstance(leaf, tuple) and len(leaf) == 4 and isinstance(leaf[2], torch.dtype):
-                    shape, stride, dtype, grad = leaf
-                    t = torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
-                    if grad:
-                        t.requires_grad_(True)
-                    self.producer[id(t)] = ("out", index, k)
-                    self.keep.append(t)
-                    output_keys.append(_storage_key(t))
-                    k += 1
-                    leaf = t
-                leaves.append(leaf)
-        finally:
-            self.recording = True
-        self.entries.append(_Replay(template, fqn, sources, input_keys, tuple(output_keys)))
+        leaves, outputs = [], []
+        for leaf in template.output_leaves:
+            if isinstance(leaf, _TensorSpec):
+                t = self._new_fake(leaf.shape, leaf.stride, leaf.dtype, leaf.requires_grad)
+                self.producer[id(t)] = ("out", index, len(outputs))
+                self.keep.append(t)
+                outputs.append(t)
+                leaf = t
+            leaves.append(leaf)
+        # Template storages map to the replay's own: outputs first, so an input passed through maps to the input.
+        storage_keys, storage_sizes = {}, {}
+        for theirs, ours in [*zip(template.output_keys, outputs), *zip(template.input_keys, inputs)]:
+            storage_keys[theirs] = _storage_key(ours)
+            storage_sizes[theirs] = ours.untyped_storage().nbytes()
+        self.entries.append(_Replay(template, fqn, sources, storage_sizes, storage_keys))
         self.last_entry = None
         self.last_outputs = set()
         return tree_unflatten(leaves, template.output_spec)
-
-    # ---- final graph ----------------------------------------------------------------------------------------
-    def _build(self, state_infos: dict[str, StateInfo], input_infos: tuple[TensorInfo, ...]) -> Graph:
-        return _GraphBuilder(self, state_infos, input_infos).build()
-
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
 class _GraphBuilder:
-    """Turns live entries (drafts and replays) into numbered `Node`s, expanding each replay into a renamed copy."""
+    """Turns live entries (drafts and replays) into a `Graph`.
 
-    def __init__(self, rec: _Recorder, state: dict[str, StateInfo], inputs: tuple[TensorInfo, ...]) -> None:
+    Everything a graph reports in total (node count, FLOPs, saved bytes, repeat spans) is computed here from the
+    templates, in time proportional to the distinct layers plus one step per replay. The node list itself, with
+    each replay expanded into a renamed copy of its template, is built only when first read (`Graph.nodes`).
+    """
+
+    def __init__(self, rec: _Recorder, inputs: tuple[TensorInfo, ...]) -> None:
         self.rec = rec
-        self.state = state
         self.inputs = inputs
-        self.nodes: list[Node] = []
-        self.live_id: dict[int, int] = {}  # live draft index -> node id
-        self.replay_outputs: dict[int, tuple[Ref | None, ...]] = {}  # live replay index -> output refs
-        self.spans: dict[int, tuple[int, int]] = {}  # live entry index where a unit instance starts -> node span
-        self.copies: dict[int, dict[int, int]] = {}  # live replay index -> template live index -> copy node id
+        self._saves_cache: dict[int, list[tuple[int, int, int]]] = {}
+        self.position: list[int] = []  # node id at which each live entry starts; one extra entry: the total
+        count = 0
+        for entry in rec.entries:
+            self.position.append(count)
+            count += 1 if isinstance(entry, _Draft) else entry.template.end - entry.template.start
+        self.position.append(count)
+
+    def node_id(self, entry: int, live: int | None = None) -> int:
+        """Node id of live draft ``entry``, or of the copy of template draft ``live`` made by replay ``entry``."""
+        if live is None:
+            return self.position[entry]
+        replay = self.rec.entries[entry]
+        assert isinstance(replay, _Replay)
+        return self.position[entry] + live - replay.template.start
 
     def build(self) -> Graph:
         rec = self.rec
-        position: list[int] = []  # node id at which each live entry starts
-        for index, entry in enumerate(rec.entries):
-            position.append(len(self.nodes))
-            if isinstance(entry, _Draft):
-                self.live_id[index] = len(self.nodes)
-                self.nodes.append(self._node(entry, self._resolve_all(entry.sources, entry.states)))
-            else:
-                self._expand(index, entry)
-        position.append(len(self.nodes))
-        for t in rec.templates.values():
-            self.spans[t.start] = (position[t.start], position[t.end])
+        forward = backward = 0
+        for entry in rec.entries:
+            drafts = [entry] if isinstance(entry, _Draft) else rec.entries[entry.template.start : entry.template.end]
+            for d in drafts:
+                assert isinstance(d, _Draft)
+                forward += d.flops_forward
+                backward += d.flops_backward
         saved = self._saved_bytes()
-        nodes = [replace(n, saved_bytes=saved[n.id]) if saved[n.id] else n for n in self.nodes]
         return Graph(
-            nodes=nodes,
             modules=dict(rec.type_of),
-            state=self.state,
+            state=rec.state_infos,
             inputs=self.inputs,
             repeats=self._groups(),
+            num_nodes=self.position[-1],
+            flops_forward=forward,
+            flops_backward=backward,
+            saved_bytes=sum(saved.values()),
+            expand=lambda: _Expansion(self, saved).nodes(),
         )
 
-    def _node(self, d: _Draft, sources: tuple[Ref, ...], module: str | None = None) -> Node:
-        module = d.module if module is None else module
+    def _saved_bytes(self) -> dict[int, int]:
+        """Bytes each node saves for backward (node id -> bytes), each storage counted at its first pack in time."""
+        saved: dict[int, int] = {}
+        seen: set[Any] = set()
+        for event in self.rec.events:
+            if isinstance(event, _Save):
+                if event.target is not None and event.key not in seen:
+                    seen.add(event.key)
+                    node = self.node_id(event.target)
+                    saved[node] = saved.get(node, 0) + event.nbytes
+                continue
+            replay = self.rec.entries[event]
+            assert isinstance(replay, _Replay)
+            base, keys, sizes = self.position[event], replay.storage_keys, replay.storage_sizes
+            for offset, template_key, nbytes in self._template_saves(replay.template):
+                key = keys.get(template_key)
+                if key is None:
+                    key = (event, template_key)  # a storage made inside the layer: new for every replay
+                if key not in seen:
+                    seen.add(key)
+                    saved[base + offset] = saved.get(base + offset, 0) + sizes.get(template_key, nbytes)
+        return saved
+
+    def _template_saves(self, t: _Template) -> list[tuple[int, int, int]]:
+        """(node offset within the template, storage key, bytes) of each tensor packed while it ran; cached."""
+        cached = self._saves_cache.get(id(t))
+        if cached is None:
+            cached = []
+            for event in self.rec.events[t.events[0] : t.events[1]]:
+                assert isinstance(event, _Save)  # units never nest: a template holds no replay
+                if event.target is not None and t.start < t.end:
+                    live = event.target if t.start <= event.target < t.end else t.start
+                    cached.append((live - t.start, event.key, event.nbytes))
+            self._saves_cache[id(t)] = cached
+        return cached
+
+    def _groups(self) -> list[RepeatGroup]:
+        by_key: dict[str, list[tuple[str, tuple[int, int]]]] = {}
+        for fingerprint, fqn, run in self.rec.instances:
+            if isinstance(run, _Template):
+                span = (self.position[run.start], self.position[run.end])
+            else:
+                span = (self.position[run], self.position[run + 1])
+            by_key.setdefault(fingerprint, []).append((fqn, span))
+        return [
+            RepeatGroup(
+                fingerprint=fingerprint,
+                module_type=self.rec.type_of.get(members[0][0], ""),
+                instances=tuple(m[0] for m in members),
+                spans=tuple(m[1] for m in members),
+            )
+            for fingerprint, members in by_key.items()
+            if len(members) > 1
+        ]
+
+
+class _Expansion:
+    """The full node list: live drafts as they are, each replay as a renamed copy of its template's drafts."""
+
+    def __init__(self, builder: _GraphBuilder, saved: dict[int, int]) -> None:
+        self.b = builder
+        self.rec = builder.rec
+        self.saved = saved
+        self.nodes_out: list[Node] = []
+        self.replay_outputs: dict[int, tuple[Ref, ...]] = {}  # live replay index -> its output refs
+
+    def nodes(self) -> list[Node]:
+        for index, entry in enumerate(self.rec.entries):
+            if isinstance(entry, _Draft):
+                sources = tuple(self._resolve(s, st) for s, st in zip(entry.sources, entry.states))
+                self.nodes_out.append(self._node(entry, sources, entry.module))
+            else:
+                self._expand(index, entry)
+        return self.nodes_out
+
+    def _node(self, d: _Draft, sources: tuple[Ref, ...], module: str) -> Node:
+        node_id = len(self.nodes_out)
         return Node(
-            id=len(self.nodes),
+            id=node_id,
             op=d.op,
             module=module,
             module_type=self.rec.type_of.get(module, ""),
@@ -443,6 +565,7 @@ class _GraphBuilder:
             flops_backward=d.flops_backward,
             bytes_read=d.bytes_read,
             bytes_written=d.bytes_written,
+            saved_bytes=self.saved.get(node_id, 0),
             is_view=d.is_view,
         )
 
@@ -452,84 +575,35 @@ class _GraphBuilder:
         if source[0] == "in":
             return Ref(-1, source[1], state)
         _, entry, k = source
-        if entry in self.live_id:
-            return Ref(self.live_id[entry], k, state)
+        if isinstance(self.rec.entries[entry], _Draft):
+            return Ref(self.b.node_id(entry), k, state)
         ref = self.replay_outputs[entry][k]
-        if ref is None:
-            return Ref(-1, 0, state)
         return Ref(ref.node, ref.index, state if state is not None else ref.state)
-
-    def _resolve_all(self, sources: Sequence[_Source], states: Sequence[str | None]) -> tuple[Ref, ...]:
-        return tuple(self._resolve(s, st) for s, st in zip(sources, states))
 
     def _expand(self, index: int, replay: _Replay) -> None:
         t = replay.template
         old, new = t.fqn, replay.fqn
-        rename = lambda name: new + name[len(old):] if name == old or name.startswith(old + ".") else name  # noqa: E731
-        entry_map = self.copies[index] = {}
+        cut = len(old)
+
+        def rename(name: str) -> str:
+            return new + name[cut:] if name == old or name.startswith(old + ".") else name
+
         outside = {src: i for i, src in enumerate(t.input_sources) if src is not None}
-        call_inputs = self._resolve_all(replay.input_sources, [None] * len(replay.input_sources))
+        call_inputs = [self._resolve(s, None) for s in replay.input_sources]
+        base = self.b.position[index] - t.start
 
         def translate(src: _Source, state: str | None) -> Ref:
             state = rename(state) if state is not None else None
             if src is not None and src[0] == "out" and t.start <= src[1] < t.end:
-                return Ref(entry_map[src[1]], src[2], state)
+                return Ref(base + src[1], src[2], state)
             if src in outside:
                 ref = call_inputs[outside[src]]
                 return Ref(ref.node, ref.index, state if state is not None else ref.state)
             return self._resolve(src, state)
 
-        first = len(self.nodes)
         for live in range(t.start, t.end):
             d = self.rec.entries[live]
             assert isinstance(d, _Draft)  # units never nest, so a template holds drafts only
-            entry_map[live] = len(self.nodes)
             sources = tuple(translate(s, st) for s, st in zip(d.sources, d.states))
-            self.nodes.append(self._node(d, sources, rename(d.module)))
-        self.spans[index] = (first, len(self.nodes))
+            self.nodes_out.append(self._node(d, sources, rename(d.module)))
         self.replay_outputs[index] = tuple(translate(s, None) for s in t.output_sources)
-
-    def _saved_bytes(self) -> list[int]:
-        """Bytes each node saves for backward, each storage counted at its first pack in time order."""
-        saved = [0] * len(self.nodes)
-        seen: set[Any] = set()
-        entries = self.rec.entries
-        for event in self.rec.events:
-            if isinstance(event, _Save):
-                if event.target is not None and event.key not in seen:
-                    seen.add(event.key)
-                    saved[self.live_id[event.target]] += event.nbytes
-                continue
-            replay = entries[event]
-            assert isinstance(replay, _Replay)
-            t = replay.template
-            keys: dict[int, Any] = dict(zip(t.output_keys, replay.output_keys))
-            keys.update(zip(t.input_keys, replay.input_keys))
-            for template_event in self.rec.events[t.events[0] : t.events[1]]:
-                assert isinstance(template_event, _Save)  # units never nest: a template holds no replay
-                key = keys.get(template_event.key, (event, template_event.key))
-                if template_event.target is not None and key not in seen:
-                    seen.add(key)
-                    copy = self.copies[event]
-                    node = copy.get(template_event.target, min(copy.values(), default=None))
-                    if node is not None:
-                        saved[node] += template_event.nbytes
-        return saved
-
-    def _groups(self) -> list[RepeatGroup]:
-        by_key: dict[str, list[tuple[str, tuple[int, int]]]] = {}
-        for fingerprint, fqn, start in self.rec.instances:
-            by_key.setdefault(fingerprint, []).append((fqn, self.spans[start]))
-        groups = []
-        for fingerprint, members in by_key.items():
-            if len(members) < 2:
-                continue
-            groups.append(
-                RepeatGroup(
-                    fingerprint=fingerprint,
-                    module_type=self.rec.type_of.get(members[0][0], ""),
-                    instances=tuple(m[0] for m in members),
-                    spans=tuple(m[1] for m in members),
-                )
-            )
-        return groups

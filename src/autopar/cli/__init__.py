@@ -1,0 +1,1 @@
+"""The ``autopar`` command line; see ../shared/CLI.md for the contract."""

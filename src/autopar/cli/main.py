@@ -1,0 +1,56 @@
+"""Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from autopar import __version__
+from autopar.cli import models, profile
+
+COMMANDS = (profile, models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Plan and run parallel training of large PyTorch models."
+    )
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        result: Any = args.handler(args)
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, ImportError, RuntimeError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"autopar {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    try:
+        if isinstance(result, str):
+            print(result)
+        else:
+            json.dump(result, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `autopar ... | head`: the reader left, which is fine
+        sys.stdout = None  # type: ignore[assignment]  # no flush at exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

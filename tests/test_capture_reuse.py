@@ -1,0 +1,84 @@
+"""Tracing repeated layers once gives the same graph as tracing every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.capture.reuse import find_units
+from autopar.zoo import load
+
+SMALL = {
+    "gpt3-125m": dict(layers=4),
+    "llama-7b": dict(layers=4, hidden=256, heads=8, kv_heads=2, ffn=512),
+    "t5-base": dict(layers=3),
+    "moe-125m-e8": dict(layers=4),
+    "bert-base": dict(layers=3),
+    "wrn-50-2": dict(hidden=16),
+    "hf:llama-tiny": dict(layers=3),
+    "hf:t5-tiny": dict(layers=3),
+    "hf:mixtral-tiny": dict(layers=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_reuse_gives_the_same_graph(name: str) -> None:
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    zoo = load(name, batch=2, seq=64, **SMALL[name])
+    replayed = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    full = autopar.trace(zoo.module, example_kwargs=zoo.inputs, reuse=False)
+    assert replayed.repeats, "the model has repeated layers"
+    assert not full.repeats
+    assert replayed.nodes == full.nodes
+
+
+def test_repeat_groups_cover_each_layer_stack() -> None:
+    zoo = load("gpt3-125m", batch=1, seq=32, layers=5)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    (group,) = graph.repeats
+    assert group.instances == tuple(f"layers.{i}" for i in range(5))
+    sizes = {end - start for start, end in group.spans}
+    assert len(sizes) == 1 and sizes.pop() > 10
+    for fqn, (start, end) in zip(group.instances, group.spans):
+        assert all(n.module.startswith(fqn) for n in graph.nodes[start:end])
+
+
+def test_moe_alternates_two_kinds_of_layer() -> None:
+    zoo = load("moe-125m-e8", batch=1, seq=32, layers=6)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    kinds = sorted(len(g.instances) for g in graph.repeats)
+    assert kinds == [3, 3]
+
+
+def test_layers_with_different_inputs_are_traced_separately() -> None:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](x)
+            x = self.blocks[1](x[:2])  # a different input shape: not a replay of blocks.0
+            return self.blocks[2](x)
+
+    graph = autopar.trace(Stack(), (torch.zeros(4, 8),))
+    full = autopar.trace(Stack(), (torch.zeros(4, 8),), reuse=False)
+    assert graph.nodes == full.nodes
+    mm_batches = [n.inputs[1].shape[0] for n in graph.nodes if n.op == "aten.addmm.default"]
+    assert mm_batches == [4, 2, 2]
+
+
+def test_layer_index_attributes_do_not_break_repetition() -> None:
+    class Block(nn.Module):
+        def __init__(self, layer_idx: int, width: int = 8) -> None:
+            super().__init__()
+            self.layer_idx, self.width = layer_idx, width
+            self.fc = nn.Linear(width, width)
+
+    model = nn.ModuleList([Block(0), Block(1), Block(2, width=8)])
+    assert len(find_units(model)) == 3
+    model.append(Block(3, width=16))
+    assert len(find_units(model)) == 3  # the wider block is different

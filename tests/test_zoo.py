@@ -1,0 +1,51 @@
+"""Every zoo and hf: model builds on the meta device and traces."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.zoo import get_config, load, model_names
+
+QUICK = ["gpt3-125m", "llama-7b", "bert-base", "t5-base", "moe-125m-e8", "wrn-50-2", "hf:gpt2-tiny", "hf:bert-tiny"]
+
+
+def _trace(name: str, seq: int | None) -> autopar.Graph:
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    zoo = load(name, batch=1, seq=seq)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    assert graph.num_params == sum(p.numel() for p in zoo.module.parameters())
+    assert graph.flops_forward > 0 and graph.saved_bytes > 0
+    return graph
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_quick_models_trace(name: str) -> None:
+    _trace(name, 128 if not name.startswith("wrn") else 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", model_names())
+def test_every_model_traces_at_full_size(name: str) -> None:
+    graph = _trace(name, None)
+    if get_config(name).layers > 2:
+        assert graph.repeats
+
+
+def test_unknown_model_suggests_close_names() -> None:
+    with pytest.raises(ValueError, match="did you mean.*gpt3-1.3b"):
+        get_config("gpt3-1.3")
+
+
+def test_bad_override_is_named() -> None:
+    with pytest.raises(ValueError, match="hidden .* divisible by heads"):
+        get_config("llama-7b", hidden=100)
+    with pytest.raises(ValueError, match="unknown model option"):
+        get_config("llama-7b", depth=3)
+
+
+def test_parametric_names() -> None:
+    assert get_config("moe-1.3b-e16").experts == 16
+    cfg = get_config("wrn-101-4")
+    assert (cfg.layers, cfg.width) == (101, 4)
