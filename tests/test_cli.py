@@ -65,3 +65,50 @@ def test_console_script_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["config"]["layers"] == 2
+
+
+def test_estimate_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "estimate", "gpt3-125m", "--layers", "2", "--seq", "256", "--cluster", "a100-80g-sxm",
+        "--gpus", "8", "--batch", "32", "--tp", "2", "--pp", "2", "--mbs", "2", "--zero", "1", "--json",
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    e = data["estimate"]
+    assert data["parallel"]["dp"] == 2
+    for key in ("iteration_seconds", "compute_seconds", "exposed_comm_seconds", "bubble_seconds",
+                "throughput_samples_per_second", "tflops_per_device", "mfu"):
+        assert e[key] >= 0
+    assert set(e["memory"]) >= {"parameters", "gradients", "optimizer", "activations", "other", "total", "budget"}
+    assert {c["axis"] for c in e["collectives"]} == {"tp", "dp", "pp"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--cluster", "a100"], "unknown cluster 'a100'"),
+        (["--tp", "3", "--gpus", "8"], "!= --gpus 8"),
+        (["--gpus", "12", "--dp", "12"], "not a whole number of a100-80g-sxm nodes"),
+    ],
+)
+def test_estimate_errors(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, out, err = run_cli(capsys, "estimate", "gpt3-125m", "--layers", "2", "--batch", "24", *argv)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_calibrate_fits_and_writes_a_usable_cluster(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    out_file = tmp_path / "cluster.yaml"
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "2", "--out", str(out_file), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["wall_seconds"] < 60
+    assert data["fit"]["bandwidth_gbps"] > 0
+    # the fitted line stays near its own large-message measurements (gloo on a shared CPU is noisy)
+    assert data["fit"]["max_relative_error_from_4mib"] < 0.5
+    code, out, err = run_cli(
+        capsys, "estimate", "gpt3-125m", "--layers", "2", "--seq", "128", "--cluster", str(out_file),
+        "--batch", "4", "--dp", "2", "--dtype", "fp32", "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out)["cluster"] == "cpu-calibrated"

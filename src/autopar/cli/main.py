@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import models, profile
+from autopar.cli import calibrate, estimate, models, profile
 
-COMMANDS = (profile, models)
+COMMANDS = (profile, estimate, calibrate, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,60 @@
+"""``autopar calibrate --nproc N``: measure this machine's process group and write a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autopar.cli.render import binary_bytes, table
+from autopar.cluster.detect import FIT_FROM, calibrate
+from autopar.cluster.spec import cluster_to_dict
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure the live process group and fit the link model",
+        description="Spawn N ranks (gloo on CPU, NCCL on GPUs), time all-reduce from 1 KiB to 64 MiB, fit latency "
+        "and bus bandwidth, and write a cluster file usable as --cluster.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to spawn (2 or more)")
+    parser.add_argument("--out", type=Path, help="write the fitted cluster here (YAML)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | str:
+    result = calibrate(args.nproc, progress=None if args.json else lambda m: print(m, file=sys.stderr))
+    data = cluster_to_dict(result.cluster)
+    if args.out:
+        args.out.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = {
+        "cluster": data,
+        "ranks": result.ranks,
+        "measurements": [{"bytes": b, "seconds": s} for b, s in zip(result.sizes, result.seconds)],
+        "fit": {
+            "bandwidth_gbps": result.bandwidth / 1e9,
+            "latency_us": result.latency * 1e6,
+            "max_relative_error_from_4mib": result.fit_error,
+        },
+        "out": str(args.out) if args.out else None,
+        "wall_seconds": result.wall_seconds,
+    }
+    if args.json:
+        return report
+    rows = [
+        [binary_bytes(b), f"{s * 1e3:.2f} ms", f"{b / s / 1e9:.3f} GB/s", "fit" if b >= FIT_FROM else ""]
+        for b, s in zip(result.sizes, result.seconds)
+    ]
+    lines = [
+        table(["message", "all-reduce", "algbw", ""], rows, align="rrrl"),
+        "",
+        f"fitted bus bandwidth {result.bandwidth / 1e9:.3f} GB/s, latency {result.latency * 1e6:.0f} us per step; "
+        f"line within {result.fit_error:.0%} of measurements >= 4 MiB",
+        f"{result.ranks} ranks, {result.wall_seconds:.1f} s" + (f"; wrote {args.out}" if args.out else ""),
+    ]
+    return "\n".join(lines)

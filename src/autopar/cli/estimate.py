@@ -1,0 +1,108 @@
+"""``autopar estimate MODEL``: the cost model's verdict on one Megatron-style configuration."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from autopar.capture import trace
+from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments
+from autopar.cli.render import binary_bytes, table
+from autopar.cluster import load_cluster
+from autopar.cost import ParallelConfig, estimate
+from autopar.cost.types import RECOMPUTE, SCHEDULES
+from autopar.zoo import load
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="iteration time, MFU, memory and collectives of one tp x pp x dp configuration",
+        description="Trace MODEL at one micro-batch and price a Megatron-style configuration on a cluster.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
+    parser.add_argument("--gpus", type=int, help="devices used (default tp x pp x dp)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--dp", type=int, help="data-parallel size (default gpus / (tp x pp))")
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (3 = FSDP)")
+    parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
+    for name in ("tp", "pp", "mbs", "gpus", "dp"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be positive, got {value}")
+    gpus = args.gpus or args.tp * args.pp * (args.dp or 1)
+    dp = args.dp or gpus // (args.tp * args.pp)
+    if args.tp * args.pp * dp != gpus:
+        raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {dp} = {args.tp * args.pp * dp} != --gpus {gpus}")
+    config = ParallelConfig(
+        tp=args.tp, pp=args.pp, dp=dp, mbs=args.mbs, recompute=args.recompute, zero=args.zero, sp=args.sp,
+        schedule=args.schedule,
+    )
+    return config, gpus
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | str:
+    config, gpus = _config(args)
+    cluster = load_cluster(args.cluster).with_devices(gpus)
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
+    global_batch = args.batch
+    zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    result = estimate(graph, cluster, config, global_batch=global_batch, dtype=args.dtype)
+    data = {
+        "model": zoo.config.name,
+        "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": global_batch},
+        "cluster": cluster.name,
+        "gpus": gpus,
+        "parallel": {
+            "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs, "recompute": config.recompute,
+            "zero": config.zero, "sp": config.sp, "schedule": config.schedule,
+        },
+        "params": graph.num_params,
+        "estimate": result.to_dict(),
+    }
+    return data if args.json else render(data)
+
+
+def render(data: dict[str, Any]) -> str:
+    e, p, mem = data["estimate"], data["parallel"], data["estimate"]["memory"]
+    head = (
+        f"{data['model']} on {data['gpus']} x {data['cluster']}: tp {p['tp']} x pp {p['pp']} x dp {p['dp']}, "
+        f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
+        + (", SP" if p["sp"] else "")
+        + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
+    )
+    it = e["iteration_seconds"]
+    time_rows = [
+        [name, f"{e[key]:.3f} s", f"{e[key] / it:.0%}"]
+        for name, key in (("compute", "compute_seconds"), ("exposed comm", "exposed_comm_seconds"), ("bubble", "bubble_seconds"))
+    ]
+    mem_rows = [[k, binary_bytes(mem[k])] for k in ("parameters", "gradients", "optimizer", "activations", "other")]
+    mem_rows.append(["total", f"{binary_bytes(mem['total'])} of {binary_bytes(mem['budget'])}" + ("" if mem["fits"] else "  DOES NOT FIT")])
+    coll_rows = [[c["axis"], c["kind"], binary_bytes(c["bytes"]), str(c["count"])] for c in e["collectives"]]
+    return "\n".join(
+        [
+            head,
+            "",
+            f"iteration {it:.3f} s, {e['throughput_samples_per_second']:.1f} samples/s, "
+            f"{e['tflops_per_device']:.0f} TFLOP/s per device, MFU {e['mfu']:.1%}",
+            table(["time", "seconds", "share"], time_rows),
+            "",
+            "memory per device (busiest stage)",
+            table(["", "bytes"], mem_rows),
+            "",
+            "collectives per iteration, per device",
+            table(["axis", "kind", "size", "count"], coll_rows, align="llrr") if coll_rows else "(none)",
+        ]
+    )

@@ -1,0 +1,127 @@
+"""Cluster detector (MAP section 4.2): measure a live process group and fit its link model.
+
+Ranks are spawned on this machine with gloo (NCCL where GPUs are present), time all-reduce over message sizes from
+1 KiB to 64 MiB, and rank 0 reports the median of each size. The fit is the line t = a + f * M / B of the ring
+model (f = 2(n-1)/n) by least squares in relative error over messages of 4 MiB and more, where the bandwidth term
+dominates; the per-step latency comes from the smallest message. The measured table is kept too: gloo's mid sizes
+stray from any single line, and the collective cost model interpolates the table where one is present.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.cluster.collectives import Collective, bus_factor
+from autopar.cluster.presets import PRESETS
+from autopar.cluster.spec import Cluster, Link, Measured
+
+log = logging.getLogger(__name__)
+
+SIZES = tuple(2**k for k in range(10, 22, 2)) + tuple(m * 2**20 for m in (4, 6, 8, 12, 16, 24, 32, 48, 64))
+FIT_FROM = 4 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    cluster: Cluster
+    ranks: int
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    bandwidth: float  # fitted bus bandwidth, bytes/s
+    latency: float  # per ring step, seconds
+    fit_error: float  # largest relative error of the fitted line over messages >= 4 MiB
+    wall_seconds: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], queue: "mp.SimpleQueue") -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    results = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(buffer)  # warm up the connection for this size
+        times = []
+        for _ in range(9):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results.append(statistics.median(times))
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def measure(nproc: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
+    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks."""
+    if nproc < 2:
+        raise ValueError(f"--nproc must be at least 2 to measure a link, got {nproc}")
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(r, nproc, port, sizes, queue)) for r in range(nproc)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout=300)
+    failed = [p.exitcode for p in processes if p.exitcode != 0]
+    if failed or queue.empty():
+        raise RuntimeError(f"calibration ranks failed (exit codes {failed}); rerun with -v for details")
+    return list(queue.get())
+
+
+def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[float, float, float]:
+    """(bus bandwidth, per-step latency, largest relative error >= 4 MiB) of the ring all-reduce line."""
+    factor = bus_factor(Collective.ALL_REDUCE, ranks)
+    big = [(s, t) for s, t in zip(sizes, seconds) if s >= FIT_FROM]
+    if len(big) < 2:
+        raise ValueError("calibration needs at least two message sizes of 4 MiB or more")
+    m = np.array([s for s, _ in big], dtype=float)
+    t = np.array([t for _, t in big])
+    design = np.stack([np.ones_like(m), factor * m], axis=1) / t[:, None]  # relative-error weighting
+    (intercept, inverse_bandwidth), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if inverse_bandwidth <= 0:
+        raise RuntimeError("calibration measured no bandwidth trend; the machine may be too busy, rerun it")
+    bandwidth = 1.0 / inverse_bandwidth
+    predicted = max(intercept, 0.0) + factor * m / bandwidth
+    error = float(np.max(np.abs(predicted - t) / t))
+    latency = seconds[0] / (2 * (ranks - 1))
+    return float(bandwidth), float(latency), error
+
+
+def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[str], None] | None = None) -> Calibration:
+    """Measure, fit, and return ``base`` (default: the ``cpu`` preset) with the measured links."""
+    start = time.perf_counter()
+    base = base or PRESETS["cpu"]
+    if progress:
+        progress(f"measuring all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB ...")
+    sizes = tuple(sorted(SIZES))
+    seconds = measure(nproc, sizes)
+    bandwidth, latency, error = fit_link(sizes, seconds, nproc)
+    link = Link(bandwidth=bandwidth, latency=latency, measured=Measured(ranks=nproc, bytes=sizes, seconds=tuple(seconds)))
+    cluster = replace(base, name=f"{base.name}-calibrated", devices_per_node=nproc, nodes=1, intra=link, inter=link)
+    return Calibration(cluster, nproc, sizes, tuple(seconds), bandwidth, latency, error, time.perf_counter() - start)

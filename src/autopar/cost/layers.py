@@ -1,0 +1,93 @@
+"""What Megatron-style tensor parallelism does to each layer of a traced graph.
+
+Parameter-reading contractions alternate column- and row-parallel: one whose activation input does not depend on
+an open column-parallel output is column-parallel (QKV, FC1, gate/up, the LM head) and opens a sharded region; one
+whose input lies in that region is row-parallel (attention output projection, FC2, down) and closes it. Tensors in
+a region exist 1/tp per device; activations outside it (LayerNorm inputs and outputs, dropout masks on the residual
+stream) are replicated unless sequence parallelism shards them too. Per region TP communicates once forward and once
+backward: an all-reduce after each row-parallel op (forward) and of each column group's input gradient (backward);
+with sequence parallelism those become reduce-scatter / all-gather pairs (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.capture import Graph, Node
+
+_CONTRACTIONS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._grouped_mm.", "aten.convolution.")
+
+
+@dataclass(slots=True)
+class LayerCost:
+    """One profile row (a layer, or the embedding / head / loss) for one micro-batch."""
+
+    name: str
+    repeated: bool
+    params: int = 0
+    nodes: list[Node] = field(default_factory=list)
+    sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
+    columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
+    saved_sharded: int = 0
+    saved_replicated: int = 0
+    attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
+    input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
+    row_outputs: list[int] = field(default_factory=list)  # bytes of each row-parallel output (fwd all-reduce)
+    column_inputs: list[int] = field(default_factory=list)  # bytes of each column group's input (bwd all-reduce)
+    largest_output: int = 0
+
+
+def _is_param_contraction(node: Node) -> bool:
+    return node.op.startswith(_CONTRACTIONS) and node.reads_params
+
+
+def _behind_views(graph: Graph, node_id: int, index: int) -> tuple[int, int]:
+    while node_id >= 0 and graph.nodes[node_id].is_view:
+        source = graph.nodes[node_id].sources[0]
+        node_id, index = source.node, source.index
+    return node_id, index
+
+
+def analyse(graph: Graph) -> list[LayerCost]:
+    """Per-row costs in execution order, with the TP roles of their nodes marked."""
+    repeated = {fqn for g in graph.repeats for fqn in g.instances}
+    rows: dict[str, LayerCost] = {}
+    for row in graph.layers():
+        rows[row.name] = LayerCost(name=row.name, repeated=row.name in repeated, params=row.params)
+    open_region: set[int] = set()  # node ids whose outputs are inside an open sharded region
+    column_groups: dict[tuple[int, int], int] = {}  # input ref of a column group -> its bytes
+    for node in graph.nodes:
+        layer = rows[graph.layer_of(node.module)]
+        layer.nodes.append(node)
+        activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
+        in_region = any(s.node in open_region for s in activation_sources)
+        if _is_param_contraction(node):
+            if in_region:  # row-parallel: consumes the shard, produces partial sums -> all-reduce
+                layer.sharded.add(node.id)
+                layer.row_outputs.append(node.output_bytes)
+            else:  # column-parallel: replicated input, sharded output
+                layer.sharded.add(node.id)
+                layer.columns.add(node.id)
+                open_region.add(node.id)
+                for s, t in zip(node.sources, node.inputs):
+                    if s.state is not None:
+                        continue
+                    origin = _behind_views(graph, s.node, s.index)
+                    if origin not in column_groups:  # gate and up read one input: one group, one all-reduce
+                        column_groups[origin] = t.nbytes
+                        layer.column_inputs.append(t.nbytes)
+        elif in_region:
+            layer.sharded.add(node.id)
+            open_region.add(node.id)
+        if node.saved_bytes:  # a column-parallel op saves its replicated input; everything else in a region is split
+            if node.id in layer.sharded and node.id not in layer.columns:
+                layer.saved_sharded += node.saved_bytes
+            else:
+                layer.saved_replicated += node.saved_bytes
+        if "attention" in node.op:
+            layer.attention_saved += node.output_bytes
+        layer.largest_output = max(layer.largest_output, node.output_bytes)
+    for layer in rows.values():
+        if layer.repeated:
+            layer.input_bytes = graph.module_memory(layer.name).bwd_out
+    return list(rows.values())

@@ -1,0 +1,26 @@
+"""Model-state memory per device: weights, gradients and optimizer states under ZeRO stages 0-3.
+
+Mixed precision with Adam (dtype bf16 or fp16) keeps, per parameter, 2 bytes of weights and 2 of gradients in the
+compute dtype and 12 of optimizer state (an fp32 master copy, Adam's m and v): 16 bytes (Rajbhandari et al. 2020).
+Full fp32 training keeps 4 + 4 and 8 (m, v). ZeRO shards over the dp axis: stage 1 the optimizer states, stage 2
+also the gradients, stage 3 (FSDP) also the weights.
+"""
+
+from __future__ import annotations
+
+
+def model_states(params: float, *, dtype: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes on one device holding ``params`` parameters before ZeRO."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, got {dp}")
+    if dtype == "fp32":
+        weight, grad, optimizer = 4.0, 4.0, 8.0
+    else:
+        weight, grad, optimizer = 2.0, 2.0, 12.0
+    return (
+        params * weight / (dp if zero >= 3 else 1),
+        params * grad / (dp if zero >= 2 else 1),
+        params * optimizer / (dp if zero >= 1 else 1),
+    )

@@ -1,0 +1,122 @@
+"""Cluster files and presets, mesh placement over link tiers, and collective formulas against hand values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from autopar.cluster import (
+    PRESETS,
+    AxisPlacement,
+    Collective,
+    Link,
+    build_mesh,
+    cluster_to_dict,
+    collective_seconds,
+    flat_seconds,
+    load_cluster,
+)
+
+GB = 1e9
+
+
+def test_presets_exist_and_round_trip_through_yaml_and_toml(tmp_path) -> None:
+    assert {"a100-40g-pcie", "a100-80g-sxm", "v100-32g-nvlink", "h100-80g-sxm", "cpu"} <= set(PRESETS)
+    cluster = PRESETS["a100-80g-sxm"].with_devices(64)
+    assert (cluster.nodes, cluster.devices_per_node) == (8, 8)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cluster_to_dict(cluster)))
+    assert load_cluster(str(path)) == cluster
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        'name = "t"\ndevices_per_node = 4\n[device]\nmemory_gib = 16\nhbm_gbps = 900\npeak_tflops = {fp16 = 100}\n'
+        "[links.intra]\nbandwidth_gbps = 100\nlatency_us = 2\n[links.inter]\nbandwidth_gbps = 10\n"
+    )
+    loaded = load_cluster(str(toml))
+    assert loaded.intra.bandwidth == 100 * GB and loaded.device.peak("bf16") == 100e12
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["links"]["intra"].update(bandwidth_gbps=-5), "links.intra.bandwidth_gbps must be a positive"),
+        (lambda d: d["device"].pop("memory_gib"), "missing field device.memory_gib"),
+        (lambda d: d["device"]["efficiency"].update(matmul=1.5), "efficiency.matmul must be in (0, 1]"),
+        (lambda d: d["device"]["peak_tflops"].update(bf16="fast"), "peak_tflops.bf16 must be a positive"),
+    ],
+)
+def test_bad_cluster_files_name_the_field(tmp_path, edit, message: str) -> None:
+    data = cluster_to_dict(PRESETS["a100-80g-sxm"])
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=str(path)) as err:
+        load_cluster(str(path))
+    assert message in str(err.value)
+
+
+def test_unknown_preset_and_impossible_sizes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown cluster 'a100'.*a100-80g-sxm"):
+        load_cluster("a100")
+    with pytest.raises(ValueError, match="not a whole number of a100-80g-sxm nodes"):
+        PRESETS["a100-80g-sxm"].with_devices(12)
+    with pytest.raises(ValueError, match="has 128 devices but the cluster has 64"):
+        build_mesh(PRESETS["a100-80g-sxm"].with_devices(64), {"dp": 16, "tp": 8})
+    with pytest.raises(ValueError, match="latency must be zero or positive"):
+        Link(bandwidth=1.0, latency=-1.0)
+
+
+def test_mesh_axes_map_to_link_tiers() -> None:
+    cluster = PRESETS["a100-80g-sxm"].with_devices(64)
+    mesh = build_mesh(cluster, {"pp": 2, "dp": 4, "tp": 8})
+    assert mesh.axis("tp") == AxisPlacement("tp", 8, intra=8, inter=1)  # inside a node: NVLink
+    assert mesh.axis("dp") == AxisPlacement("dp", 4, intra=1, inter=4)  # one member per node: InfiniBand
+    mesh = build_mesh(cluster, {"dp": 16, "tp": 4})
+    assert mesh.axis("dp") == AxisPlacement("dp", 16, intra=2, inter=8)  # both: hierarchical
+    assert mesh.axis("dp").hierarchical
+
+
+def test_ring_formulas_by_hand() -> None:
+    link = Link(bandwidth=100 * GB, latency=5e-6)
+    m, n = 1e9, 8
+    assert flat_seconds(Collective.ALL_GATHER, m, n, link) == pytest.approx(7 / 8 * 0.01 + 7 * 5e-6)
+    assert flat_seconds(Collective.REDUCE_SCATTER, m, n, link) == pytest.approx(7 / 8 * 0.01 + 7 * 5e-6)
+    assert flat_seconds(Collective.ALL_TO_ALL, m, n, link) == pytest.approx(7 / 8 * 0.01 + 7 * 5e-6)
+    assert flat_seconds(Collective.ALL_REDUCE, m, n, link) == pytest.approx(2 * 7 / 8 * 0.01 + 14 * 5e-6)
+    assert flat_seconds(Collective.BROADCAST, m, n, link) == pytest.approx(0.01 + 3 * 5e-6)
+    assert flat_seconds(Collective.SEND_RECV, m, 2, link) == pytest.approx(0.01 + 5e-6)
+    # small messages on many ranks: the tree beats the ring's 2(n-1) latency steps
+    small = flat_seconds(Collective.ALL_REDUCE, 1024, 64, link)
+    assert small == pytest.approx(2 * 1024 / (100 * GB) + 2 * 6 * 5e-6)
+    assert flat_seconds(Collective.ALL_REDUCE, m, 1, link) == 0.0
+    with pytest.raises(ValueError, match="must not be negative"):
+        flat_seconds(Collective.ALL_REDUCE, -1, 2, link)
+
+
+def test_hierarchical_all_reduce_by_hand() -> None:
+    cluster = PRESETS["a100-80g-sxm"].with_devices(16)
+    axis = AxisPlacement("dp", 16, intra=8, inter=2)
+    m = 1e9
+    intra, inter = cluster.intra, cluster.inter
+    expected = (
+        7 / 8 * m / intra.bandwidth + 7 * intra.latency  # reduce-scatter in the node
+        + 1 / 2 * 2 * (m / 8) / inter.bandwidth + 2 * inter.latency  # all-reduce of an eighth across 2 nodes
+        + 7 / 8 * m / intra.bandwidth + 7 * intra.latency  # all-gather in the node
+    )
+    assert collective_seconds(Collective.ALL_REDUCE, m, axis, cluster) == pytest.approx(expected)
+    # crossing nodes costs more than staying inside one
+    inside = collective_seconds(Collective.ALL_REDUCE, m, AxisPlacement("tp", 8, 8, 1), cluster)
+    assert inside < collective_seconds(Collective.ALL_REDUCE, m, AxisPlacement("dp", 8, 1, 8), cluster)
+
+
+def test_measured_table_is_interpolated() -> None:
+    from autopar.cluster import Measured
+
+    measured = Measured(ranks=2, bytes=(1024, 1 << 20, 64 << 20), seconds=(1e-3, 2e-3, 64e-3))
+    link = Link(bandwidth=1 * GB, latency=1e-3, measured=measured)
+    # at a measured size the all-reduce on the calibrated group size takes the measured time
+    assert flat_seconds(Collective.ALL_REDUCE, 1 << 20, 2, link) == pytest.approx(2e-3)
+    between = flat_seconds(Collective.ALL_REDUCE, 8 << 20, 2, link)
+    assert 2e-3 < between < 64e-3 and math.isfinite(between)

@@ -1,0 +1,113 @@
+"""Memory model (ZeRO, activations by hand) and the Megatron-style estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cluster import PRESETS
+from autopar.cost import ParallelConfig, estimate, model_states
+from autopar.cost.layers import analyse
+from autopar.zoo import load
+
+
+@pytest.fixture(scope="module")
+def gpt_7_5b() -> autopar.Graph:
+    zoo = load("megatron-7.5b", batch=1, seq=2048)
+    return autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+
+
+@pytest.mark.parametrize(
+    ("zero", "per_param"),
+    [(0, lambda p: 16 * p), (1, lambda p: 4 * p + 12 * p / 64), (2, lambda p: 2 * p + 14 * p / 64), (3, lambda p: 16 * p / 64)],
+)
+def test_zero_model_states_for_7_5b_on_64_way_dp(gpt_7_5b: autopar.Graph, zero: int, per_param) -> None:
+    params = gpt_7_5b.num_params
+    assert 7.4e9 < params < 7.6e9
+    cluster = PRESETS["a100-80g-sxm"].with_devices(64)
+    result = estimate(gpt_7_5b, cluster, ParallelConfig(dp=64, zero=zero), global_batch=64)
+    states = result.memory.parameters + result.memory.gradients + result.memory.optimizer
+    assert states == pytest.approx(per_param(params), rel=0.01)
+    assert sum(model_states(params, dtype="bf16", zero=zero, dp=64)) == pytest.approx(per_param(params))
+
+
+def test_activation_memory_of_one_gpt_layer_by_hand() -> None:
+    """Hand count for one GPT layer (bf16, hidden dropout, CPU flash attention), per micro-batch of b x s tokens.
+
+    Saved for backward, in units of s*b*h bytes:
+      LayerNorm 1 input 2, QKV input (LayerNorm 1 output) 2, QKV output (q, k, v for attention) 6,
+      attention output 2 (also the projection's input: the CPU flash kernel writes it in (b, s, a, d) order, so
+      the reshape is a view), dropout mask 2 (bf16 dropout keeps a bf16 mask), LayerNorm 2 input 2,
+      FC1 input 2, GELU input (FC1 output) 8, FC2 input 8, dropout mask 2                                -> 36
+    plus LayerNorm mean and rstd (bf16 on CPU: 2 x 2 x 2 s*b bytes) and attention's log-sum-exp (fp32, 4 a*s*b).
+    Under tensor parallelism t without sequence parallelism, what lies between a column- and a row-parallel
+    matmul is split: QKV output 6, attention output 2, GELU input 8, FC2 input 8 (24) and the log-sum-exp; the
+    rest (12, and the LayerNorm statistics) is replicated: 12 + 24/t. Korthikanti et al. count 10 + 24/t with
+    1-byte dropout masks.
+    """
+    b, s, h, a = 2, 64, 256, 4
+    zoo = load("gpt3-125m", batch=b, seq=s, layers=2, hidden=h, heads=a, vocab=512)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    layer = next(row for row in analyse(graph) if row.name == "layers.1")
+    sbh, stats, lse = s * b * h, 8 * s * b, 4 * a * s * b
+    assert layer.saved_replicated == 12 * sbh + stats
+    assert layer.saved_sharded == 24 * sbh + lse
+    assert [r.saved_bytes for r in graph.layers() if r.name == "layers.1"] == [36 * sbh + stats + lse]
+
+    cluster = PRESETS["a100-80g-sxm"].with_devices(4)
+    per_layer = {}
+    for tp in (1, 4):
+        config = ParallelConfig(tp=tp, dp=4 // tp, mbs=b)
+        other = [r for r in analyse(graph) if not r.repeated]
+        rest = sum(r.saved_sharded / tp + r.saved_replicated for r in other)
+        total = estimate(graph, cluster, config, global_batch=b * config.dp).memory.activations
+        per_layer[tp] = (total - rest) / 2
+    assert per_layer[1] == 36 * sbh + stats + lse
+    assert per_layer[4] == pytest.approx(12 * sbh + stats + (24 * sbh + lse) / 4)
+
+
+def test_estimate_activations_follow_tp_sp_and_recompute() -> None:
+    b, s, h, a = 2, 64, 256, 4
+    zoo = load("gpt3-125m", batch=b, seq=s, layers=4, hidden=h, heads=a, vocab=512)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    cluster = PRESETS["a100-80g-sxm"].with_devices(4)
+
+    def activations(**kw) -> float:
+        return estimate(graph, cluster, ParallelConfig(mbs=b, **kw), global_batch=b * kw.get("dp", 1)).memory.activations
+
+    plain = activations(dp=4)
+    tp = activations(tp=4)
+    sp = activations(tp=4, sp=True)
+    full = activations(tp=4, sp=True, recompute="full")
+    assert plain > tp > sp > full
+    assert sp == pytest.approx(plain / 4, rel=0.01)
+
+
+def test_estimate_counts_collectives_and_rejects_bad_shapes() -> None:
+    zoo = load("gpt3-125m", batch=2, seq=128, layers=3)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    cluster = PRESETS["a100-80g-sxm"].with_devices(8)
+    result = estimate(graph, cluster, ParallelConfig(tp=2, dp=4, mbs=2), global_batch=16)
+    counts = {(c.kind, c.axis): c.count for c in result.collectives}
+    # per micro-batch: 2 forward + 2 backward all-reduces per layer, 1 more for the LM head's input gradient
+    assert counts[("all_reduce", "tp")] == (4 * 3 + 1) * result.micro_batches
+    assert counts[("all_reduce", "dp")] == 1
+    assert result.iteration_seconds == pytest.approx(
+        result.compute_seconds + result.exposed_comm_seconds + result.bubble_seconds
+    )
+    with pytest.raises(ValueError, match="= 4 devices, but the cluster has 8"):
+        estimate(graph, cluster, ParallelConfig(tp=2, dp=2), global_batch=16)
+    with pytest.raises(ValueError, match="not a multiple of dp x mbs"):
+        estimate(graph, cluster, ParallelConfig(tp=2, dp=4, mbs=2), global_batch=12)
+    with pytest.raises(ValueError, match="--sp .* needs --tp > 1"):
+        ParallelConfig(sp=True)
+
+
+def test_pipeline_bubble_and_in_flight_micro_batches() -> None:
+    zoo = load("gpt3-125m", batch=1, seq=128, layers=4)
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    cluster = PRESETS["a100-80g-sxm"].with_devices(4)
+    one_f_one_b = estimate(graph, cluster, ParallelConfig(pp=4, mbs=1), global_batch=8)
+    gpipe = estimate(graph, cluster, ParallelConfig(pp=4, mbs=1, schedule="gpipe"), global_batch=8)
+    assert one_f_one_b.bubble_seconds > 0
+    assert gpipe.memory.activations > one_f_one_b.memory.activations  # GPipe keeps all 8 in flight, 1F1B at most 4
