@@ -67,7 +67,7 @@ def estimate(
     micro_batches = global_batch // (config.dp * config.mbs)
     mesh = build_mesh(cluster, {"pp": config.pp, "dp": config.dp, "tp": config.tp})
     device = cluster.device
-    tp_axis, dp_axis, pp_axis = mesh.axis("tp"), mesh.axis("dp"), mesh.axis("pp")
+    pp_axis = mesh.axis("pp")
     uses: Counter[tuple[str, str, float]] = Counter()
 
     def comm(kind: Collective, nbytes: float, axis: str, count: int = 1) -> float:
