@@ -137,21 +137,21 @@ def _price_layer(stage: _Stage, layer: LayerCost, config: ParallelConfig, device
         shard = tp if (node.id in layer.sharded or config.sp) else 1
         forward += node_seconds(node, device, backward=False, shard=shard)
         backward += node_seconds(node, device, backward=True, shard=shard)
-    per_call = micro_batches  # collectives below run once per micro-batch
+    # the collectives below run once per micro-batch; comm() records them and returns their total time
     fwd_comm = bwd_comm = 0.0
     if tp > 1:
         for nbytes in layer.row_outputs:
             if config.sp:
-                fwd_comm += comm(Collective.REDUCE_SCATTER, nbytes, "tp", per_call)
-                bwd_comm += comm(Collective.ALL_GATHER, nbytes, "tp", per_call)
+                fwd_comm += comm(Collective.REDUCE_SCATTER, nbytes, "tp", micro_batches)
+                bwd_comm += comm(Collective.ALL_GATHER, nbytes, "tp", micro_batches)
             else:
-                fwd_comm += comm(Collective.ALL_REDUCE, nbytes, "tp", per_call)
+                fwd_comm += comm(Collective.ALL_REDUCE, nbytes, "tp", micro_batches)
         for nbytes in layer.column_inputs:
             if config.sp:
-                fwd_comm += comm(Collective.ALL_GATHER, nbytes, "tp", per_call)
-                bwd_comm += comm(Collective.REDUCE_SCATTER, nbytes, "tp", per_call)
+                fwd_comm += comm(Collective.ALL_GATHER, nbytes, "tp", micro_batches)
+                bwd_comm += comm(Collective.REDUCE_SCATTER, nbytes, "tp", micro_batches)
             else:
-                bwd_comm += comm(Collective.ALL_REDUCE, nbytes, "tp", per_call)
+                bwd_comm += comm(Collective.ALL_REDUCE, nbytes, "tp", micro_batches)
     fwd_comm /= micro_batches
     bwd_comm /= micro_batches
     saved = layer.saved_sharded / tp + layer.saved_replicated / (tp if config.sp else 1)
@@ -176,8 +176,7 @@ def _price_layer(stage: _Stage, layer: LayerCost, config: ParallelConfig, device
     stage.comm_backward += bwd_comm
     stage.activations += saved
     stage.params += layer.params
-    shard_temp = tp if config.sp or tp == 1 else tp
-    stage.temporary = max(stage.temporary, layer.largest_output / shard_temp)
+    stage.temporary = max(stage.temporary, layer.largest_output / tp)
 
 
 def _memory(stages: list[_Stage], config: ParallelConfig, cluster: Cluster, micro_batches: int, dtype: str) -> MemoryBreakdown:
