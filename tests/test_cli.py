@@ -112,3 +112,64 @@ def test_calibrate_fits_and_writes_a_usable_cluster(capsys: pytest.CaptureFixtur
     )
     assert code == 0, err
     assert json.loads(out)["cluster"] == "cpu-calibrated"
+
+
+def test_analyze_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "analyze", "gpt3-125m", "--layers", "4", "--seq", "128", "--gpus", "4", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["blocks"]) == 1 + 4 * 4 + 1
+    block = data["blocks"][1]
+    assert set(block) >= {"id", "layer", "ops", "leading_op", "candidates"}
+    assert block["layer"] == 0 and block["leading_op"] == "aten.addmm.default"
+    assert sorted(block["candidates"]) == ["k", "m", "n"]
+    assert data["blocks"][0]["layer"] is None  # the embedding is no repeated layer
+    assert data["unique_segments"] == 3
+    assert [s["count"] for s in data["segments"]] == [1, 4, 1]
+    assert data["space"]["reduced"] < 10 ** data["space"]["per_op_log10"]
+
+
+def test_plan_json_fields_and_plan_file(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run_cli(
+        capsys, "plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "4", "--batch", "16",
+        "--search", "ilp", "--out", str(out_file), "--json",
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) >= {"plan", "estimate", "baselines", "search_seconds"}
+    assert set(data["baselines"]) == {"dp", "fsdp", "megatron"}
+    for other in data["baselines"].values():
+        assert set(other) == {"plan", "estimate"}
+        assert data["estimate"]["iteration_seconds"] <= other["estimate"]["iteration_seconds"] * (1 + 1e-9)
+    plan = data["plan"]
+    assert plan["mesh"]["shape"] == [4] and plan["micro_batches"] * plan["micro_batch_size"] == 16
+    assert plan["modules"]["layers.0.mlp.fc1"]["params"]["layers.0.mlp.fc1.weight"] in ("R", "S(0)", "S(1)")
+    saved = json.loads(out_file.read_text())
+    assert saved["plan"] == plan and saved["estimate"] == data["estimate"]
+
+
+def test_plan_table_and_baseline_search(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "4", "--batch", "8")
+    assert code == 0, err
+    assert "against the baselines" in out and "megatron" in out and "layers.0.mlp.fc2" in out
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--gpus", "4", "--batch", "8",
+                             "--search", "fsdp", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["zero"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x3"], "--mesh 2x3 has 6 devices but --gpus is 8"),
+        (["plan", "gpt3-125m", "--mesh", "2xq"], "--mesh '2xq' is not a shape"),
+        (["plan", "gpt3-125m", "--gpus", "4", "--budget-s", "0"], "--budget-s must be positive"),
+        (["plan", "gpt3-125m", "--gpus", "4", "--batch", "3", "--search", "dp"], "no dp plan exists for --batch 3"),
+        (["analyze", "gpt3-125m", "--gpus", "0"], "--gpus must be positive"),
+    ],
+)
+def test_plan_and_analyze_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
 _ITEMSIZE: dict[str, int] = {}
+TENSOR_ARG = "<tensor>"  # stands for a tensor among a node's recorded positional arguments
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -31,6 +33,14 @@ def itemsize(dtype: str) -> int:
     if size is None:
         size = _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize
     return size
+
+
+class NodeSource(Protocol):
+    """Builds a graph's nodes: all of them, or one by id."""
+
+    def nodes(self) -> list[Node]: ...
+
+    def node(self, node_id: int) -> Node: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,7 @@ class Node:
     bytes_written: int = 0
     saved_bytes: int = 0  # activation bytes this node saves for backward, counted once per storage in the trace
     is_view: bool = False
+    args: tuple = ()  # positional arguments, tensors as TENSOR_ARG (dims of a transpose, sizes of a view, ...)
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -154,7 +165,7 @@ class Graph:
         flops_forward: int,
         flops_backward: int,
         saved_bytes: int,
-        expand: Callable[[], list[Node]],
+        expansion: NodeSource,
         trace_seconds: float = 0.0,
     ) -> None:
         self.modules = modules  # FQN -> class name, for every module in the model
@@ -166,8 +177,9 @@ class Graph:
         self.flops_backward = flops_backward
         self.saved_bytes = saved_bytes  # activation bytes kept for backward
         self.trace_seconds = trace_seconds
-        self._expand: Callable[[], list[Node]] | None = expand
+        self._expansion: NodeSource | None = expansion
         self._nodes: list[Node] | None = None
+        self._some: dict[int, Node] = {}
 
     @property
     def state(self) -> dict[str, StateInfo]:
@@ -180,10 +192,21 @@ class Graph:
     def nodes(self) -> list[Node]:
         """Every aten op in execution order (built on first access)."""
         if self._nodes is None:
-            assert self._expand is not None
-            self._nodes = self._expand()
-            self._expand = None
+            assert self._expansion is not None
+            self._nodes = self._expansion.nodes()
+            self._expansion = None
+            self._some.clear()
         return self._nodes
+
+    def node(self, node_id: int) -> Node:
+        """One node, without building the whole list when it is not built yet (a few layers of a deep model)."""
+        if self._nodes is not None:
+            return self._nodes[node_id]
+        found = self._some.get(node_id)
+        if found is None:
+            assert self._expansion is not None
+            found = self._some[node_id] = self._expansion.node(node_id)
+        return found
 
     def __repr__(self) -> str:
         return (

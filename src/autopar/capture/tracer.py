@@ -20,6 +20,8 @@ How it works:
 
 from __future__ import annotations
 
+import bisect
+
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autopar.capture import _hf_compat
 from autopar.capture import _torch_private as tp
 from autopar.capture.flops import backward_flops, forward_flops
-from autopar.capture.graph import Graph, Node, Ref, RepeatGroup, StateInfo, TensorInfo, dtype_name
+from autopar.capture.graph import TENSOR_ARG, Graph, Node, Ref, RepeatGroup, StateInfo, TensorInfo, dtype_name
 from autopar.capture.reuse import input_signature, scan
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class _Draft:
     bytes_read: int
     bytes_written: int
     is_view: bool
+    args: tuple[Any, ...]
 
 
 @dataclass(slots=True)
@@ -132,6 +135,20 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _plain_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Positional arguments as plain hashable values: a tensor becomes ``TENSOR_ARG``, a sequence a tuple, another
+    object its string (dims, sizes and scalars are what later stages read)."""
+
+    def plain(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return TENSOR_ARG
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        return str(a)
+
+    return tuple(tuple(plain(x) for x in a) if isinstance(a, (list, tuple)) else plain(a) for a in args)
 
 
 def _info(t: torch.Tensor) -> TensorInfo:
@@ -310,6 +327,7 @@ class _Recorder(tp.TorchDispatchMode):
             bytes_read=read,
             bytes_written=0 if is_view else sum(t.numel() * t.element_size() for t in outs),
             is_view=is_view,
+            args=_plain_args(args),
         )
         index = len(self.entries)
         self.entries.append(draft)
@@ -473,7 +491,7 @@ class _GraphBuilder:
             flops_forward=forward,
             flops_backward=backward,
             saved_bytes=sum(saved.values()),
-            expand=lambda: _Expansion(self, saved).nodes(),
+            expansion=_Expansion(self, saved),
         )
 
     def _saved_bytes(self) -> dict[int, int]:
@@ -533,26 +551,50 @@ class _GraphBuilder:
 
 
 class _Expansion:
-    """The full node list: live drafts as they are, each replay as a renamed copy of its template's drafts."""
+    """The node list: live drafts as they are, each replay as a renamed copy of its template's drafts. Built whole
+    (`nodes`) or one node at a time (`node`, for planners that read a few layers of a deep model)."""
 
     def __init__(self, builder: _GraphBuilder, saved: dict[int, int]) -> None:
         self.b = builder
         self.rec = builder.rec
         self.saved = saved
-        self.nodes_out: list[Node] = []
         self.replay_outputs: dict[int, tuple[Ref, ...]] = {}  # live replay index -> its output refs
+        self._contexts: dict[int, Callable[[_Source, str | None], Ref]] = {}
+        self._renames: dict[int, Callable[[str], str]] = {}
+        self._resolved_upto = 0  # replays before this entry index have their outputs in replay_outputs
 
     def nodes(self) -> list[Node]:
+        out: list[Node] = []
         for index, entry in enumerate(self.rec.entries):
             if isinstance(entry, _Draft):
                 sources = tuple(self._resolve(s, st) for s, st in zip(entry.sources, entry.states))
-                self.nodes_out.append(self._node(entry, sources, entry.module))
+                out.append(self._node(entry, sources, entry.module, len(out)))
             else:
-                self._expand(index, entry)
-        return self.nodes_out
+                translate, rename = self._context(index), self._renames[index]
+                for live in range(entry.template.start, entry.template.end):
+                    d = self.rec.entries[live]
+                    assert isinstance(d, _Draft)  # units never nest, so a template holds drafts only
+                    sources = tuple(translate(s, st) for s, st in zip(d.sources, d.states))
+                    out.append(self._node(d, sources, rename(d.module), len(out)))
+                self._outputs(index)
+        return out
 
-    def _node(self, d: _Draft, sources: tuple[Ref, ...], module: str) -> Node:
-        node_id = len(self.nodes_out)
+    def node(self, node_id: int) -> Node:
+        if not 0 <= node_id < self.b.position[-1]:
+            raise IndexError(f"node {node_id} out of range")
+        index = bisect.bisect_right(self.b.position, node_id) - 1
+        entry = self.rec.entries[index]
+        self._outputs_before(index)
+        if isinstance(entry, _Draft):
+            sources = tuple(self._resolve(s, st) for s, st in zip(entry.sources, entry.states))
+            return self._node(entry, sources, entry.module, node_id)
+        d = self.rec.entries[entry.template.start + node_id - self.b.position[index]]
+        assert isinstance(d, _Draft)
+        translate = self._context(index)
+        sources = tuple(translate(s, st) for s, st in zip(d.sources, d.states))
+        return self._node(d, sources, self._renames[index](d.module), node_id)
+
+    def _node(self, d: _Draft, sources: tuple[Ref, ...], module: str, node_id: int) -> Node:
         return Node(
             id=node_id,
             op=d.op,
@@ -567,6 +609,7 @@ class _Expansion:
             bytes_written=d.bytes_written,
             saved_bytes=self.saved.get(node_id, 0),
             is_view=d.is_view,
+            args=d.args,
         )
 
     def _resolve(self, source: _Source, state: str | None) -> Ref:
@@ -577,10 +620,31 @@ class _Expansion:
         _, entry, k = source
         if isinstance(self.rec.entries[entry], _Draft):
             return Ref(self.b.node_id(entry), k, state)
-        ref = self.replay_outputs[entry][k]
+        ref = self._outputs(entry)[k]
         return Ref(ref.node, ref.index, state if state is not None else ref.state)
 
-    def _expand(self, index: int, replay: _Replay) -> None:
+    def _outputs_before(self, index: int) -> None:
+        """Resolve every earlier replay's outputs in order (a loop, not a recursion 1,000 layers deep)."""
+        for earlier in range(self._resolved_upto, index):
+            if isinstance(self.rec.entries[earlier], _Replay):
+                self._outputs(earlier)
+        self._resolved_upto = max(self._resolved_upto, index)
+
+    def _outputs(self, index: int) -> tuple[Ref, ...]:
+        outputs = self.replay_outputs.get(index)
+        if outputs is None:
+            t = self.rec.entries[index].template
+            translate = self._context(index)
+            outputs = self.replay_outputs[index] = tuple(translate(s, None) for s in t.output_sources)
+        return outputs
+
+    def _context(self, index: int) -> Callable[[_Source, str | None], Ref]:
+        """How replay ``index`` names things: its template's sources translated to node ids, FQNs renamed."""
+        cached = self._contexts.get(index)
+        if cached is not None:
+            return cached
+        replay = self.rec.entries[index]
+        assert isinstance(replay, _Replay)
         t = replay.template
         old, new = t.fqn, replay.fqn
         cut = len(old)
@@ -601,9 +665,6 @@ class _Expansion:
                 return Ref(ref.node, ref.index, state if state is not None else ref.state)
             return self._resolve(src, state)
 
-        for live in range(t.start, t.end):
-            d = self.rec.entries[live]
-            assert isinstance(d, _Draft)  # units never nest, so a template holds drafts only
-            sources = tuple(translate(s, st) for s, st in zip(d.sources, d.states))
-            self.nodes_out.append(self._node(d, sources, rename(d.module)))
-        self.replay_outputs[index] = tuple(translate(s, None) for s in t.output_sources)
+        self._contexts[index] = translate
+        self._renames[index] = rename
+        return translate

@@ -54,3 +54,25 @@ def load_and_trace(args: argparse.Namespace) -> TracedModel:
     zoo = load(args.model, batch=args.batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
+
+
+def mesh_shape(text: str | None, gpus: int | None) -> tuple[int, ...]:
+    """``--mesh 2x4`` (or one axis of ``--gpus``) as a tuple, checked against ``--gpus`` when both are given."""
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--gpus must be positive, got {gpus}")
+    if not text:
+        if gpus is None:
+            raise ValueError("give --gpus N or --mesh AxB")
+        return (gpus,)
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r} is not a shape like 8 or 2x4") from None
+    if not shape or any(n < 1 for n in shape) or len(shape) > 3:
+        raise ValueError(f"--mesh {text!r} must be one to three positive sizes, like 8 or 2x4")
+    total = 1
+    for n in shape:
+        total *= n
+    if gpus is not None and total != gpus:
+        raise ValueError(f"--mesh {text} has {total} devices but --gpus is {gpus}")
+    return shape

@@ -7,7 +7,7 @@ from typing import Any
 
 from autopar.capture import trace
 from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments
-from autopar.cli.render import binary_bytes, table
+from autopar.cli.render import estimate_text
 from autopar.cluster import load_cluster
 from autopar.cost import ParallelConfig, estimate
 from autopar.cost.types import RECOMPUTE, SCHEDULES
@@ -75,33 +75,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
 
 
 def render(data: dict[str, Any]) -> str:
-    e, p, mem = data["estimate"], data["parallel"], data["estimate"]["memory"]
+    e, p = data["estimate"], data["parallel"]
     head = (
         f"{data['model']} on {data['gpus']} x {data['cluster']}: tp {p['tp']} x pp {p['pp']} x dp {p['dp']}, "
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
         + (", SP" if p["sp"] else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )
-    it = e["iteration_seconds"]
-    time_rows = [
-        [name, f"{e[key]:.3f} s", f"{e[key] / it:.0%}"]
-        for name, key in (("compute", "compute_seconds"), ("exposed comm", "exposed_comm_seconds"), ("bubble", "bubble_seconds"))
-    ]
-    mem_rows = [[k, binary_bytes(mem[k])] for k in ("parameters", "gradients", "optimizer", "activations", "other")]
-    mem_rows.append(["total", f"{binary_bytes(mem['total'])} of {binary_bytes(mem['budget'])}" + ("" if mem["fits"] else "  DOES NOT FIT")])
-    coll_rows = [[c["axis"], c["kind"], binary_bytes(c["bytes"]), str(c["count"])] for c in e["collectives"]]
-    return "\n".join(
-        [
-            head,
-            "",
-            f"iteration {it:.3f} s, {e['throughput_samples_per_second']:.1f} samples/s, "
-            f"{e['tflops_per_device']:.0f} TFLOP/s per device, MFU {e['mfu']:.1%}",
-            table(["time", "seconds", "share"], time_rows),
-            "",
-            "memory per device (busiest stage)",
-            table(["", "bytes"], mem_rows),
-            "",
-            "collectives per iteration, per device",
-            table(["axis", "kind", "size", "count"], coll_rows, align="llrr") if coll_rows else "(none)",
-        ]
-    )
+    return head + "\n\n" + estimate_text(e)

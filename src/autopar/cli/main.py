@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import calibrate, estimate, models, profile
+from autopar.cli import analyze, calibrate, estimate, models, plan, profile
 
-COMMANDS = (profile, estimate, calibrate, models)
+COMMANDS = (profile, estimate, analyze, plan, calibrate, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

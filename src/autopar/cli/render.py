@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def si(value: float, unit: str = "") -> str:
@@ -33,3 +34,32 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align: str =
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in rows]
     return "\n".join(out)
+
+
+def estimate_text(e: dict[str, Any]) -> str:
+    """An Estimate (its JSON form): time split, memory per device and collectives."""
+    mem = e["memory"]
+    it = e["iteration_seconds"]
+    time_rows = [
+        [name, f"{e[key]:.3f} s", f"{e[key] / it:.0%}"]
+        for name, key in (
+            ("compute", "compute_seconds"), ("exposed comm", "exposed_comm_seconds"), ("bubble", "bubble_seconds")
+        )
+    ]
+    mem_rows = [[k, binary_bytes(mem[k])] for k in ("parameters", "gradients", "optimizer", "activations", "other")]
+    fits = "" if mem["fits"] else "  DOES NOT FIT"
+    mem_rows.append(["total", f"{binary_bytes(mem['total'])} of {binary_bytes(mem['budget'])}{fits}"])
+    coll_rows = [[c["axis"], c["kind"], binary_bytes(c["bytes"]), str(c["count"])] for c in e["collectives"]]
+    return "\n".join(
+        [
+            f"iteration {it:.3f} s, {e['throughput_samples_per_second']:.1f} samples/s, "
+            f"{e['tflops_per_device']:.0f} TFLOP/s per device, MFU {e['mfu']:.1%}",
+            table(["time", "seconds", "share"], time_rows),
+            "",
+            "memory per device (busiest stage)",
+            table(["", "bytes"], mem_rows),
+            "",
+            "collectives per iteration, per device",
+            table(["axis", "kind", "size", "count"], coll_rows, align="llrr") if coll_rows else "(none)",
+        ]
+    )

@@ -181,6 +181,15 @@ class ZooModel:
     batch: int
     seq: int
 
+    def inputs_at(self, batch: int) -> dict[str, torch.Tensor]:
+        """Example inputs of the same model at another batch size (the planner traces several micro-batches)."""
+        device = next(iter(self.inputs.values())).device.type if self.inputs else "meta"
+        inputs = example_inputs(self.config, batch=batch, seq=self.seq, device=device)
+        for key, value in self.inputs.items():
+            if key in inputs and value.dtype.is_floating_point:
+                inputs[key] = inputs[key].to(value.dtype)
+        return inputs
+
 
 def load(
     name: str,

@@ -1,0 +1,162 @@
+"""``autopar plan MODEL``: search a parallel plan, compare it with the usual choices, and save it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+from autopar.capture import trace
+from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments, mesh_shape
+from autopar.cli.render import binary_bytes, estimate_text, table
+from autopar.cluster import load_cluster
+from autopar.plan import save_plan
+from autopar.search import BASELINES, plan_intra
+from autopar.zoo import load
+
+SEARCHES = ("ilp", *BASELINES)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="search a parallel plan and compare it with pure DP, FSDP and Megatron TP",
+        description="Trace MODEL, search the intra-op space (a split per ParallelBlock, ZeRO stage, micro-batch "
+        "count) with the ILP under the device memory, and print the plan, its estimate and the baselines "
+        "priced by the same cost model.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
+    parser.add_argument("--gpus", type=int, help="devices used (default: the product of --mesh)")
+    parser.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (default: one axis, or nodes x devices per node "
+                        "when --gpus spans nodes)")
+    parser.add_argument("--search", choices=SEARCHES, default="ilp",
+                        help="ilp: the intra-op integer programme (default); dp, fsdp, megatron: a baseline alone")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="search time budget in seconds (default 60)")
+    parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def _default_mesh(args: argparse.Namespace, per_node: int) -> tuple[int, ...]:
+    if args.mesh or args.gpus is None or args.gpus <= per_node or args.gpus % per_node:
+        return mesh_shape(args.mesh, args.gpus)
+    return (args.gpus // per_node, per_node)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | str:
+    if args.budget_s <= 0:
+        raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+    base = load_cluster(args.cluster)
+    shape = _default_mesh(args, base.devices_per_node)
+    cluster = base.with_devices(math.prod(shape))
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
+    for flag in ("batch", "seq", *MODEL_OVERRIDES):
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    zoo = load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    kinds = ("ilp", *BASELINES) if args.search == "ilp" else (args.search,)
+    start = time.perf_counter()
+    show = sys.stderr.isatty() and not args.json
+
+    def progress(message: str) -> None:
+        if show:
+            print(f"\r\033[K{message} ({time.perf_counter() - start:.1f} s)", end="", file=sys.stderr, flush=True)
+
+    found = plan_intra(
+        lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
+        cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=kinds, time_limit=args.budget_s,
+        progress=progress,
+    )
+    seconds = time.perf_counter() - start
+    if show:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    chosen = found[args.search]
+    if chosen is None:
+        raise ValueError(
+            f"no {args.search} plan exists for --batch {args.batch} on mesh {'x'.join(map(str, shape))}: "
+            "the batch does not divide over the devices"
+        )
+    name = zoo.config.name
+    data = {
+        "model": name,
+        "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},
+        "cluster": cluster.name,
+        "gpus": cluster.num_devices,
+        "search": args.search,
+        "params": chosen.space.graph.num_params,
+        "plan": chosen.to_dict(name),
+        "estimate": chosen.estimate.to_dict(),
+        "baselines": {
+            kind: ({"plan": p.to_dict(name), "estimate": p.estimate.to_dict()} if p is not None else None)
+            for kind, p in found.items()
+            if kind != args.search
+        },
+        "search_seconds": seconds,
+    }
+    if chosen.solution is not None:
+        data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
+                          "status": chosen.solution.status}
+    if args.out:
+        save_plan(args.out, data["plan"], data["estimate"])
+    return data if args.json else render(data, out=args.out)
+
+
+def _module_rows(plan: dict[str, Any]) -> list[list[str]]:
+    """One row per leading module; layers whose rows repeat the previous layer's are folded into a count."""
+    rows: list[list[str]] = []
+    previous: dict[str, tuple] = {}
+    folded: dict[str, int] = {}
+    for block in plan["blocks"]:
+        layer, module = block["layer"], block["module"]
+        entry = plan["modules"].get(module, {})
+        params = " ".join(f"{k.rpartition('.')[2]}:{v}" for k, v in entry.get("params", {}).items())
+        local = module[len(layer) + 1:] if module.startswith(layer + ".") else module
+        signature = (local, block["split"], entry.get("input", ""), entry.get("output", ""), params)
+        stem = layer.rpartition(".")[0]
+        if stem and previous.get(stem + ":" + local) == signature:
+            folded[stem] = folded.get(stem, 0) + 1
+            continue
+        previous[stem + ":" + local] = signature
+        rows.append([module, block["split"], entry.get("input", ""), entry.get("output", ""), params])
+    return rows
+
+
+def render(data: dict[str, Any], *, out: str | None = None) -> str:
+    plan, e = data["plan"], data["estimate"]
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(plan["mesh"]["axes"], plan["mesh"]["shape"]))
+    layers = {b["layer"] for b in plan["blocks"]}
+    lines = [
+        f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
+        f"{data['config']['seq']}: mesh {mesh}",
+        f"plan ({data['search']}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
+        f"ZeRO {plan['zero']}; searched in {data['search_seconds']:.1f} s",
+        "",
+        f"modules ({len(layers)} layers; a repeated layer is shown once when every instance matches)",
+        table(["module", "split", "input", "output", "params"], _module_rows(plan), align="lllll"),
+        "",
+        estimate_text(e),
+        "",
+        "against the baselines (same cost model)",
+    ]
+    rows = [[data["search"], *_summary(e, e)]]
+    for kind, other in data["baselines"].items():
+        rows.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])
+    lines.append(table(["plan", "iteration", "samples/s", "MFU", "memory", "vs plan"], rows))
+    if out:
+        lines += ["", f"plan written to {out}"]
+    return "\n".join(lines)
+
+
+def _summary(e: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    mem = e["memory"]
+    return [
+        f"{e['iteration_seconds']:.3f} s",
+        f"{e['throughput_samples_per_second']:.1f}",
+        f"{e['mfu']:.1%}",
+        binary_bytes(mem["total"]) + ("" if mem["fits"] else " (no fit)"),
+        f"{e['iteration_seconds'] / reference['iteration_seconds']:.2f}x",
+    ]

@@ -1,0 +1,356 @@
+"""Intra-op cost of a ParallelBlock under one candidate: the terms of MAP §5.1 / CFP Eq. 7-9, priced analytically.
+
+A candidate fixes how the block's leading op splits over each mesh axis; every other op of the block follows its
+first in-block input (`_follow`): it keeps a sharded dim sharded when its dimension map lets it, passes a pending
+Partial sum through when it is linear, reduce-scatters a Partial onto one of its free dims when it is not (the
+Megatron-SP move; all-reduce when no dim divides), and gathers a dim it cannot split. What comes out, per micro-batch:
+
+- compute: roofline time of each op with its work split ``shard`` ways, forward and backward (`compute.node_seconds`);
+- conversions inside the block, forward and their backward (`sharding.LayoutCosts`), including the gradient
+  all-reduce of a whole input consumed by split work (a column-parallel layer's input);
+- activation bytes saved for backward and the largest single output, per device;
+- the parameters it owns with their layout and the mesh axes over which their gradients are summed (data
+  parallelism for that parameter: synchronised once per iteration, or sharded under ZeRO);
+- the layouts it needs for values coming from other blocks (``entries``) and gives to the values it produces
+  (``exits``): the search prices those pairs as resharding edges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
+from autopar.capture import Node
+from autopar.cluster import Cluster, Collective, collective_seconds
+from autopar.cluster.mesh import Mesh
+from autopar.cost.compute import node_seconds
+from autopar.sharding import (
+    PASS,
+    REPLICATE,
+    Layout,
+    LayoutCosts,
+    Strategy,
+    Transfer,
+    apply,
+)
+from autopar.sharding.layout import Partial, Shard
+
+# Values are named relative to the block so that blocks of one signature share one cost: ("out", position in the
+# block, output index) for what it produces, ("in", position, input index) for a value it reads from another block,
+# ("param", position, input index) for a parameter read at that use. `IntraCost.locate` turns them into node ids.
+Key = tuple[str, int, int]
+Candidate = tuple[int | None, ...]  # leading op's iteration dim per mesh axis (None: replicated)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamUse:
+    key: Key  # ("param", position, input index) of its first use in the block
+    numel: int  # whole parameter
+    local: float  # elements per device under the block's layout (before ZeRO)
+    layout: Layout
+    reduce_axes: tuple[int, ...]  # axes that hold it whole while splitting the work: its data-parallel axes
+
+
+@dataclass(slots=True)
+class BlockCost:
+    compute_forward: float = 0.0
+    compute_backward: float = 0.0
+    comm_forward: float = 0.0
+    comm_backward: float = 0.0
+    saved: float = 0.0
+    temporary: float = 0.0
+    params: list[ParamUse] = field(default_factory=list)
+    entries: dict[Key, tuple[Layout, Layout]] = field(default_factory=dict)  # value -> (layout needed, gradient)
+    exits: dict[Key, Layout] = field(default_factory=dict)
+    collectives: list[tuple[str, int, float]] = field(default_factory=list)  # per micro-batch
+    strategies: dict[int, Strategy] = field(default_factory=dict)  # node id -> its strategy (for the plan)
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward
+
+    def add(self, transfer: Transfer) -> None:
+        self.comm_forward += transfer.forward
+        self.comm_backward += transfer.backward
+        self.collectives.extend(transfer.collectives)
+
+
+class IntraCost:
+    """Prices blocks of one graph on one mesh; results are cached per block content and candidate."""
+
+    def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None) -> None:
+        """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
+        carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes."""
+        self.bg = blocks
+        self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
+        self.state = like.state if like is not None else blocks.graph.state  # parameters do not depend on batch
+        self.mesh = mesh
+        self.sizes = mesh.sizes
+        self.cluster = cluster
+        self.layouts = LayoutCosts(mesh, cluster)
+        self.param_owner = like.param_owner if like is not None else self._param_owners()
+        self.signatures: list[int] = like.signatures if like is not None else self._signature_classes()
+        self._cache: dict[tuple[int, Candidate], BlockCost | None] = {}
+
+    # ---- candidates ---------------------------------------------------------------------------------------
+    def candidates(self, block: ParallelBlock) -> list[Candidate]:
+        """Splits of the leading op's dims over the mesh axes that divide evenly (CFP's candidate partitions)."""
+        leader = self.nodes[block.leader]
+        dims = op_dims(leader)
+        splittable = [k for k, d in enumerate(dims.dims) if d.split is not Split.FIXED]
+        found: list[Candidate] = [()]
+        for _ in self.sizes:
+            found = [c + (k,) for c in found for k in [*splittable, None]]
+        valid = [c for c in found if apply(dims, c, leader.inputs, leader.outputs, self.sizes) is not None]
+        split = [c for c in valid if all(k is not None for k in c)]
+        if split:
+            return split
+        best = max((sum(k is not None for k in c) for c in valid), default=0)
+        return [c for c in valid if sum(k is not None for k in c) == best] or [(None,) * len(self.sizes)]
+
+    def describe(self, block: ParallelBlock, candidate: Candidate) -> str:
+        """``"n"`` on a 1-D mesh, ``"m,n"`` on 2-D: the leading op's dim (by role) each axis splits."""
+        dims = op_dims(self.nodes[block.leader]).dims
+        return ",".join("R" if k is None else (dims[k].name or str(k)) for k in candidate)
+
+    # ---- block cost ---------------------------------------------------------------------------------------
+    def signature(self, block: ParallelBlock) -> int:
+        """Class of blocks that cost the same (see `_signature`)."""
+        return self.signatures[block.id]
+
+    def _signature_classes(self) -> list[int]:
+        ids: dict[tuple, int] = {}
+        return [ids.setdefault(self._signature(block), len(ids)) for block in self.bg.blocks]
+
+    def _signature(self, block: ParallelBlock) -> tuple:
+        """What a block's cost depends on: its ops, shapes and arguments, where each input comes from relative
+        to the block, and which parameters it owns."""
+        base = block.nodes[0]
+        parts = []
+        for i in block.nodes:
+            node = self.nodes[i]
+            sources = []
+            for s in node.sources:
+                if s.state is not None:
+                    sources.append(("p", self.param_owner.get(s.state) == block.id, self._is_param(s.state)))
+                elif s.node < 0:
+                    sources.append(("in",))
+                elif self.bg.owner[s.node] == block.id:
+                    sources.append((s.node - base, s.index))
+                else:
+                    sources.append(("x", s.index, self.bg.activation[s.node]))
+            parts.append((node.op, node.inputs, node.outputs, node.args, i in block.branch, tuple(sources)))
+        return (block.leader - base, tuple(parts))
+
+    def block_cost(self, block: ParallelBlock, candidate: Candidate) -> BlockCost | None:
+        """Cost of ``block`` under ``candidate`` (None if the candidate does not apply); keys are relative to
+        the block (see `Key`), so every block of one signature shares the result."""
+        key = (self.signature(block), candidate)
+        if key not in self._cache:
+            self._cache[key] = self._evaluate(block, candidate)
+        return self._cache[key]
+
+    def _evaluate(self, block: ParallelBlock, candidate: Candidate) -> BlockCost | None:
+        cost = BlockCost()
+        position = {i: pos for pos, i in enumerate(block.nodes)}
+        versions: dict[tuple[int, int], dict[Layout, None]] = {}  # layouts a value is available in, in the block
+        device = self.cluster.device
+        for i in block.nodes:
+            if i in block.branch:
+                continue
+            node = self.nodes[i]
+            dims = op_dims(node)
+            if i == block.leader:
+                strategy = apply(dims, candidate, node.inputs, node.outputs, self.sizes)
+                if strategy is None:
+                    return None
+            else:
+                strategy = self._follow(node, versions)
+            cost.strategies[position[i]] = strategy
+            for j, (src, info) in enumerate(zip(node.sources, node.inputs)):
+                need, grad = strategy.inputs[j], strategy.gradients[j]
+                if src.state is not None:
+                    self._param_input(cost, block, ("param", position[i], j), src.state, node, j, need, grad)
+                    continue
+                if src.node < 0 or src.node in block.branch or not self.bg.activation[src.node]:
+                    continue  # model inputs and values made from parameters alone are produced in any layout
+                value = (src.node, src.index)
+                if self.bg.owner[src.node] != block.id and value not in versions:
+                    cost.entries[("in", position[i], j)] = (need, grad)
+                    versions[value] = {need: None}
+                    continue
+                self._convert(cost, versions[value], info, need, grad)
+            for o, layout in enumerate(strategy.outputs):
+                versions[(i, o)] = {layout: None}
+                cost.exits[("out", position[i], o)] = layout
+            cost.compute_forward += node_seconds(node, device, backward=False, shard=strategy.shard)
+            cost.compute_backward += node_seconds(node, device, backward=True, shard=strategy.shard)
+            cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
+            if not node.is_view and strategy.outputs:
+                cost.temporary = max(cost.temporary, node.output_bytes / self._ways(strategy.outputs[0]))
+        return cost
+
+    def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout) -> None:  # noqa: ANN001
+        if need in have and grad == need:
+            return
+        itemsize = info.nbytes // max(info.numel, 1)
+        best = min((self.layouts.convert(info.shape, itemsize, src, need, grad) for src in have), key=lambda t: t.seconds)
+        cost.add(best)
+        have[need] = None
+
+    def _param_input(
+        self, cost: BlockCost, block: ParallelBlock, key: Key, fqn: str, node: Node, j: int, need: Layout, grad: Layout
+    ) -> None:
+        if not self._is_param(fqn):
+            return  # buffers (rotary tables, masks) are cheap to hold whole or sliced anywhere
+        layout = self._to_param_layout(node.sources[j], need)
+        if self.param_owner.get(fqn) != block.id:  # a tied parameter: converted from its owner's layout
+            cost.entries[key] = (layout, tuple(REPLICATE if isinstance(p, Partial) else p for p in grad))
+            return
+        if any(self.locate(block, p.key) == fqn for p in cost.params):
+            return
+        numel = self.state[fqn].tensor.numel
+        reduce_axes = tuple(a for a, p in enumerate(grad) if isinstance(p, Partial))
+        cost.params.append(ParamUse(key, numel, numel / self._ways(layout), layout, reduce_axes))
+        cost.exits[key] = layout
+
+    def _to_param_layout(self, source, need: Layout) -> Layout:  # noqa: ANN001
+        """Map a layout needed at a use of a parameter back through its view chain (transpose, reshape) to the
+        layout of the stored parameter; Partial (a bias in a row-parallel layer) is stored whole."""
+        layout = tuple(REPLICATE if isinstance(p, Partial) else p for p in need)
+        while source.node >= 0:
+            node = self.nodes[source.node]
+            dims = op_dims(node)
+            mapped = []
+            for p in layout:
+                if isinstance(p, Shard):
+                    k = next((k for k, d in enumerate(dims.dims) if d.outputs and d.outputs[0] == p.dim), None)
+                    d_in = dims.dims[k].inputs[0] if k is not None else None
+                    mapped.append(Shard(d_in) if d_in is not None else REPLICATE)
+                else:
+                    mapped.append(p)
+            layout = tuple(mapped)
+            source = node.sources[0]
+        return layout
+
+    def _follow(self, node: Node, versions: dict[tuple[int, int], dict[Layout, None]]) -> Strategy:
+        """A non-leading op's strategy from its first in-block input (see the module docstring)."""
+        dims = op_dims(node)
+        primary = next(
+            (j for j, s in enumerate(node.sources) if s.state is None and (s.node, s.index) in versions), None
+        )
+        if primary is None:
+            return apply(dims, (None,) * len(self.sizes), node.inputs, node.outputs, self.sizes)  # type: ignore[return-value]
+        src = node.sources[primary]
+        have = next(iter(versions[(src.node, src.index)]))
+        assignment: list = []
+        for axis, p in enumerate(have):
+            if isinstance(p, Shard):
+                k = dims.dim_at_input(primary, p.dim)
+                assignment.append(k if k is not None and dims.dims[k].split is not Split.FIXED else None)
+            elif isinstance(p, Partial):
+                assignment.append(self._partial_choice(node, dims, primary, versions, axis))
+            else:
+                assignment.append(None)
+        strategy = apply(dims, tuple(assignment), node.inputs, node.outputs, self.sizes)
+        while strategy is None:  # drop splits that do not divide, innermost axis first
+            last = max(a for a, k in enumerate(assignment) if k is not None)
+            assignment[last] = None
+            strategy = apply(dims, tuple(assignment), node.inputs, node.outputs, self.sizes)
+        return strategy
+
+    def _partial_choice(self, node: Node, dims, primary: int, versions, axis: int):  # noqa: ANN001, ANN202
+        """Pass a Partial through a linear op when its other inputs allow; else reduce-scatter onto a free dim."""
+        if dims.linearity is Linearity.FIRST and primary == 0:
+            others = [self._current(versions, s, axis) for s in node.sources[1:] if s.node >= 0 and s.state is None]
+            if not any(isinstance(p, Partial) for p in others):
+                return PASS
+        if dims.linearity is Linearity.ALL:
+            float_inputs = [
+                (s, t) for s, t in zip(node.sources, node.inputs) if t.dtype.startswith(("float", "bfloat"))
+            ]
+            if all(isinstance(self._current(versions, s, axis), Partial) for s, _ in float_inputs):
+                return PASS
+        n = self.sizes[axis]
+        for k, d in enumerate(dims.dims):
+            if d.split is Split.FREE and d.inputs[primary] is not None and d.size % n == 0:
+                return k
+        return None
+
+    def _current(self, versions, source, axis: int):  # noqa: ANN001, ANN202
+        if source.state is not None or source.node < 0:
+            return REPLICATE
+        have = versions.get((source.node, source.index))
+        return next(iter(have))[axis] if have else REPLICATE
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _ways(self, layout: Layout) -> int:
+        return math.prod(n for p, n in zip(layout, self.sizes) if isinstance(p, Shard))
+
+    def _saved_fraction(self, node: Node, strategy: Strategy, contraction: bool) -> float:
+        if contraction:  # a contraction saves its activation inputs
+            acts = [j for j, s in enumerate(node.sources) if s.state is None]
+            if acts:
+                return sum(1 / self._ways(strategy.inputs[j]) for j in acts) / len(acts)
+        return 1 / self._ways(strategy.outputs[0]) if strategy.outputs else 1.0
+
+    def _is_param(self, fqn: str) -> bool:
+        info = self.state.get(fqn)
+        return info is not None and not info.is_buffer and info.requires_grad
+
+    def _param_owners(self) -> dict[str, int]:
+        owners: dict[str, int] = {}
+        for block in self.bg.blocks:
+            for i in block.nodes:
+                for s in self.nodes[i].sources:
+                    if s.state is not None and s.state not in owners:
+                        owners[s.state] = block.id
+        return owners
+
+    def locate(self, block: ParallelBlock, key: Key) -> tuple[int, int] | str:
+        """The node output (node id, index), or the parameter FQN, that a relative key names in ``block``."""
+        kind, pos, index = key
+        node = self.nodes[block.nodes[pos]]
+        if kind == "out":
+            return (node.id, index)
+        source = node.sources[index]
+        return source.state if kind == "param" else (source.node, source.index)  # type: ignore[return-value]
+
+
+class _NodeView:
+    def __init__(self, graph) -> None:  # noqa: ANN001
+        self.graph = graph
+
+    def __getitem__(self, node_id: int) -> Node:
+        return self.graph.node(node_id)
+
+
+def sync_seconds(
+    params: list[ParamUse], *, zero: int, micro_batches: int, itemsize: int, mesh: Mesh, cluster: Cluster,
+    uses: list | None = None,
+) -> float:
+    """Gradient synchronisation per iteration for the parameters listed: all-reduce over their data-parallel
+    axes (ZeRO 0), reduce-scatter + all-gather (ZeRO 1-2), or per micro-batch two all-gathers and a
+    reduce-scatter (ZeRO 3, FSDP). Records ``(kind, axis, bytes, count)`` in ``uses`` when given."""
+    total = 0.0
+    for p in params:
+        nbytes = p.local * itemsize
+        for axis in p.reduce_axes:
+            placement = mesh.placements[axis]
+            if zero == 0:
+                plan = [(Collective.ALL_REDUCE, 1)]
+            elif zero in (1, 2):
+                plan = [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
+            else:
+                plan = [(Collective.ALL_GATHER, 2 * micro_batches), (Collective.REDUCE_SCATTER, micro_batches)]
+            for kind, count in plan:
+                total += count * collective_seconds(kind, nbytes, placement, cluster)
+                if uses is not None:
+                    uses.append((kind.value, axis, nbytes, count))
+    return total
+
+
+def zero_ways(param: ParamUse, sizes: tuple[int, ...]) -> int:
+    return math.prod(sizes[a] for a in param.reduce_axes)
+

@@ -1,0 +1,577 @@
+"""The intra-op planner: blocks and segments of a traced graph -> one ILP per (ZeRO stage, micro-batch count).
+
+For one mesh the space is: a candidate per ParallelBlock (tied across instances of a repeated segment, so a
+1,000-layer model has the variables of a 10-layer one), a ZeRO stage for the parameters' data-parallel axes, and
+the number of micro-batches the global batch is accumulated over. The graph is traced once per micro-batch size;
+for each, every block signature is priced once per candidate (`cost.intra`), the ILP (`search.ilp`) picks the
+candidates under the device memory, and the cheapest plan over ZeRO stages and micro-batch counts wins.
+
+Baselines are fixed choices priced by the same model: ``dp`` splits every leading op's batch-like dim over every
+axis, ``fsdp`` does that with ZeRO-3, ``megatron`` splits the last axis Megatron-style (column-parallel layers on
+their output features, the row-parallel layer after each on its input features, the embedding on its vocabulary)
+and the other axes by batch. Each takes its own best micro-batch count.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.analysis import BlockGraph, ParallelBlock, Segment, Split, build_blocks, find_segments, op_dims
+from autopar.capture import Graph
+from autopar.cluster import Cluster, build_mesh
+from autopar.cluster.mesh import Mesh
+from autopar.cost.intra import BlockCost, Candidate, IntraCost, Key, ParamUse, sync_seconds
+from autopar.cost.memory import model_states
+from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
+from autopar.search.ilp import Edge, Solution, solve
+from autopar.sharding import short_layout
+from autopar.sharding.layout import Shard
+
+log = logging.getLogger(__name__)
+
+ZERO_STAGES = (0, 1, 2, 3)
+BASELINES = ("dp", "fsdp", "megatron")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockClass:
+    """Blocks that cost the same and read the same kinds of values from the same kinds of producers: the unit the
+    ILP terms and the estimate are summed over (a few per model, whatever its depth)."""
+
+    block: ParallelBlock  # representative
+    var: int
+    count: int
+    inputs: tuple[tuple[Key, ParallelBlock], ...]  # (entry key, producer block of the representative)
+
+
+@dataclass(slots=True)
+class Space:
+    """Blocks, segments and tied candidate sets of one traced graph on one mesh."""
+
+    graph: Graph
+    blocks: BlockGraph
+    segments: list[Segment]
+    cost: IntraCost
+    var_of: list[int]  # block id -> variable (one per unique block position in a unique segment)
+    representative: list[ParallelBlock]  # variable -> its first block
+    candidates: list[list[Candidate]]  # variable -> candidates
+    count: list[int]  # variable -> number of blocks tied to it
+    classes: list[BlockClass]
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.cost.mesh
+
+
+def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None) -> Space:
+    """The space of ``graph`` on ``mesh``. With ``like`` (the same model traced at another batch size, on the
+    same mesh) the block structure, segments and classes are reused and only the shapes are new."""
+    if like is not None and _same_structure(like, graph):
+        old = like.blocks
+        blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
+        cost = IntraCost(blocks, mesh, cluster, like=like.cost)
+        candidates = [cost.candidates(b) for b in like.representative]
+        return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
+                     like.classes)
+    blocks = build_blocks(graph)
+    segments = find_segments(blocks.blocks)
+    cost = IntraCost(blocks, mesh, cluster)
+    var_of = [-1] * len(blocks.blocks)
+    index: dict[tuple[str, int], int] = {}
+    representative: list[ParallelBlock] = []
+    count: list[int] = []
+    for seg in segments:
+        for k in range(seg.count):
+            for pos, b in enumerate(seg.instance(k)):
+                key = (seg.fingerprint, pos)
+                if key not in index:
+                    index[key] = len(representative)
+                    representative.append(blocks.blocks[b])
+                    count.append(0)
+                var_of[b] = index[key]
+                count[index[key]] += 1
+    candidates = [cost.candidates(b) for b in representative]
+    space = Space(graph, blocks, segments, cost, var_of, representative, candidates, count, [])
+    space.classes = _classes(space)
+    return space
+
+
+def _same_structure(like: Space, graph: Graph) -> bool:
+    """The same model at another batch size: same node count and layer spans, same leading ops (checked without
+    building the new graph's node list)."""
+    a = like.graph
+    if a.num_nodes != graph.num_nodes or [r.spans for r in a.repeats] != [r.spans for r in graph.repeats]:
+        return False
+    return all(
+        a.node(b.leader).op == graph.node(b.leader).op and a.node(b.leader).module == graph.node(b.leader).module
+        for b in like.representative
+    )
+
+
+def _classes(space: Space) -> list[BlockClass]:
+    ic = space.cost
+    found: dict[tuple, list] = {}
+    for block in space.blocks.blocks:
+        v = space.var_of[block.id]
+        first = next((c for c in (ic.block_cost(block, c) for c in space.candidates[v]) if c is not None), None)
+        inputs = []
+        shape = []
+        for key in first.entries if first is not None else ():
+            value = ic.locate(block, key)
+            producer = space.blocks.blocks[
+                ic.param_owner[value] if isinstance(value, str) else space.blocks.owner[value[0]]
+            ]
+            inputs.append((key, producer))
+            shape.append((key, space.var_of[producer.id], ic.signature(producer), _relative(producer, value)))
+        class_key = (v, ic.signature(block), tuple(shape))
+        if class_key in found:
+            found[class_key][2] += 1
+        else:
+            found[class_key] = [block, v, 1, tuple(inputs)]
+    return [BlockClass(block=b, var=v, count=n, inputs=i) for b, v, n, i in found.values()]
+
+
+# ---- one (zero, micro-batches) problem ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Terms:
+    """ILP arrays for one ZeRO stage and micro-batch count (seconds per iteration, bytes per device)."""
+
+    costs: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: list[Edge]
+    constant_memory: float
+
+
+def _exit_key(space: Space, producer: ParallelBlock, value: tuple[int, int] | str, cost: BlockCost):  # noqa: ANN202
+    if isinstance(value, str):  # a parameter: its owner's use
+        for p in cost.params:
+            if space.cost.locate(producer, p.key) == value:
+                return p.key
+        return None
+    node, index = value
+    return ("out", producer.nodes.index(node), index)
+
+
+def _states(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...]) -> tuple[float, float, float]:
+    weights = grads = optim = 0.0
+    for p in params:
+        ways = math.prod(sizes[a] for a in p.reduce_axes)
+        w, g, o = model_states(p.local, dtype=dtype, zero=zero, dp=ways)
+        weights, grads, optim = weights + w, grads + g, optim + o
+    return weights, grads, optim
+
+
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> Terms:
+    ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
+    costs = [np.zeros(len(c)) for c in space.candidates]
+    memory = [np.zeros(len(c)) for c in space.candidates]
+    edge_sum: dict[tuple[int, int], np.ndarray] = {}
+    temporary = 0.0
+    for cls in space.classes:
+        cands = space.candidates[cls.var]
+        c_row, m_row = np.zeros(len(cands)), np.zeros(len(cands))
+        for i, cand in enumerate(cands):
+            bc = ic.block_cost(cls.block, cand)
+            if bc is None:
+                c_row[i] = math.inf
+                continue
+            sync = sync_seconds(
+                bc.params, zero=zero, micro_batches=m, itemsize=_itemsize(dtype), mesh=space.mesh, cluster=ic.cluster
+            )
+            c_row[i] = m * bc.seconds + sync
+            m_row[i] = bc.saved + sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
+            temporary = max(temporary, bc.temporary)
+        costs[cls.var] += cls.count * c_row
+        memory[cls.var] += cls.count * m_row
+        for key, producer in cls.inputs:
+            pair = (space.var_of[producer.id], cls.var)
+            matrix = (cls.count * m) * _edge_matrix(space, cls.block, key, producer)
+            edge_sum[pair] = edge_sum[pair] + matrix if pair in edge_sum else matrix
+    edges = [Edge(u, v, matrix) for (u, v), matrix in edge_sum.items()]
+    return Terms(costs, memory, edges, temporary + ic.cluster.device.reserved)
+
+
+def _value_info(space: Space, value: tuple[int, int] | str):  # noqa: ANN202
+    if isinstance(value, str):
+        return space.graph.state[value].tensor
+    return space.graph.node(value[0]).outputs[value[1]]
+
+
+def _transfer(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock, pc: Candidate, cc: Candidate):  # noqa: ANN202
+    """The conversion of one value from ``producer`` (under ``pc``) to ``block`` (under ``cc``); None if either
+    candidate does not apply."""
+    ic = space.cost
+    produced, consumed = ic.block_cost(producer, pc), ic.block_cost(block, cc)
+    if produced is None or consumed is None:
+        return None
+    value = ic.locate(block, key)
+    exit_key = _exit_key(space, producer, value, produced)
+    have = produced.exits.get(exit_key) if exit_key is not None else None
+    if have is None:
+        return None
+    need, grad = consumed.entries[key]
+    info = _value_info(space, value)
+    return ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
+
+
+def _edge_matrix(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock) -> np.ndarray:
+    """Seconds per micro-batch to move one value, [producer candidate, consumer candidate]."""
+    p_cands = space.candidates[space.var_of[producer.id]]
+    cands = space.candidates[space.var_of[block.id]]
+    matrix = np.full((len(p_cands), len(cands)), math.inf)
+    for j, pc in enumerate(p_cands):
+        for i, cc in enumerate(cands):
+            transfer = _transfer(space, block, key, producer, pc, cc)
+            if transfer is not None:
+                matrix[j, i] = transfer.seconds
+    return matrix
+
+
+def _relative(producer: ParallelBlock, value: tuple[int, int] | str) -> tuple | str:
+    if isinstance(value, str):
+        return value.rpartition(".")[2]
+    return (producer.nodes.index(value[0]), value[1])
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class IntraPlan:
+    """A chosen candidate per block on one mesh, with the ZeRO stage, micro-batching and its Estimate."""
+
+    kind: str  # "ilp", "dp", "fsdp", "megatron"
+    space: Space
+    choice: tuple[int, ...]  # candidate index per variable
+    zero: int
+    micro_batches: int
+    micro_batch_size: int
+    estimate: Estimate
+    solution: Solution | None = None
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return axis_names(self)
+
+    def to_dict(self, model: str) -> dict:
+        return plan_dict(self, model)
+
+
+def estimate_choice(
+    space: Space, choice: tuple[int, ...], *, zero: int, micro_batches: int, global_batch: int, dtype: str
+) -> Estimate:
+    """The Estimate (CLI.md) of one assignment: compute and communication are not overlapped (no pipeline)."""
+    ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
+    compute = comm = saved = temporary = 0.0
+    weights = grads = optim = 0.0
+    uses: Counter[tuple[str, str, float]] = Counter()
+    names = _axis_labels(space, choice)
+    for cls in space.classes:
+        n = cls.count
+        bc = ic.block_cost(cls.block, space.candidates[cls.var][choice[cls.var]])
+        assert bc is not None
+        compute += n * m * (bc.compute_forward + bc.compute_backward)
+        comm += n * m * (bc.comm_forward + bc.comm_backward)
+        for kind, axis, nbytes in bc.collectives:
+            uses[(kind, names[axis], nbytes)] += n * m
+        sync_uses: list = []
+        comm += n * sync_seconds(
+            bc.params, zero=zero, micro_batches=m, itemsize=_itemsize(dtype), mesh=space.mesh, cluster=ic.cluster,
+            uses=sync_uses,
+        )
+        for kind, axis, nbytes, count in sync_uses:
+            uses[(kind, names[axis], nbytes)] += n * count
+        w, g, o = _states(bc.params, zero=zero, dtype=dtype, sizes=sizes)
+        weights, grads, optim = weights + n * w, grads + n * g, optim + n * o
+        saved += n * bc.saved
+        temporary = max(temporary, bc.temporary)
+        for key, producer in cls.inputs:
+            pv = space.var_of[producer.id]
+            transfer = _transfer(
+                space, cls.block, key, producer, space.candidates[pv][choice[pv]], space.candidates[cls.var][choice[cls.var]]
+            )
+            comm += n * m * transfer.seconds
+            for kind, axis, nbytes in transfer.collectives:
+                uses[(kind, names[axis], nbytes)] += n * m
+    device = ic.cluster.device
+    iteration = compute + comm
+    model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
+    per_device = model_flops / iteration / ic.cluster.num_devices
+    memory = MemoryBreakdown(
+        parameters=weights, gradients=grads, optimizer=optim, activations=saved,
+        other=temporary + device.reserved, budget=device.memory,
+    )
+    return Estimate(
+        iteration_seconds=iteration,
+        compute_seconds=compute,
+        exposed_comm_seconds=comm,
+        bubble_seconds=0.0,
+        throughput_samples_per_second=global_batch / iteration,
+        tflops_per_device=per_device / 1e12,
+        mfu=per_device / device.peak(dtype),
+        memory=memory,
+        collectives=tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(uses.items())),
+        micro_batches=m,
+    )
+
+
+# ---- baselines ------------------------------------------------------------------------------------------------
+
+
+def _role_dims(space: Space, block: ParallelBlock) -> dict[str, int | None]:
+    """The leading op's batch dim (at its activation input's dim 0), output-feature dim and contracted dim."""
+    leader = space.graph.node(block.leader)
+    dims = op_dims(leader).dims
+    act = next((j for j, s in enumerate(leader.sources) if s.state is None), None)
+    roles: dict[str, int | None] = {"batch": None, "column": None, "row": None}
+    for k, d in enumerate(dims):
+        if d.split is Split.FIXED:
+            continue
+        in_act = act is not None and d.inputs[act] is not None
+        if in_act and d.inputs[act] == 0 and d.split is Split.FREE and roles["batch"] is None:
+            roles["batch"] = k
+        elif not in_act and d.split is Split.FREE and roles["column"] is None:
+            roles["column"] = k
+        elif d.split is Split.PARTIAL and roles["row"] is None:
+            roles["row"] = k
+    return roles
+
+
+def baseline_choice(space: Space, kind: str) -> tuple[int, ...] | None:
+    """Candidate per variable for a baseline; None when the model does not allow it on this mesh (a batch that
+    does not divide, say)."""
+    axes = len(space.mesh.sizes)
+    column: dict[int, bool] = {}
+    choice = []
+    for v, block in enumerate(space.representative):
+        roles = _role_dims(space, block)
+        wanted: list[int | None] = [roles["batch"]] * axes
+        if kind == "megatron":
+            leader = space.graph.node(block.leader)
+            producer = next(
+                (space.blocks.owner[s.node] for s in leader.sources if s.state is None and s.node >= 0), None
+            )
+            is_row = producer is not None and column.get(producer, False) and producer != block.id
+            is_embedding = "embedding" in leader.op
+            column[block.id] = not is_row and not is_embedding
+            wanted[-1] = roles["row"] if (is_row or is_embedding) else roles["column"]
+        options = [tuple(wanted), (roles["batch"],) * axes]  # a layer Megatron cannot split stays data-parallel
+        found = next((space.candidates[v].index(c) for c in options if c in space.candidates[v]), None)
+        if found is None:
+            return None
+        choice.append(found)
+    return tuple(choice)
+
+
+# ---- driver ---------------------------------------------------------------------------------------------------
+
+
+def micro_batch_counts(global_batch: int) -> list[int]:
+    """Micro-batch counts tried, fewest first: powers of two dividing the batch, and the batch itself."""
+    counts = [m for m in (2**k for k in range(0, 31)) if m <= global_batch and global_batch % m == 0]
+    if global_batch not in counts:
+        counts.append(global_batch)
+    return counts
+
+
+def plan_intra(
+    trace_at: Callable[[int], Graph],
+    cluster: Cluster,
+    mesh_shape: tuple[int, ...],
+    *,
+    global_batch: int,
+    dtype: str = "bf16",
+    kinds: tuple[str, ...] = ("ilp", *BASELINES),
+    time_limit: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, IntraPlan | None]:
+    """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model.
+
+    Fewer micro-batches mean larger ones: faster per sample but more activation memory. For each kind a binary
+    search over the counts (`micro_batch_counts`) finds the fewest that fit, then more are tried while they get
+    faster. A count that does not divide over the mesh (None) rules out every larger one too. A kind with no
+    fitting plan returns its least-memory attempt (its Estimate says it does not fit). Each micro-batch size is
+    traced once and shared by all kinds."""
+    with gc_paused():
+        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, time_limit, progress)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: planning allocates hundreds of thousands of small objects that all stay
+    alive (nodes, layouts, cached costs), and repeated full collections over them took a third of the time of a
+    320-layer plan. Reference counting still frees everything; collection resumes on exit."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_intra(
+    trace_at: Callable[[int], Graph],
+    cluster: Cluster,
+    mesh_shape: tuple[int, ...],
+    global_batch: int,
+    dtype: str,
+    kinds: tuple[str, ...],
+    time_limit: float,
+    progress: Callable[[str], None] | None,
+) -> dict[str, IntraPlan | None]:
+    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
+    counts = micro_batch_counts(global_batch)
+    deadline = time.perf_counter() + time_limit
+    spaces: dict[int, Space] = {}
+
+    def space_at(m: int) -> Space:
+        if m not in spaces:
+            size = global_batch // m
+            if progress:
+                progress(f"micro-batch {size} x {m}: tracing and pricing")
+            like = next(iter(spaces.values()), None)
+            spaces[m] = build_space(trace_at(size), mesh, cluster, like=like)
+        return spaces[m]
+
+    best: dict[str, IntraPlan | None] = {}
+    for kind in kinds:
+        tried: dict[int, IntraPlan | None] = {}
+
+        def attempt(i: int, kind: str = kind, tried: dict = tried) -> IntraPlan | None:
+            m = counts[i]
+            if m not in tried:
+                tried[m] = _best_of_kind(space_at(m), kind, m, global_batch // m, global_batch, dtype, deadline)
+            return tried[m]
+
+        lo, hi, first_fit = 0, len(counts) - 1, None
+        while lo <= hi and time.perf_counter() < deadline:
+            mid = (lo + hi) // 2
+            found = attempt(mid)
+            if found is None:
+                hi = mid - 1
+            elif found.estimate.memory.fits:
+                first_fit, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        if first_fit is not None:
+            i = first_fit
+            while i + 1 < len(counts) and time.perf_counter() < deadline:
+                following = attempt(i + 1)
+                if following is None or not _better(following, tried[counts[i]]):
+                    break
+                i += 1
+        candidates = [p for p in tried.values() if p is not None]
+        best[kind] = min(candidates, key=_rank) if candidates else None
+    return best
+
+
+def _rank(plan: IntraPlan) -> tuple:
+    e = plan.estimate
+    return (not e.memory.fits, e.iteration_seconds if e.memory.fits else e.memory.total)
+
+
+def _better(a: IntraPlan, b: IntraPlan) -> bool:
+    if a.estimate.memory.fits != b.estimate.memory.fits:
+        return a.estimate.memory.fits
+    if not a.estimate.memory.fits:
+        return a.estimate.memory.total < b.estimate.memory.total
+    return a.estimate.iteration_seconds < b.estimate.iteration_seconds
+
+
+def _best_of_kind(
+    space: Space, kind: str, m: int, size: int, global_batch: int, dtype: str, deadline: float
+) -> IntraPlan | None:
+    stages = (3,) if kind == "fsdp" else (0,) if kind in ("dp", "megatron") else ZERO_STAGES
+    best: IntraPlan | None = None
+    for zero in stages:
+        terms = build_terms(space, zero=zero, micro_batches=m, dtype=dtype)
+        budget = space.cost.cluster.device.memory - terms.constant_memory
+        solution = None
+        if kind == "ilp":
+            solution = solve(terms.costs, terms.edges, terms.memory, budget, time_limit=max(deadline - time.perf_counter(), 1.0))
+            if not solution.feasible:  # nothing fits: keep the least-memory assignment to report
+                solution = solve(terms.memory, [], None, time_limit=5.0)
+            choice = solution.choice
+        else:
+            choice = baseline_choice(space, kind)
+            if choice is None:
+                return None
+        estimate = estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
+        plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution)
+        if best is None or _better(plan, best):
+            best = plan
+    return best
+
+
+# ---- naming and output ----------------------------------------------------------------------------------------
+
+
+def _axis_labels(space: Space, choice: tuple[int, ...]) -> tuple[str, ...]:
+    """Name each mesh axis by what the plan does on it: "dp" where most parameter bytes stay whole (the axis
+    splits data), "tp" where most are sharded."""
+    sizes = space.mesh.sizes
+    whole = [0.0] * len(sizes)
+    split = [0.0] * len(sizes)
+    for block in space.representative:
+        v = space.var_of[block.id]
+        bc = space.cost.block_cost(block, space.candidates[v][choice[v]])
+        for p in bc.params if bc else ():
+            for a, placement in enumerate(p.layout):
+                (split if isinstance(placement, Shard) else whole)[a] += p.numel * space.count[v]
+    names = ["dp" if whole[a] >= split[a] else "tp" for a in range(len(sizes))]
+    if len(set(names)) < len(names):  # two axes of one kind: number them, outermost first
+        names = [f"{n}{i}" for i, n in enumerate(names)]
+    return tuple(names)
+
+
+def axis_names(plan: IntraPlan) -> tuple[str, ...]:
+    return _axis_labels(plan.space, plan.choice)
+
+
+def plan_dict(plan: IntraPlan, model: str) -> dict:
+    """The plan as JSON data: mesh, micro-batching, ZeRO stage, per-block choices and per-module layouts."""
+    space, ic = plan.space, plan.space.cost
+    names = axis_names(plan)
+    blocks, modules = [], {}
+    for block in space.blocks.blocks:
+        v = space.var_of[block.id]
+        cand = space.candidates[v][plan.choice[v]]
+        bc = ic.block_cost(block, cand)
+        leader = space.graph.node(block.leader)
+        strategy = bc.strategies[block.nodes.index(block.leader)]
+        act = next((j for j, s in enumerate(leader.sources) if s.state is None), 0)
+        blocks.append({"id": block.id, "layer": block.layer, "module": leader.module, "split": ic.describe(block, cand)})
+        entry = modules.setdefault(leader.module, {"params": {}})
+        entry["input"] = short_layout(strategy.inputs[act])
+        entry["output"] = short_layout(strategy.outputs[0])
+        for p in bc.params:
+            fqn = ic.locate(block, p.key)
+            owner = fqn.rpartition(".")[0]
+            modules.setdefault(owner, {"params": {}})["params"][fqn] = short_layout(p.layout)
+    return {
+        "schema": 1,
+        "model": model,
+        "kind": plan.kind,
+        "mesh": {"shape": list(space.mesh.sizes), "axes": list(names)},
+        "micro_batch_size": plan.micro_batch_size,
+        "micro_batches": plan.micro_batches,
+        "zero": plan.zero,
+        "blocks": blocks,
+        "modules": modules,
+    }

@@ -1,0 +1,166 @@
+"""Layouts (a DTensor placement per mesh axis) and the cheapest conversion between two of them (MAP §4.3).
+
+A layout is a tuple with one `Shard(d)`, `Replicate()` or `Partial()` per mesh axis. Converting one layout into
+another is a sequence of single-axis moves, each a collective on that axis over the tensor's *current* local
+buffer (so the order of moves matters: gathering on a small axis after a large one moves more bytes):
+
+    S(d) -> R     all_gather       output = local x n
+    P    -> R     all_reduce
+    P    -> S(d)  reduce_scatter
+    R    -> S(d)  local slice      free
+    S(d) -> S(e)  all_to_all
+    R|S  -> P     illegal          (inf: nothing makes a whole value a pending sum without changing its meaning)
+
+`LayoutCosts.convert` runs Dijkstra over layouts (at most 5^axes states for a 3-D tensor) with these moves and
+caches the result by (shape, itemsize, source, target, gradient). Backward is priced the same way: the gradient
+arrives in the consumer's gradient layout (Partial on an axis where the consumer split work the value was whole
+for) and must reach the producer's output layout with Partial read as Replicate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+__all__ = ["Layout", "LayoutCosts", "Partial", "Replicate", "Shard", "Transfer"]
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.cluster import Cluster, Collective, collective_seconds
+from autopar.cluster.mesh import Mesh
+
+Layout = tuple[Placement, ...]
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+INF = math.inf
+
+
+def short(p: Placement) -> str:
+    """`Shard(0)` -> ``S(0)``, `Replicate()` -> ``R``, `Partial()` -> ``P`` (DTensor's own short form)."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    return "P" if isinstance(p, Partial) else "R"
+
+
+def short_layout(layout: Layout) -> str:
+    return "".join(short(p) for p in layout) if len(layout) == 1 else "[" + ", ".join(short(p) for p in layout) + "]"
+
+
+def parse(text: str) -> Placement:
+    text = text.strip()
+    if text == "R":
+        return REPLICATE
+    if text == "P":
+        return PARTIAL
+    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"placement {text!r} is not one of S(<dim>), R, P")
+
+
+def local_shape(shape: tuple[int, ...], layout: Layout, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The per-device shape under ``layout``; None when a sharded dim does not divide evenly."""
+    local = list(shape)
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard):
+            if p.dim >= len(local) or local[p.dim] % n:
+                return None
+            local[p.dim] //= n
+    return tuple(local)
+
+
+def as_gradient(layout: Layout) -> Layout:
+    """The layout a producer expects its output's gradient in: Partial outputs take replicated gradients."""
+    return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    forward: float
+    backward: float
+    collectives: tuple[tuple[str, int, float], ...] = ()  # (kind, mesh axis, bytes), forward then backward
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+
+FREE = Transfer(0.0, 0.0)
+
+
+class LayoutCosts:
+    """Conversion costs on one mesh laid over one cluster (cached)."""
+
+    def __init__(self, mesh: Mesh, cluster: Cluster) -> None:
+        self.mesh = mesh
+        self.cluster = cluster
+        self.sizes = mesh.sizes
+        self.convert = lru_cache(maxsize=1 << 16)(self._convert)
+
+    def _convert(
+        self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout, gradient: Layout | None = None
+    ) -> Transfer:
+        fwd, fwd_moves = self._path(shape, itemsize, source, target)
+        if gradient is None or fwd == INF:
+            return Transfer(fwd, 0.0, fwd_moves)
+        bwd, bwd_moves = self._path(shape, itemsize, gradient, as_gradient(source))
+        return Transfer(fwd, bwd, fwd_moves + bwd_moves)
+
+    def _move(self, kind: Collective, nbytes: float, axis: int) -> float:
+        return collective_seconds(kind, nbytes, self.mesh.placements[axis], self.cluster)
+
+    def _path(
+        self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout
+    ) -> tuple[float, tuple[tuple[str, int, float], ...]]:
+        if source == target:
+            return 0.0, ()
+        if local_shape(shape, target, self.sizes) is None:
+            return INF, ()
+        best = {source: 0.0}
+        heap: list[tuple[float, int, Layout, tuple]] = [(0.0, 0, source, ())]
+        tie = 1
+        while heap:
+            cost, _, layout, moves = heapq.heappop(heap)
+            if layout == target:
+                return cost, moves
+            if cost > best.get(layout, INF):
+                continue
+            local = local_shape(shape, layout, self.sizes)
+            if local is None:
+                continue
+            nbytes = itemsize * math.prod(local)
+            for axis, (have, want) in enumerate(zip(layout, target)):
+                for goal in {want, REPLICATE}:
+                    if goal == have:
+                        continue
+                    step = self._step(have, goal, nbytes, axis)
+                    if step is None:
+                        continue
+                    seconds, kind, size = step
+                    nxt = layout[:axis] + (goal,) + layout[axis + 1 :]
+                    if local_shape(shape, nxt, self.sizes) is None:
+                        continue
+                    total = cost + seconds
+                    if total < best.get(nxt, INF):
+                        best[nxt] = total
+                        extra = ((kind, axis, size),) if kind else ()
+                        heapq.heappush(heap, (total, tie, nxt, moves + extra))
+                        tie += 1
+        return INF, ()
+
+    def _step(self, have: Placement, goal: Placement, nbytes: float, axis: int) -> tuple[float, str, float] | None:
+        n = self.sizes[axis]
+        if isinstance(goal, Partial):
+            return None
+        if isinstance(have, Shard) and goal == REPLICATE:
+            return self._move(Collective.ALL_GATHER, nbytes * n, axis), Collective.ALL_GATHER.value, nbytes * n
+        if isinstance(have, Partial) and goal == REPLICATE:
+            return self._move(Collective.ALL_REDUCE, nbytes, axis), Collective.ALL_REDUCE.value, nbytes
+        if isinstance(have, Partial):
+            return self._move(Collective.REDUCE_SCATTER, nbytes, axis), Collective.REDUCE_SCATTER.value, nbytes
+        if have == REPLICATE:
+            return 0.0, "", 0.0
+        return self._move(Collective.ALL_TO_ALL, nbytes, axis), Collective.ALL_TO_ALL.value, nbytes

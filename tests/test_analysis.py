@@ -1,0 +1,78 @@
+"""ParallelBlocks, candidates and segments on zoo models (CFP §3-4)."""
+
+import pytest
+
+from autopar.analysis import Split, build_blocks, find_segments, op_dims
+from autopar.capture import trace
+from autopar.cluster import build_mesh, load_cluster
+from autopar.cost.intra import IntraCost
+from autopar.zoo import load
+
+
+def _space(name: str, *, gpus: int = 8, mesh: tuple[int, ...] | None = None, **overrides):
+    zoo = load(name, batch=8, seq=64, **overrides)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    blocks = build_blocks(graph)
+    cluster = load_cluster("a100-80g-sxm").with_devices(gpus)
+    shape = mesh or (gpus,)
+    cost = IntraCost(blocks, build_mesh(cluster, {f"x{i}": n for i, n in enumerate(shape)}), cluster)
+    return graph, blocks, cost
+
+
+def test_gpt_layer_is_four_blocks_of_three_candidates() -> None:
+    graph, blocks, cost = _space("gpt3-125m", layers=3)
+    layer = [b for b in blocks.blocks if b.layer == "layers.1"]
+    modules = [graph.nodes[b.leader].module for b in layer]
+    assert modules == ["layers.1.attn.qkv", "layers.1.attn.proj", "layers.1.mlp.fc1", "layers.1.mlp.fc2"]
+    ops = {graph.nodes[i].op for i in layer[0].nodes}
+    assert any("scaled_dot_product" in op for op in ops)  # the attention core joins the QKV block
+    for block in layer:
+        assert sorted(cost.describe(block, c) for c in cost.candidates(block)) == ["k", "m", "n"]
+    combos = 1
+    for block in layer:
+        combos *= len(cost.candidates(block))
+    assert combos == 81
+
+
+def test_every_node_is_in_exactly_one_block() -> None:
+    graph, blocks, _ = _space("llama-7b", layers=2, hidden=256, heads=8, kv_heads=8, ffn=512, vocab=512)
+    seen = [i for b in blocks.blocks for i in b.nodes]
+    assert sorted(seen) == list(range(len(graph.nodes)))
+    assert all(blocks.owner[i] == b.id for b in blocks.blocks for i in b.nodes)
+
+
+def test_moe_expert_block_has_the_expert_dim() -> None:
+    graph, blocks, cost = _space("moe-125m-e8", layers=2)
+    expert = [b for b in blocks.blocks if graph.nodes[b.leader].op == "aten.bmm.default"]
+    assert expert, "the expert matmuls lead blocks"
+    for block in expert:
+        names = sorted(cost.describe(block, c) for c in cost.candidates(block))
+        assert names == ["b", "k", "m", "n"]  # b is the expert dim: one more candidate than a dense layer
+        dims = op_dims(graph.nodes[block.leader]).dims
+        assert dims[0].size == 8 and dims[0].split is Split.FREE
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("gpt3-125m", {"layers": 2}),
+        ("gpt3-125m", {"layers": 12}),
+        ("gpt3-125m", {"layers": 48}),
+        ("llama-7b", {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 8, "ffn": 512, "vocab": 512}),
+        ("llama-7b", {"layers": 40, "hidden": 256, "heads": 8, "kv_heads": 8, "ffn": 512, "vocab": 512}),
+    ],
+)
+def test_gpt_and_llama_reduce_to_three_unique_segments(name: str, overrides: dict) -> None:
+    _, blocks, _ = _space(name, **overrides)
+    segments = find_segments(blocks.blocks)
+    assert len({s.fingerprint for s in segments}) <= 3
+    layers = overrides["layers"]
+    assert max(s.count for s in segments) == layers  # one segment per layer, repeated back to back
+    assert sum(s.length * s.count for s in segments) == len(blocks.blocks)
+
+
+def test_t5_decoder_layers_match_despite_cross_attention() -> None:
+    _, blocks, _ = _space("t5-base")
+    segments = find_segments(blocks.blocks)
+    repeated = sorted(s.count for s in segments if s.count > 1)
+    assert repeated == [10, 11]  # encoder and decoder layers after the first of each

@@ -1,0 +1,100 @@
+"""The intra-op planner against the known optima of its own cost model, and plan files."""
+
+import dataclasses
+import json
+
+import pytest
+
+from autopar.capture import trace
+from autopar.cluster import build_mesh, load_cluster
+from autopar.cluster.spec import GIB
+from autopar.plan import load_plan, save_plan
+from autopar.search import build_space, plan_intra
+from autopar.zoo import load
+
+
+def _plan(name: str, *, gpus: int, batch: int, mesh=None, memory_gib: float | None = None, **overrides):
+    zoo = load(name, batch=1, **overrides)
+    cluster = load_cluster("a100-80g-sxm").with_devices(gpus)
+    if memory_gib is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory_gib * GIB))
+    found = plan_intra(
+        lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
+        cluster, mesh or (gpus,), global_batch=batch, time_limit=60,
+    )
+    return found
+
+
+def test_plain_data_parallel_when_the_model_fits() -> None:
+    found = _plan("gpt3-350m", gpus=8, batch=64)
+    ilp, dp = found["ilp"], found["dp"]
+    assert dp.estimate.memory.fits
+    assert ilp.choice == dp.choice and ilp.zero == 0
+    assert ilp.estimate.iteration_seconds == pytest.approx(dp.estimate.iteration_seconds)
+
+
+def test_memory_bound_plan_fits_and_beats_fsdp_and_megatron() -> None:
+    found = _plan("gpt3-2.7b", gpus=8, batch=16, memory_gib=24)
+    ilp = found["ilp"]
+    assert not found["dp"].estimate.memory.fits
+    assert ilp.estimate.memory.fits and ilp.estimate.memory.total <= ilp.estimate.memory.budget
+    for kind in ("fsdp", "megatron"):
+        other = found[kind]
+        if other is not None and other.estimate.memory.fits:
+            assert ilp.estimate.iteration_seconds <= other.estimate.iteration_seconds * (1 + 1e-9)
+
+
+def test_mlp_pairs_column_then_row_when_tensor_parallel() -> None:
+    found = _plan("gpt3-175b", gpus=8, batch=8, layers=4)
+    plan = found["ilp"].to_dict("gpt3-175b")
+    assert found["ilp"].estimate.memory.fits and not found["dp"].estimate.memory.fits
+    splits = {b["module"]: b["split"] for b in plan["blocks"]}
+    for layer in range(4):
+        fc1, fc2 = splits[f"layers.{layer}.mlp.fc1"], splits[f"layers.{layer}.mlp.fc2"]
+        assert (fc1, fc2) == ("n", "k")  # column-parallel FC1 feeds row-parallel FC2 with no resharding
+    assert plan["modules"]["layers.0.mlp.fc2"]["output"] == "P"  # one reduction closes the pair
+
+
+def test_estimate_equals_the_ilp_objective() -> None:
+    found = _plan("gpt3-350m", gpus=8, batch=32, memory_gib=12, layers=4)
+    ilp = found["ilp"]
+    assert ilp.solution is not None and ilp.solution.optimal
+    assert ilp.estimate.iteration_seconds == pytest.approx(ilp.solution.objective, rel=1e-9)
+
+
+def test_two_dimensional_mesh_never_exceeds_the_budget() -> None:
+    found = _plan("gpt3-2.7b", gpus=8, batch=16, mesh=(2, 4), memory_gib=24)
+    for plan in found.values():
+        if plan is not None and plan.estimate.memory.fits:
+            assert plan.estimate.memory.total <= plan.estimate.memory.budget
+    assert found["ilp"].estimate.memory.fits
+
+
+def test_variables_do_not_grow_with_depth() -> None:
+    cluster = load_cluster("a100-80g-sxm").with_devices(8)
+    mesh = build_mesh(cluster, {"x0": 8})
+    sizes = []
+    for layers in (4, 40):
+        zoo = load("gpt3-125m", batch=8, seq=128, layers=layers)
+        space = build_space(trace(zoo.module, example_kwargs=zoo.inputs), mesh, cluster)
+        sizes.append((len(space.representative), sum(len(c) for c in space.candidates)))
+        assert sum(space.count) == len(space.blocks.blocks)
+    assert sizes[0] == sizes[1]
+
+
+def test_plan_file_round_trip_and_validation(tmp_path) -> None:
+    found = _plan("gpt3-125m", gpus=4, batch=8, layers=2)
+    plan = found["ilp"].to_dict("gpt3-125m")
+    path = tmp_path / "plan.json"
+    save_plan(path, plan, found["ilp"].estimate.to_dict())
+    data = load_plan(path)
+    assert data["plan"] == json.loads(json.dumps(plan))
+    bad = json.loads(path.read_text())
+    bad["plan"]["modules"]["layers.0.attn.qkv"]["params"]["layers.0.attn.qkv.weight"] = "S(x)"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="layers.0.attn.qkv"):
+        load_plan(path)
+    bad["plan"]["schema"] = 99
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="schema 99"):
+        load_plan(path)
