@@ -374,24 +374,19 @@ def _einsum(node: Node, spec: str, names: dict[str, str], offset: int = 0) -> Op
     return OpDims(tuple(dims), contraction=True, addends=offset)
 
 
-@dim_rule("aten.mm.default")
-def _mm(node: Node) -> OpDims:
-    return _einsum(node, "mk,kn->mn", {})
+# matmul family: einsum equation over the tensor inputs after ``offset`` leading bias operands
+_MATMULS = {
+    "aten.mm.default": ("mk,kn->mn", 0),
+    "aten.addmm.default": ("mk,kn->mn", 1),
+    "aten.bmm.default": ("bmk,bkn->bmn", 0),
+    "aten.baddbmm.default": ("bmk,bkn->bmn", 1),
+}
 
 
-@dim_rule("aten.addmm.default")
-def _addmm(node: Node) -> OpDims:
-    return _einsum(node, "mk,kn->mn", {}, offset=1)
-
-
-@dim_rule("aten.bmm.default")
-def _bmm(node: Node) -> OpDims:
-    return _einsum(node, "bmk,bkn->bmn", {})
-
-
-@dim_rule("aten.baddbmm.default")
-def _baddbmm(node: Node) -> OpDims:
-    return _einsum(node, "bmk,bkn->bmn", {}, offset=1)
+@dim_rule(*_MATMULS)
+def _matmul(node: Node) -> OpDims:
+    spec, offset = _MATMULS[node.op]
+    return _einsum(node, spec, {}, offset=offset)
 
 
 @dim_rule("aten.embedding.default")

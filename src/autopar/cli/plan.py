@@ -105,38 +105,44 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     return data if args.json else render(data, out=args.out)
 
 
-def _module_rows(plan: dict[str, Any]) -> list[list[str]]:
-    """One row per leading module; layers whose rows repeat the previous layer's are folded into a count."""
-    rows: list[list[str]] = []
-    previous: dict[str, tuple] = {}
-    folded: dict[str, int] = {}
+def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """One row per leading module; a repeated layer whose rows match the layer before it is folded into a note."""
+    layers: dict[str, list[list[str]]] = {}
     for block in plan["blocks"]:
-        layer, module = block["layer"], block["module"]
+        module = block["module"]
         entry = plan["modules"].get(module, {})
         params = " ".join(f"{k.rpartition('.')[2]}:{v}" for k, v in entry.get("params", {}).items())
-        local = module[len(layer) + 1:] if module.startswith(layer + ".") else module
-        signature = (local, block["split"], entry.get("input", ""), entry.get("output", ""), params)
+        layers.setdefault(block["layer"], []).append(
+            [module, block["split"], entry.get("input", ""), entry.get("output", ""), params]
+        )
+    rows: list[list[str]] = []
+    folded: dict[str, int] = {}
+    previous: tuple[str, list] | None = None
+    for layer, layer_rows in layers.items():
         stem = layer.rpartition(".")[0]
-        if stem and previous.get(stem + ":" + local) == signature:
+        local = [[r[0].removeprefix(layer + "."), *r[1:]] for r in layer_rows]
+        if stem and previous is not None and previous == (stem, local):
             folded[stem] = folded.get(stem, 0) + 1
             continue
-        previous[stem + ":" + local] = signature
-        rows.append([module, block["split"], entry.get("input", ""), entry.get("output", ""), params])
-    return rows
+        previous = (stem, local)
+        rows.extend(layer_rows)
+    notes = [f"({n} more {stem}.N layers, each the same as the one before)" for stem, n in folded.items()]
+    return rows, notes
 
 
 def render(data: dict[str, Any], *, out: str | None = None) -> str:
     plan, e = data["plan"], data["estimate"]
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan["mesh"]["axes"], plan["mesh"]["shape"]))
-    layers = {b["layer"] for b in plan["blocks"]}
+    rows, notes = _module_rows(plan)
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}: mesh {mesh}",
         f"plan ({data['search']}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
         f"ZeRO {plan['zero']}; searched in {data['search_seconds']:.1f} s",
         "",
-        f"modules ({len(layers)} layers; a repeated layer is shown once when every instance matches)",
-        table(["module", "split", "input", "output", "params"], _module_rows(plan), align="lllll"),
+        "modules: split of each leading op per mesh axis, layouts of its input, output and parameters",
+        table(["module", "split", "input", "output", "params"], rows, align="lllll"),
+        *notes,
         "",
         estimate_text(e),
         "",

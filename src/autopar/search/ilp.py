@@ -85,21 +85,16 @@ def solve(
             rows.append(row), cols.append(offsets[v] + i), vals.append(1.0)
         lower.append(1.0), high.append(1.0)
         row += 1
-    for k, e in enumerate(merged):  # marginals tie y to x
+    for k, e in enumerate(merged):  # marginals tie y to x: rows of y sum to x[u], columns to x[v]
         n_u, n_v = e.costs.shape
-        base = edge_offsets[k]
-        for i in range(n_u):
-            for j in range(n_v):
-                rows.append(row), cols.append(base + i * n_v + j), vals.append(1.0)
-            rows.append(row), cols.append(offsets[e.source] + i), vals.append(-1.0)
-            lower.append(0.0), high.append(0.0)
-            row += 1
-        for j in range(n_v):
-            for i in range(n_u):
-                rows.append(row), cols.append(base + i * n_v + j), vals.append(1.0)
-            rows.append(row), cols.append(offsets[e.target] + j), vals.append(-1.0)
-            lower.append(0.0), high.append(0.0)
-            row += 1
+        grid = edge_offsets[k] + np.arange(n_u * n_v).reshape(n_u, n_v)
+        for lines, block in ((grid, e.source), (grid.T, e.target)):
+            for strategy, line in enumerate(lines):
+                rows.extend([row] * (len(line) + 1))
+                cols.extend([*line.tolist(), offsets[block] + strategy])
+                vals.extend([1.0] * len(line) + [-1.0])
+                lower.append(0.0), high.append(0.0)
+                row += 1
     if memory is not None and math.isfinite(budget):
         for v, m in enumerate(memory):
             for i, value in enumerate(m):
