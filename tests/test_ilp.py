@@ -22,21 +22,22 @@ def _random_problem(rng: np.random.Generator):
             matrix[int(rng.integers(0, sizes[u])), int(rng.integers(0, sizes[v]))] = math.inf
         edges.append(Edge(u, v, matrix))
     memory = [rng.uniform(0, 4, size=s) for s in sizes]
-    budget = float(rng.uniform(0.3, 1.0) * sum(m.max() for m in memory))
-    return costs, edges, memory, budget
+    transient = [rng.uniform(0, 3, size=s) for s in sizes]
+    budget = float(rng.uniform(0.3, 1.0) * (sum(m.max() for m in memory) + 3))
+    return costs, edges, memory, budget, transient
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_ilp_equals_brute_force(seed: int) -> None:
-    costs, edges, memory, budget = _random_problem(np.random.default_rng(seed))
-    best_choice, best_value = enumerate_optimum(costs, edges, memory, budget)
-    solution = solve(costs, edges, memory, budget, time_limit=10)
+    costs, edges, memory, budget, transient = _random_problem(np.random.default_rng(seed))
+    best_choice, best_value = enumerate_optimum(costs, edges, memory, budget, transient=transient)
+    solution = solve(costs, edges, memory, budget, transient=transient, time_limit=10)
     if not math.isfinite(best_value):
         assert not solution.feasible
         return
     assert solution.feasible and solution.optimal
     assert solution.objective == pytest.approx(best_value, rel=1e-6, abs=1e-9)
-    assert memory_of(memory, solution.choice) <= budget + 1e-9
+    assert memory_of(memory, solution.choice, transient) <= budget + 1e-6
     assert evaluate(costs, edges, solution.choice) == pytest.approx(solution.objective)
 
 
@@ -46,6 +47,14 @@ def test_memory_budget_changes_the_choice() -> None:
     assert solve(costs, [], memory, budget=20).choice == (0,)
     assert solve(costs, [], memory, budget=5).choice == (1,)
     assert not solve(costs, [], memory, budget=1).feasible
+
+
+def test_only_the_largest_transient_counts() -> None:
+    costs = [np.array([1.0, 2.0]), np.array([1.0, 2.0])]
+    memory = [np.array([1.0, 1.0]), np.array([1.0, 1.0])]
+    transient = [np.array([5.0, 1.0]), np.array([5.0, 1.0])]
+    assert solve(costs, [], memory, 7.0, transient=transient).choice == (0, 0)  # 1 + 1 + max(5, 5)
+    assert solve(costs, [], memory, 6.0, transient=transient).objective == pytest.approx(4.0)  # both small
 
 
 def test_resharding_edge_pulls_neighbours_together() -> None:

@@ -98,3 +98,25 @@ def test_plan_file_round_trip_and_validation(tmp_path) -> None:
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="schema 99"):
         load_plan(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "batch", "overrides"),
+    [
+        ("t5-base", 64, {}),
+        ("moe-350m-e16", 64, {"layers": 8}),
+        ("wrn-50-2", 256, {}),
+        ("bert-large", 64, {}),
+        ("llama3-8b", 64, {"layers": 8}),
+        ("gpt3-6.7b", 32, {}),
+    ],
+)
+def test_plan_is_never_slower_than_a_fitting_baseline(name: str, batch: int, overrides: dict) -> None:
+    found = _plan(name, gpus=8, batch=batch, **overrides)
+    ilp = found["ilp"]
+    assert ilp.estimate.memory.fits
+    for kind in ("dp", "fsdp", "megatron"):
+        other = found[kind]
+        if other is not None and other.estimate.memory.fits:
+            assert ilp.estimate.iteration_seconds <= other.estimate.iteration_seconds * (1 + 1e-9), kind

@@ -36,6 +36,10 @@ def _layer_index(layer: str) -> int | None:
     return int(last) if last.isdigit() else None
 
 
+def _instance(segment, block_id: int) -> int:  # noqa: ANN001
+    return (block_id - segment.start) // segment.length
+
+
 def report(args: argparse.Namespace) -> dict[str, Any]:
     traced = load_and_trace(args)
     shape = mesh_shape(args.mesh, args.gpus)
@@ -58,6 +62,18 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
                 "candidates": [space.cost.describe(block, c) for c in space.candidates[v]],
             }
         )
+    segment_of = {}
+    for index, seg in enumerate(space.segments):
+        for b in seg.blocks:
+            segment_of[b] = index
+    pairs: dict[tuple[str, str], int] = {}
+    for cls in space.classes:  # values read across segments (or from one instance of a segment to the next)
+        for _, producer in cls.inputs:
+            src, dst = space.segments[segment_of[producer.id]], space.segments[segment_of[cls.block.id]]
+            crosses = src is not dst or _instance(src, producer.id) != _instance(dst, cls.block.id)
+            if crosses:
+                key = (src.fingerprint, dst.fingerprint)
+                pairs[key] = pairs.get(key, 0) + cls.count
     per_op_log10 = sum(math.log10(count(op_dims(n), shape)) for n in nodes)
     blocks_log10 = sum(math.log10(len(space.candidates[space.var_of[b.id]])) for b in space.blocks.blocks)
     reduced = math.prod(len(c) for c in space.candidates)
@@ -72,6 +88,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
              "length": s.length}
             for s in space.segments
         ],
+        "resharding": [{"from": a, "to": b, "values": n} for (a, b), n in pairs.items()],
         "space": {
             "per_op": f"1e{per_op_log10:.1f}",
             "per_op_log10": per_op_log10,
@@ -112,6 +129,9 @@ def render(data: dict[str, Any], *, every: bool = False) -> str:
             "",
             "segments (blocks of the first instance, instances back to back)",
             table(["fingerprint", "blocks", "count", "starts at"], seg_rows, align="lrrl"),
+            "",
+            "values crossing segments (priced as resharding between the two blocks' layouts): "
+            + ", ".join(f"{a[:6]}->{b[:6]} x{n}" for a, b, n in ((r["from"], r["to"], r["values"]) for r in data["resharding"])),
             "",
             "blocks" + ("" if every else " (first instance of each segment; --all lists every block)"),
             table(["id", "layer", "leading module", "op", "ops", "candidates"], block_rows, align="rlllrl"),

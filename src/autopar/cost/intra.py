@@ -206,7 +206,7 @@ class IntraCost:
             return  # buffers (rotary tables, masks) are cheap to hold whole or sliced anywhere
         layout = self._to_param_layout(node.sources[j], need)
         if self.param_owner.get(fqn) != block.id:  # a tied parameter: converted from its owner's layout
-            cost.entries[key] = (layout, tuple(REPLICATE if isinstance(p, Partial) else p for p in grad))
+            cost.entries[key] = (layout, self._to_param_layout(node.sources[j], grad, keep_partial=True))
             return
         if any(self.locate(block, p.key) == fqn for p in cost.params):
             return
@@ -215,10 +215,11 @@ class IntraCost:
         cost.params.append(ParamUse(key, numel, numel / self._ways(layout), layout, reduce_axes))
         cost.exits[key] = layout
 
-    def _to_param_layout(self, source, need: Layout) -> Layout:  # noqa: ANN001
+    def _to_param_layout(self, source, need: Layout, *, keep_partial: bool = False) -> Layout:  # noqa: ANN001
         """Map a layout needed at a use of a parameter back through its view chain (transpose, reshape) to the
-        layout of the stored parameter; Partial (a bias in a row-parallel layer) is stored whole."""
-        layout = tuple(REPLICATE if isinstance(p, Partial) else p for p in need)
+        layout of the stored parameter; Partial (a bias in a row-parallel layer) is stored whole, but kept with
+        ``keep_partial`` (a gradient)."""
+        layout = need if keep_partial else tuple(REPLICATE if isinstance(p, Partial) else p for p in need)
         while source.node >= 0:
             node = self.nodes[source.node]
             dims = op_dims(node)

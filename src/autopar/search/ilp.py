@@ -7,12 +7,14 @@ Pure core: arrays in, assignment out. Blocks are ``v = 0..V-1``; block ``v`` has
     subject to  sum_i x[v][i] = 1                               for every v      (one strategy per block)
                 sum_j y[u,v][i][j] = x[u][i]                    for every edge, i (edge picks u's strategy)
                 sum_i y[u,v][i][j] = x[v][j]                    for every edge, j (... and v's)
-                sum_v sum_i m[v][i] x[v][i] <= M                                  (per-device memory)
-                x[v][i] in {0, 1},  0 <= y[u,v][i][j] <= 1;  x and y fixed to 0 where a cost is infinite
+                sum_i t[v][i] x[v][i] <= T                     for every v      (T: the largest transient)
+                sum_v sum_i m[v][i] x[v][i] + T <= M                              (per-device memory)
+                x[v][i] in {0, 1},  0 <= y[u,v][i][j] <= 1,  T >= 0;  x, y fixed to 0 where a cost is infinite
 
 ``c`` holds each block's compute, its communication inside and its gradient synchronisation; ``R`` the resharding
 between the layouts two blocks give and need a value in; ``m`` the parameter, gradient, optimizer and activation
-bytes it keeps. With ``x`` integral the two marginal constraints leave ``y[u,v]`` exactly one 1 (a transportation
+bytes it keeps; ``t`` the transient bytes it needs while it runs (its largest temporary), of which only the largest
+over all blocks counts. With ``x`` integral the two marginal constraints leave ``y[u,v]`` exactly one 1 (a transportation
 polytope with one-hot margins), so ``y`` needs no integrality and the programme stays small. Repeated segments
 enter once with their costs multiplied by their count (the caller ties them); an edge from a block to itself (one
 repeated layer feeding the next) is its diagonal added to ``c``.
@@ -25,7 +27,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +62,7 @@ def solve(
     memory: list[np.ndarray] | None = None,
     budget: float = math.inf,
     *,
+    transient: list[np.ndarray] | None = None,
     time_limit: float = 30.0,
 ) -> Solution:
     start = time.perf_counter()
@@ -66,10 +73,12 @@ def solve(
     edge_offsets = [num_x]
     for e in merged:
         edge_offsets.append(edge_offsets[-1] + e.costs.size)
-    num = edge_offsets[-1]
+    peak = edge_offsets[-1]  # the variable T
+    num = peak + 1
 
     objective = np.zeros(num)
     upper = np.ones(num)
+    upper[peak] = np.inf
     for v, c in enumerate(node_costs):
         objective[offsets[v] : offsets[v + 1]] = np.where(np.isfinite(c), c, 0.0)
         upper[offsets[v] : offsets[v + 1]][~np.isfinite(c)] = 0.0
@@ -95,23 +104,32 @@ def solve(
                 vals.extend([1.0] * len(line) + [-1.0])
                 lower.append(0.0), high.append(0.0)
                 row += 1
+    if transient is not None:  # T is at least each block's transient
+        for v, t in enumerate(transient):
+            rows.extend([row] * (len(t) + 1))
+            cols.extend([*(offsets[v] + i for i in range(len(t))), peak])
+            vals.extend([*(float(x) for x in t), -1.0])
+            lower.append(-np.inf), high.append(0.0)
+            row += 1
     if memory is not None and math.isfinite(budget):
         for v, m in enumerate(memory):
             for i, value in enumerate(m):
                 if value:
                     rows.append(row), cols.append(offsets[v] + i), vals.append(float(value))
+        rows.append(row), cols.append(peak), vals.append(1.0)
         lower.append(-np.inf), high.append(float(budget))
         row += 1
     matrix = coo_array((vals, (rows, cols)), shape=(row, num)).tocsr()
     integrality = np.zeros(num)
     integrality[:num_x] = 1
-    result = milp(
-        objective,
-        integrality=integrality,
-        bounds=Bounds(np.zeros(num), upper),
-        constraints=LinearConstraint(matrix, lower, high),
-        options={"time_limit": max(time_limit, 0.01), "disp": False},
-    )
+    with _native_stdout_silenced():
+        result = milp(
+            objective,
+            integrality=integrality,
+            bounds=Bounds(np.zeros(num), upper),
+            constraints=LinearConstraint(matrix, lower, high),
+            options={"time_limit": max(time_limit, 0.01), "disp": False},
+        )
     seconds = time.perf_counter() - start
     if result.x is None:
         return Solution((), math.inf, False, False, seconds, result.message)
@@ -119,6 +137,25 @@ def solve(
     choice = tuple(int(np.argmax(x[offsets[v] : offsets[v + 1]])) for v in range(len(costs)))
     value = evaluate(costs, edges, choice)
     return Solution(choice, value, result.status == 0, True, seconds, result.message)
+
+
+@contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """HiGHS (scipy 1.17) writes some MIP diagnostics straight to file descriptor 1 even with ``disp`` off; they
+    would corrupt ``--json`` output, so descriptor 1 points at /dev/null while it runs."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (an embedded interpreter): nothing to protect
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def evaluate(costs: list[np.ndarray], edges: list[Edge], choice: tuple[int, ...]) -> float:
@@ -129,17 +166,26 @@ def evaluate(costs: list[np.ndarray], edges: list[Edge], choice: tuple[int, ...]
     return total
 
 
-def memory_of(memory: list[np.ndarray], choice: tuple[int, ...]) -> float:
-    return sum(float(memory[v][i]) for v, i in enumerate(choice))
+def memory_of(
+    memory: list[np.ndarray], choice: tuple[int, ...], transient: list[np.ndarray] | None = None
+) -> float:
+    """Memory of one assignment: what every block keeps plus the largest transient."""
+    peak = max((float(transient[v][i]) for v, i in enumerate(choice)), default=0.0) if transient else 0.0
+    return sum(float(memory[v][i]) for v, i in enumerate(choice)) + peak
 
 
 def enumerate_optimum(
-    costs: list[np.ndarray], edges: list[Edge], memory: list[np.ndarray] | None = None, budget: float = math.inf
+    costs: list[np.ndarray],
+    edges: list[Edge],
+    memory: list[np.ndarray] | None = None,
+    budget: float = math.inf,
+    *,
+    transient: list[np.ndarray] | None = None,
 ) -> tuple[tuple[int, ...], float]:
     """Brute force over every combination (for tests and tiny spaces)."""
     best: tuple[tuple[int, ...], float] = ((), math.inf)
     for choice in itertools.product(*(range(len(c)) for c in costs)):
-        if memory is not None and memory_of(memory, choice) > budget:
+        if memory is not None and memory_of(memory, choice, transient) > budget:
             continue
         value = evaluate(costs, edges, choice)
         if value < best[1]:

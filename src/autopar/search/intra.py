@@ -149,6 +149,7 @@ class Terms:
 
     costs: list[np.ndarray]
     memory: list[np.ndarray]
+    transient: list[np.ndarray]  # largest temporary of each candidate (only the largest over blocks counts)
     edges: list[Edge]
     constant_memory: float
 
@@ -180,8 +181,8 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     costs = [np.zeros(len(c)) for c in space.candidates]
     memory = [np.zeros(len(c)) for c in space.candidates]
+    transient = [np.zeros(len(c)) for c in space.candidates]
     edge_sum: dict[tuple[int, int], np.ndarray] = {}
-    temporary = 0.0
     for cls in space.classes:
         cands = space.candidates[cls.var]
         c_row, m_row = np.zeros(len(cands)), np.zeros(len(cands))
@@ -195,7 +196,7 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
             )
             c_row[i] = m * bc.seconds + sync
             m_row[i] = bc.saved + sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
-            temporary = max(temporary, bc.temporary)
+            transient[cls.var][i] = max(transient[cls.var][i], bc.temporary)
         costs[cls.var] += cls.count * c_row
         memory[cls.var] += cls.count * m_row
         for key, producer in cls.inputs:
@@ -203,7 +204,7 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
             matrix = (cls.count * m) * _edge_matrix(space, cls.block, key, producer)
             edge_sum[pair] = edge_sum[pair] + matrix if pair in edge_sum else matrix
     edges = [Edge(u, v, matrix) for (u, v), matrix in edge_sum.items()]
-    return Terms(costs, memory, edges, temporary + ic.cluster.device.reserved)
+    return Terms(costs, memory, transient, edges, ic.cluster.device.reserved)
 
 
 def _value_info(space: Space, value: tuple[int, int] | str):  # noqa: ANN202
@@ -504,15 +505,23 @@ def _best_of_kind(
         budget = space.cost.cluster.device.memory - terms.constant_memory
         solution = None
         if kind == "ilp":
-            solution = solve(terms.costs, terms.edges, terms.memory, budget, time_limit=max(deadline - time.perf_counter(), 1.0))
-            if not solution.feasible:  # nothing fits: keep the least-memory assignment to report
-                solution = solve(terms.memory, [], None, time_limit=5.0)
+            solution = solve(
+                terms.costs, terms.edges, terms.memory, budget, transient=terms.transient,
+                time_limit=max(deadline - time.perf_counter(), 1.0),
+            )
+            if not solution.feasible:  # nothing fits: keep the least-memory legal assignment to report
+                legal = [Edge(e.source, e.target, np.where(np.isfinite(e.costs), 0.0, math.inf)) for e in terms.edges]
+                solution = solve(terms.memory, legal, None, time_limit=5.0)
+                if not solution.feasible:
+                    continue
             choice = solution.choice
         else:
             choice = baseline_choice(space, kind)
             if choice is None:
                 return None
         estimate = estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
+        if not math.isfinite(estimate.iteration_seconds):  # a baseline that needs an illegal conversion
+            continue
         plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution)
         if best is None or _better(plan, best):
             best = plan
