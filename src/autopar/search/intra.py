@@ -150,6 +150,7 @@ class Terms:
     costs: list[np.ndarray]
     memory: list[np.ndarray]
     transient: list[np.ndarray]  # largest temporary of each candidate (only the largest over blocks counts)
+    states: list[np.ndarray]  # the part of ``memory`` that more micro-batches do not shrink (model states)
     edges: list[Edge]
     constant_memory: float
 
@@ -182,6 +183,7 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
     costs = [np.zeros(len(c)) for c in space.candidates]
     memory = [np.zeros(len(c)) for c in space.candidates]
     transient = [np.zeros(len(c)) for c in space.candidates]
+    states = [np.zeros(len(c)) for c in space.candidates]
     edge_sum: dict[tuple[int, int], np.ndarray] = {}
     for cls in space.classes:
         cands = space.candidates[cls.var]
@@ -195,7 +197,9 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
                 bc.params, zero=zero, micro_batches=m, itemsize=_itemsize(dtype), mesh=space.mesh, cluster=ic.cluster
             )
             c_row[i] = m * bc.seconds + sync
-            m_row[i] = bc.saved + sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
+            held = sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
+            m_row[i] = bc.saved + held
+            states[cls.var][i] += cls.count * held
             transient[cls.var][i] = max(transient[cls.var][i], bc.temporary)
         costs[cls.var] += cls.count * c_row
         memory[cls.var] += cls.count * m_row
@@ -204,7 +208,7 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
             matrix = (cls.count * m) * _edge_matrix(space, cls.block, key, producer)
             edge_sum[pair] = edge_sum[pair] + matrix if pair in edge_sum else matrix
     edges = [Edge(u, v, matrix) for (u, v), matrix in edge_sum.items()]
-    return Terms(costs, memory, transient, edges, ic.cluster.device.reserved)
+    return Terms(costs, memory, transient, states, edges, ic.cluster.device.reserved)
 
 
 def _value_info(space: Space, value: tuple[int, int] | str):  # noqa: ANN202
@@ -264,6 +268,8 @@ class IntraPlan:
     micro_batch_size: int
     estimate: Estimate
     solution: Solution | None = None
+    floor: float = 0.0  # bytes no micro-batch count goes below (model states + reserve): above the budget, stop
+
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -468,6 +474,8 @@ def _plan_intra(
                 hi = mid - 1
             elif found.estimate.memory.fits:
                 first_fit, hi = mid, mid - 1
+            elif found.floor > found.estimate.memory.budget:
+                break  # the model states alone exceed the device: no micro-batch count can fit
             else:
                 lo = mid + 1
         if first_fit is not None:
@@ -500,6 +508,7 @@ def _best_of_kind(
 ) -> IntraPlan | None:
     stages = (3,) if kind == "fsdp" else (0,) if kind in ("dp", "megatron") else ZERO_STAGES
     best: IntraPlan | None = None
+    lowest = math.inf
     for zero in stages:
         terms = build_terms(space, zero=zero, micro_batches=m, dtype=dtype)
         budget = space.cost.cluster.device.memory - terms.constant_memory
@@ -522,9 +531,16 @@ def _best_of_kind(
         estimate = estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
         if not math.isfinite(estimate.iteration_seconds):  # a baseline that needs an illegal conversion
             continue
+        floor = terms.constant_memory + (
+            sum(float(row.min()) for row in terms.states) if kind == "ilp"
+            else sum(float(terms.states[v][i]) for v, i in enumerate(choice))
+        )
         plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution)
         if best is None or _better(plan, best):
             best = plan
+        lowest = min(lowest, floor)
+    if best is not None:
+        best.floor = lowest
     return best
 
 
