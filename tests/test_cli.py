@@ -150,7 +150,8 @@ def test_plan_json_fields_and_plan_file(capsys: pytest.CaptureFixture[str], tmp_
 
 
 def test_plan_table_and_baseline_search(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "4", "--batch", "8")
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "4", "--batch", "8",
+                             "--search", "ilp")
     assert code == 0, err
     assert "against the baselines" in out and "megatron" in out and "layers.0.mlp.fc2" in out
     code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--gpus", "4", "--batch", "8",
@@ -162,8 +163,8 @@ def test_plan_table_and_baseline_search(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x3"], "--mesh 2x3 has 6 devices but --gpus is 8"),
-        (["plan", "gpt3-125m", "--mesh", "2xq"], "--mesh '2xq' is not a shape"),
+        (["plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x3", "--search", "ilp"], "--mesh 2x3 has 6 devices but --gpus is 8"),
+        (["plan", "gpt3-125m", "--mesh", "2xq", "--search", "ilp"], "--mesh '2xq' is not a shape"),
         (["plan", "gpt3-125m", "--gpus", "4", "--budget-s", "0"], "--budget-s must be positive"),
         (["plan", "gpt3-125m", "--gpus", "4", "--batch", "3", "--search", "dp"], "no dp plan exists for --batch 3"),
         (["analyze", "gpt3-125m", "--gpus", "0"], "--gpus must be positive"),
@@ -173,3 +174,32 @@ def test_plan_and_analyze_errors(capsys: pytest.CaptureFixture[str], argv: list[
     code, _, err = run_cli(capsys, *argv)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_auto_json_fields_and_plan_file(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    from autopar.plan import load_plan
+
+    out_file = tmp_path / "plan.json"
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "4", "--gpus", "8", "--batch", "32",
+                             "--budget-s", "10", "--out", str(out_file), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["search"] == "auto" and set(data) >= {"plan", "estimate", "baselines", "search_seconds"}
+    assert set(data["baselines"]) == {"megatron", "dp", "fsdp"}
+    plan = data["plan"]
+    assert sum(len(s["layers"]) for s in plan["stages"]) == len({n for s in plan["stages"] for n in s["layers"]})
+    assert all(s["dp"] * s["tp"] == plan["mesh"]["shape"][1] for s in plan["stages"])
+    assert plan["micro_batch_size"] * plan["micro_batches"] == 32
+    for other in data["baselines"].values():
+        if other and other["estimate"]["memory"]["fits"]:
+            assert data["estimate"]["iteration_seconds"] <= other["estimate"]["iteration_seconds"] * (1 + 1e-9)
+    assert load_plan(out_file)["plan"] == plan
+
+
+def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "4", "--gpus", "8", "--batch", "32",
+                             "--budget-s", "5")
+    assert code == 0, err
+    assert "pipeline stages" in out and "dp x tp" in out and "against the baselines" in out
+    code, _, err = run_cli(capsys, "plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x4")
+    assert code == 2 and "--mesh applies to --search ilp" in err

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -13,10 +15,13 @@ from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments, mes
 from autopar.cli.render import binary_bytes, estimate_text, table
 from autopar.cluster import load_cluster
 from autopar.plan import save_plan
+from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
+from autopar.search.pipeline import pipeline_searches, plan_dict
 from autopar.zoo import load
 
-SEARCHES = ("ilp", *BASELINES)
+PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
+SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
 
 def register(subparsers: Any) -> None:
@@ -30,10 +35,13 @@ def register(subparsers: Any) -> None:
     add_model_arguments(parser)
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
     parser.add_argument("--gpus", type=int, help="devices used (default: the product of --mesh)")
-    parser.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (default: one axis, or nodes x devices per node "
-                        "when --gpus spans nodes)")
-    parser.add_argument("--search", choices=SEARCHES, default="ilp",
-                        help="ilp: the intra-op integer programme (default); dp, fsdp, megatron: a baseline alone")
+    parser.add_argument("--mesh", help="with --search ilp: mesh shape, e.g. 8 or 2x4 (default: one axis, or nodes x "
+                        "devices per node when --gpus spans nodes)")
+    parser.add_argument(
+        "--search", choices=SEARCHES, default="auto",
+        help="auto (default): Megatron grid, then Aceso's bottleneck search over pipeline depths; aceso; exhaustive "
+        "(small models); megatron, dp, fsdp: one baseline; ilp: the intra-op programme on one --mesh, no pipeline",
+    )
     parser.add_argument("--budget-s", type=float, default=60.0, help="search time budget in seconds (default 60)")
     parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -49,6 +57,10 @@ def _default_mesh(args: argparse.Namespace, per_node: int) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+    if args.search != "ilp":
+        if args.mesh:
+            raise ValueError("--mesh applies to --search ilp; pipeline searches choose each stage's dp x tp")
+        return run_pipeline(args)
     base = load_cluster(args.cluster)
     shape = _default_mesh(args, base.devices_per_node)
     cluster = base.with_devices(math.prod(shape))
@@ -103,6 +115,105 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.out:
         save_plan(args.out, data["plan"], data["estimate"])
     return data if args.json else render(data, out=args.out)
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
+    for flag in ("batch", "seq", "gpus", *MODEL_OVERRIDES):
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    return load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+
+
+def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The pipeline searches: trace once at batch 1 (costs scale with the batch), search, price the baselines."""
+    if args.gpus is None:
+        raise ValueError("give --gpus N")
+    zoo = _load(args)
+    cluster = load_cluster(args.cluster).with_devices(args.gpus)
+    start = time.perf_counter()
+    show = sys.stderr.isatty() and not args.json
+    stop = threading.Event()
+
+    def progress(message: str) -> None:
+        if show:
+            print(f"\r\033[K{message} ({time.perf_counter() - start:.1f} s)", end="", file=sys.stderr, flush=True)
+
+    graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
+    model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if threading.current_thread() is threading.main_thread() else None
+    try:
+        found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
+                                  progress=progress, should_stop=stop.is_set)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    seconds = time.perf_counter() - start
+    if show:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    chosen = found[args.search]
+    if chosen is None:
+        raise ValueError(f"no {args.search} plan exists for --batch {args.batch} on {args.gpus} devices: the batch "
+                         "does not divide over the devices")
+    name = zoo.config.name
+
+    def entry(kind: str, f: Any) -> dict[str, Any]:
+        return {"plan": plan_dict(model, f, name=name, kind=kind, global_batch=args.batch),
+                "estimate": f.result.estimate.to_dict()}
+
+    chosen_entry = entry(args.search, chosen)
+    data = {
+        "model": name,
+        "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},
+        "cluster": cluster.name,
+        "gpus": cluster.num_devices,
+        "search": args.search,
+        "params": graph.num_params,
+        "plan": chosen_entry["plan"],
+        "estimate": chosen_entry["estimate"],
+        "baselines": {k: (entry(k, f) if f is not None else None) for k, f in found.items() if k != args.search},
+        "search_seconds": seconds,
+        "configurations_priced": chosen.evaluated,
+        "interrupted": stop.is_set(),
+    }
+    if args.out:
+        save_plan(args.out, data["plan"], data["estimate"])
+    return data if args.json else render_pipeline(data, out=args.out)
+
+
+def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
+    plan, e = data["plan"], data["estimate"]
+    rows = []
+    for k, stage in enumerate(plan["stages"]):
+        layers = stage["layers"]
+        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+        recompute = ", ".join(f"{n}:{v[0]}" for n, v in list(stage["recompute"].items())[:3])
+        if len(stage["recompute"]) > 3:
+            recompute += f" (+{len(stage['recompute']) - 3} more)"
+        rows.append([str(k), span, f"{stage['dp']} x {stage['tp']}", f"{stage['seconds_per_micro_batch'] * 1e3:.1f} ms",
+                     binary_bytes(stage["memory"]["total"]), recompute or "-"])
+    lines = [
+        f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
+        f"{data['config']['seq']}",
+        f"plan ({data['search']}): {len(plan['stages'])} pipeline stages, micro-batch {plan['micro_batch_size']} x "
+        f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; {data['configurations_priced']:,} "
+        f"configurations priced in {data['search_seconds']:.1f} s" + (" (interrupted: best so far)" if data["interrupted"] else ""),
+        "",
+        table(["stage", "layers", "dp x tp", "per micro-batch", "memory", "recomputed (s: selective, f: full)"], rows,
+              align="rlrrrl"),
+        "",
+        estimate_text(e),
+        "",
+        "against the baselines (same cost model)",
+    ]
+    summary = [[data["search"], *_summary(e, e)]]
+    for kind, other in data["baselines"].items():
+        summary.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])
+    lines.append(table(["plan", "iteration", "samples/s", "MFU", "memory", "vs plan"], summary))
+    if out:
+        lines += ["", f"plan written to {out}"]
+    return "\n".join(lines)
 
 
 def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:

@@ -87,7 +87,22 @@ def analyse(graph: Graph) -> list[LayerCost]:
         if "attention" in node.op:
             layer.attention_saved += node.output_bytes
         layer.largest_output = max(layer.largest_output, node.output_bytes)
+    # a layer's activation input (what full recomputation keeps): float values it reads from outside itself, once
+    # each; `Graph.module_memory(...).bwd_out` by definition, computed here in one pass for all layers
+    layer_of_node = {}
     for layer in rows.values():
-        if layer.repeated:
-            layer.input_bytes = graph.module_memory(layer.name).bwd_out
+        for node in layer.nodes:
+            layer_of_node[node.id] = layer
+    for layer in rows.values():
+        if not layer.repeated:
+            continue
+        seen: set[tuple[int, int]] = set()
+        for node in layer.nodes:
+            for s, t in zip(node.sources, node.inputs):
+                if s.state is not None or (s.node, s.index) in seen or not t.dtype.startswith(("float", "bfloat")):
+                    continue
+                if s.node >= 0 and layer_of_node.get(s.node) is layer:
+                    continue
+                seen.add((s.node, s.index))
+                layer.input_bytes += t.nbytes
     return list(rows.values())

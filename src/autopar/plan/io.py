@@ -61,10 +61,27 @@ def validate(plan: dict[str, Any], *, source: str = "plan") -> None:
         raise ValueError(f"{source}: mesh needs 'shape' and 'axes' lists of one length, got {plan['mesh']!r}")
     if any(not isinstance(n, int) or n < 1 for n in shape):
         raise ValueError(f"{source}: mesh shape must hold positive integers, got {shape!r}")
+    # a pipeline plan gives layouts over each stage's (dp, tp) devices; an intra-op plan over the whole mesh
+    axes_per_layout = 2 if "stages" in plan else len(shape)
+    if "stages" in plan:
+        _check_stages(plan, source)
     for fqn, entry in plan["modules"].items():
         layouts = [*entry.get("params", {}).values(), *(entry[k] for k in ("input", "output") if k in entry)]
         for text in layouts:
-            _check_layout(text, len(shape), f"{source}: module {fqn!r}")
+            _check_layout(text, axes_per_layout, f"{source}: module {fqn!r}")
+
+
+def _check_stages(plan: dict[str, Any], source: str) -> None:
+    stages = plan["stages"]
+    pp, per_stage = plan["mesh"]["shape"][0], plan["mesh"]["shape"][-1]
+    if not isinstance(stages, list) or len(stages) != pp:
+        raise ValueError(f"{source}: {pp} pipeline stages in the mesh but {len(stages)} in 'stages'")
+    for k, stage in enumerate(stages):
+        for key in ("layers", "dp", "tp"):
+            if key not in stage:
+                raise ValueError(f"{source}: stage {k} is missing {key!r}")
+        if stage["dp"] * stage["tp"] != per_stage:
+            raise ValueError(f"{source}: stage {k} has dp {stage['dp']} x tp {stage['tp']}, not {per_stage} devices")
 
 
 def _check_layout(text: str, axes: int, where: str) -> None:

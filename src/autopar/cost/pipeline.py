@@ -1,0 +1,287 @@
+"""Pipeline cost model (Aceso §3.3): uneven stages, each with its own dp x tp and per-layer recomputation.
+
+A configuration cuts the chain of profile rows (embedding, layers, head) into contiguous stages. Stage ``s`` holds
+``N / pp`` devices as a (dp_s, tp_s) grid, tp innermost. A micro-batch of ``B`` samples crosses the pipeline;
+stage ``s`` splits it ``dp_s`` ways, so each device runs ``B / dp_s`` samples, and its tensor-parallel layers
+``tp_s`` ways. The graph is traced once, at any batch ``b``: a transformer's or a CNN's work, bytes and activations
+are linear in the batch, so a node costs its roofline time with its work scaled by ``(B / dp_s) / b`` (and divided
+by ``tp_s`` where TP splits it; the per-kernel overhead is paid once), and TP collectives scale the same way. Per micro-batch, stage ``s`` takes ``t_s = f_s + b_s`` (compute, its TP
+communication, and the point-to-point sends to its neighbours); recomputation adds forward work to ``b_s``.
+
+    iteration = sum_s t_s + (m - 1) * max_s t_s + max_s sync_s
+
+for ``m`` micro-batches under 1F1B or GPipe: the first micro-batch crosses every stage (warm-up and cool-down),
+the rest stream at the pace of the slowest stage; ``bubble = sum_s t_s - max_s t_s``. Gradient synchronisation
+over each stage's dp axis (all-reduce, or reduce-scatter + all-gather under ZeRO 1-2, or per-micro-batch gathers
+under ZeRO 3) runs after the last backward, stages in parallel. Memory per stage: model states of its parameters
+split ``tp_s`` ways (sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``,
+GPipe: ``m``), the largest temporary, the device reserve.
+
+Layer prices are cached by (layer signature, tp, dp, recompute, sp): repeated layers are priced once, so a
+configuration of a 1,000-layer model costs a sum over its layers, not a pass over its nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from autopar.capture import Graph
+from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
+from autopar.cost.compute import node_seconds
+from autopar.cost.layers import LayerCost, analyse
+from autopar.cost.memory import model_states
+from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPrice:
+    """One layer for one micro-batch on one device of a stage."""
+
+    forward: float
+    backward: float  # recomputed forward included
+    comm_forward: float
+    comm_backward: float
+    activations: float  # bytes kept until its backward
+    temporary: float
+    params: int  # parameters before TP
+    collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes, calls) on the tp axis per micro-batch
+
+
+def price_layer(
+    layer: LayerCost, device: Device, *, tp: int, scale: float, recompute: str, sp: bool, tp_seconds
+) -> LayerPrice:  # noqa: ANN001
+    """Price ``layer`` for one device running ``scale`` times the traced batch, TP-sharded nodes split ``tp``
+    ways; ``tp_seconds(kind, nbytes)`` prices one collective on the stage's tp axis."""
+    forward = backward = 0.0
+    for node in layer.nodes:
+        shard = (tp if (node.id in layer.sharded or sp) else 1) / scale
+        forward += node_seconds(node, device, backward=False, shard=shard)
+        backward += node_seconds(node, device, backward=True, shard=shard)
+    calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
+    if tp > 1:
+        for nbytes in layer.row_outputs:
+            calls += [(Collective.REDUCE_SCATTER, nbytes * scale, "f"), (Collective.ALL_GATHER, nbytes * scale, "b")] \
+                if sp else [(Collective.ALL_REDUCE, nbytes * scale, "f")]
+        for nbytes in layer.column_inputs:
+            calls += [(Collective.ALL_GATHER, nbytes * scale, "f"), (Collective.REDUCE_SCATTER, nbytes * scale, "b")] \
+                if sp else [(Collective.ALL_REDUCE, nbytes * scale, "b")]
+    saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
+    temporary = layer.largest_output / tp * scale
+    if layer.repeated and recompute == "full":
+        backward += forward
+        calls += [(kind, nbytes, "b") for kind, nbytes, phase in calls if phase == "f"]  # replayed forward
+        temporary = max(temporary, saved)  # one layer's activations live again during its recompute
+        saved = layer.input_bytes / (tp if sp else 1) * scale
+    elif layer.repeated and recompute == "selective":
+        attention = [n for n in layer.nodes if "attention" in n.op]
+        backward += sum(node_seconds(n, device, backward=False, shard=tp / scale) for n in attention)
+        saved -= layer.attention_saved / tp * scale
+    comm = {"f": 0.0, "b": 0.0}
+    counted: Counter[tuple[str, float]] = Counter()
+    for kind, nbytes, phase in calls:
+        comm[phase] += tp_seconds(kind, nbytes)
+        counted[(kind.value, nbytes)] += 1
+    return LayerPrice(
+        forward=forward, backward=backward, comm_forward=comm["f"], comm_backward=comm["b"], activations=saved,
+        temporary=temporary, params=layer.params, collectives=tuple((k, b, c) for (k, b), c in counted.items()),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    start: int  # first profile row (index into the layer chain)
+    end: int  # one past the last
+    tp: int = 1
+    dp: int = 1
+    recompute: tuple[str, ...] = ()  # per row of the stage; empty: "none" everywhere
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"stage rows [{self.start}, {self.end}) are empty or negative")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"stage tp and dp must be positive, got tp={self.tp}, dp={self.dp}")
+        if self.recompute and len(self.recompute) != self.end - self.start:
+            raise ValueError("stage recompute needs one entry per row")
+        for r in self.recompute:
+            if r not in RECOMPUTE:
+                raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
+
+    def recompute_of(self, row: int) -> str:
+        return self.recompute[row - self.start] if self.recompute else "none"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineConfig:
+    stages: tuple[Stage, ...]
+    micro_batch: int  # samples per micro-batch (what the graph was traced at)
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a pipeline needs at least one stage")
+        for a, b in zip(self.stages, self.stages[1:]):
+            if a.end != b.start:
+                raise ValueError(f"stages must be contiguous: one ends at row {a.end}, the next starts at {b.start}")
+        sizes = {s.tp * s.dp for s in self.stages}
+        if len(sizes) != 1:
+            raise ValueError(f"every stage needs the same device count (tp x dp), got {sorted(sizes)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0-3, got {self.zero}")
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.stages[0].tp * self.stages[0].dp
+
+
+@dataclass(slots=True)
+class StageReport:
+    """Per-stage figures the search reads to find the bottleneck."""
+
+    compute: float  # per micro-batch, forward and backward (recomputation included)
+    comm: float  # per micro-batch: TP collectives and point-to-point sends
+    sync: float  # gradient synchronisation per iteration
+    memory: MemoryBreakdown
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclass(slots=True)
+class PipelineEstimate:
+    estimate: Estimate
+    stages: list[StageReport] = field(default_factory=list)
+
+
+class PipelineModel:
+    """Prices pipeline configurations of one traced graph on one cluster (layer prices cached)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16") -> None:
+        self.graph = graph
+        self.traced_batch = traced_batch
+        self.cluster = cluster
+        self.dtype = dtype
+        self.layers = analyse(graph)
+        self._signature = [self._layer_signature(layer) for layer in self.layers]
+        self._prices: dict[tuple, LayerPrice] = {}
+
+    @staticmethod
+    def _layer_signature(layer: LayerCost) -> tuple:
+        return (
+            layer.repeated, layer.params, len(layer.nodes), layer.saved_sharded, layer.saved_replicated,
+            layer.attention_saved, layer.input_bytes, tuple(layer.row_outputs), tuple(layer.column_inputs),
+            layer.largest_output, sum(n.flops_forward for n in layer.nodes),
+            sum(n.bytes_read + n.bytes_written for n in layer.nodes),
+        )
+
+    def price(self, row: int, *, tp: int, samples: float, recompute: str, sp: bool, mesh) -> LayerPrice:  # noqa: ANN001
+        """Row ``row`` on one device running ``samples`` samples of a micro-batch."""
+        key = (self._signature[row], tp, samples, recompute, sp, mesh.axis("tp"))
+        found = self._prices.get(key)
+        if found is None:
+            tp_axis = mesh.axis("tp")
+            found = self._prices[key] = price_layer(
+                self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
+                sp=sp,
+                tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
+            )
+        return found
+
+    def estimate(self, config: PipelineConfig, *, global_batch: int) -> PipelineEstimate:
+        if config.devices != self.cluster.num_devices:
+            raise ValueError(f"the configuration uses {config.devices} devices, the cluster has {self.cluster.num_devices}")
+        if config.stages[-1].end != len(self.layers):
+            raise ValueError(f"stages cover rows 0..{config.stages[-1].end}, the model has {len(self.layers)}")
+        if global_batch % config.micro_batch:
+            raise ValueError(f"--batch {global_batch} is not a multiple of the micro-batch {config.micro_batch}")
+        for s in config.stages:
+            if config.micro_batch % s.dp:
+                raise ValueError(f"micro-batch {config.micro_batch} does not split over dp {s.dp}")
+        m = global_batch // config.micro_batch
+        pp = config.pp
+        uses: Counter[tuple[str, str, float]] = Counter()
+        reports: list[StageReport] = []
+        for index, stage in enumerate(config.stages):
+            mesh = build_mesh(self.cluster, {"pp": pp, "dp": stage.dp, "tp": stage.tp})
+            fwd = bwd = comm = saved = temp = 0.0
+            params = 0
+            for row in range(stage.start, stage.end):
+                price = self.price(row, tp=stage.tp, samples=config.micro_batch / stage.dp,
+                                   recompute=stage.recompute_of(row), sp=config.sp, mesh=mesh)
+                fwd, bwd = fwd + price.forward, bwd + price.backward
+                comm += price.comm_forward + price.comm_backward
+                saved += price.activations
+                temp = max(temp, price.temporary)
+                params += price.params
+                for kind, nbytes, calls in price.collectives:
+                    uses[(kind, "tp", nbytes)] += calls * m
+            if pp > 1:  # activations to the next stage and gradients back, per micro-batch
+                boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
+                sends = (index > 0) + (index < pp - 1)
+                comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
+                if index < pp - 1:
+                    uses[(Collective.SEND_RECV.value, "pp", boundary)] += 2 * m
+            sync = self._sync(params / stage.tp, config.zero, stage.dp, m, mesh, uses)
+            in_flight = m if config.schedule == "gpipe" else min(pp - index, m)
+            weights, grads, optim = model_states(params / stage.tp, dtype=self.dtype, zero=config.zero, dp=stage.dp)
+            memory = MemoryBreakdown(
+                parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
+                other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
+            )
+            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory))
+        times = [r.seconds for r in reports]
+        slowest = max(range(pp), key=lambda i: times[i])
+        pipeline = sum(times) + (m - 1) * times[slowest]
+        bubble = sum(times) - times[slowest]
+        sync = max(r.sync for r in reports)
+        iteration = pipeline + sync
+        compute = m * reports[slowest].compute
+        exposed = iteration - compute - bubble
+        worst = max(reports, key=lambda r: r.memory.total / r.memory.budget)
+        model_flops = (self.graph.flops_forward + self.graph.flops_backward) * m * config.micro_batch / self.traced_batch
+        per_device = model_flops / iteration / self.cluster.num_devices
+        estimate = Estimate(
+            iteration_seconds=iteration,
+            compute_seconds=compute,
+            exposed_comm_seconds=exposed,
+            bubble_seconds=bubble,
+            throughput_samples_per_second=global_batch / iteration,
+            tflops_per_device=per_device / 1e12,
+            mfu=per_device / self.cluster.device.peak(self.dtype),
+            memory=worst.memory,
+            collectives=tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(uses.items())),
+            micro_batches=m,
+        )
+        return PipelineEstimate(estimate=estimate, stages=reports)
+
+    def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
+        rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
+        rows = rows or [layer for layer in self.layers if layer.repeated][:1]
+        size = max((layer.input_bytes for layer in rows), default=0)
+        return size / (stage.tp if config.sp else 1)
+
+    def _sync(self, params: float, zero: int, dp: int, m: int, mesh, uses: Counter) -> float:  # noqa: ANN001
+        if dp == 1:
+            return 0.0
+        nbytes = params * (4 if self.dtype == "fp32" else 2)
+        axis = mesh.axis("dp")
+        if zero == 0:
+            plan = [(Collective.ALL_REDUCE, 1)]
+        elif zero in (1, 2):
+            plan = [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
+        else:
+            plan = [(Collective.ALL_GATHER, 2 * m), (Collective.REDUCE_SCATTER, m)]
+        total = 0.0
+        for kind, count in plan:
+            total += count * collective_seconds(kind, nbytes, axis, self.cluster)
+            uses[(kind.value, "dp", nbytes)] += count
+        return total

@@ -1,0 +1,535 @@
+"""Pipeline search: Aceso's iterative bottleneck alleviation, the Megatron-LM grid, and exhaustive enumeration.
+
+A configuration (`cost.pipeline.PipelineConfig`) is: stages over the chain of profile rows (uneven allowed), a
+dp x tp split per stage, recomputation per row (none, selective, full), the pipeline micro-batch and the ZeRO stage.
+Plans are ranked by (does not fit, iteration time), with memory overflow as the measure while nothing fits.
+
+Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline depth:
+
+1. start balanced: stages of about equal compute, no recomputation, the smallest micro-batch that splits over dp,
+   once for each tensor-parallel size (a primitive changes one stage, so it cannot move every stage's tp at once);
+2. find the bottleneck stage: the one most over its memory if any is, else the slowest;
+3. apply every reconfiguration primitive that can relieve it (Aceso Table 1): move a row to the neighbouring
+   stage (op#), double or halve its tp (dp follows), recompute one more or one fewer row (the one that keeps the
+   most activations), double or halve the micro-batch, raise or lower ZeRO;
+4. keep the best few results and go on from them, up to ``max_hops`` primitives deep (a move that is worse alone
+   can open a better one); the first configuration better than the current one becomes current, and the search
+   repeats from step 2; visited configurations are never priced twice;
+5. stop when no configuration within ``max_hops`` improves, or the time budget ends (the best so far is kept).
+
+Depths are searched one after another, each with an equal share of the budget; the best over depths wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from autopar.cluster import build_mesh
+from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage
+from autopar.cost.types import RECOMPUTE
+
+log = logging.getLogger(__name__)
+
+Score = tuple[bool, float]
+
+
+@dataclass(slots=True)
+class Found:
+    config: PipelineConfig
+    result: PipelineEstimate
+    evaluated: int  # configurations priced by the search that found it
+
+    @property
+    def score(self) -> Score:
+        return score(self.result)
+
+
+def score(result: PipelineEstimate) -> Score:
+    memory = result.estimate.memory
+    if not memory.fits:
+        over = max(r.memory.total / r.memory.budget for r in result.stages)
+        return (True, over)
+    return (False, result.estimate.iteration_seconds)
+
+
+class Evaluator:
+    """Prices configurations once each (cache by configuration)."""
+
+    def __init__(self, model: PipelineModel, *, global_batch: int) -> None:
+        self.model = model
+        self.global_batch = global_batch
+        self.cache: dict[PipelineConfig, PipelineEstimate] = {}
+
+    def __call__(self, config: PipelineConfig) -> PipelineEstimate:
+        found = self.cache.get(config)
+        if found is None:
+            found = self.cache[config] = self.model.estimate(config, global_batch=self.global_batch)
+        return found
+
+
+# ---- the space ------------------------------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_sizes(model: PipelineModel, devices_per_stage: int) -> list[int]:
+    """tp sizes the model's shapes allow: dividing attention heads and the repeated layers' column-parallel
+    outputs, within a node (Megatron keeps tp inside one). The vocabulary may split unevenly (Megatron pads it)."""
+    per_node = model.cluster.devices_per_node
+    widths: set[int] = set()
+    for layer in model.layers:
+        if not layer.repeated:
+            continue
+        for node in layer.nodes:
+            if node.id in layer.columns and node.outputs:
+                widths.add(node.outputs[0].shape[-1])
+            if "scaled_dot_product" in node.op and node.inputs:
+                widths.add(node.inputs[0].shape[1])
+    return [
+        t for t in divisors(devices_per_stage) if t <= per_node and all(w % t == 0 for w in widths)
+    ]
+
+
+def pipeline_depths(model: PipelineModel, devices: int) -> list[int]:
+    repeated = sum(1 for layer in model.layers if layer.repeated)
+    return [p for p in divisors(devices) if p <= max(repeated, 1)]
+
+
+def micro_batches(global_batch: int, dp_values: list[int]) -> list[int]:
+    """Pipeline micro-batch sizes: divisors of the batch that every dp size divides."""
+    return [b for b in divisors(global_batch) if all(b % d == 0 for d in dp_values)]
+
+
+def even_stages(model: PipelineModel, pp: int, *, tp: int, dp: int, recompute: str = "none") -> tuple[Stage, ...]:
+    """Repeated layers spread evenly (Megatron's split); the embedding joins the first stage, the head the last."""
+    rows = len(model.layers)
+    blocks = [i for i, layer in enumerate(model.layers) if layer.repeated] or list(range(rows))
+    per, extra = divmod(len(blocks), pp)
+    cuts, taken = [0], 0
+    for s in range(pp - 1):
+        taken += per + (1 if s < extra else 0)
+        cuts.append(blocks[taken])
+    cuts.append(rows)
+    levels = [recompute if layer.repeated else "none" for layer in model.layers]  # only layers recompute
+    return tuple(
+        Stage(start=a, end=b, tp=tp, dp=dp, recompute=tuple(levels[a:b])) for a, b in zip(cuts, cuts[1:])
+    )
+
+
+# ---- Megatron grid -------------------------------------------------------------------------------------------
+
+
+def megatron_grid(
+    model: PipelineModel, *, global_batch: int, deadline: float = math.inf, evaluate: Evaluator | None = None
+) -> Found | None:
+    """The best Megatron-LM configuration: global tp x pp x dp, micro-batch per dp rank, uniform recomputation,
+    ZeRO 0 or 1 (the distributed optimizer), 1F1B, even stages."""
+    evaluate = evaluate or Evaluator(model, global_batch=global_batch)
+    devices = model.cluster.num_devices
+    best: Found | None = None
+    count = 0
+    for pp in pipeline_depths(model, devices):
+        for tp in tensor_parallel_sizes(model, devices // pp):
+            dp = devices // pp // tp
+            for per_rank in (1, 2, 4, 8, 16, 32):
+                micro = per_rank * dp
+                if global_batch % micro:
+                    continue
+                for recompute, zero in itertools.product(RECOMPUTE, (0, 1)):
+                    if time.perf_counter() > deadline:
+                        return best
+                    config = PipelineConfig(
+                        stages=even_stages(model, pp, tp=tp, dp=dp, recompute=recompute), micro_batch=micro, zero=zero
+                    )
+                    result = evaluate(config)
+                    count += 1
+                    if best is None or score(result) < best.score:
+                        best = Found(config, result, count)
+    if best is not None:
+        best.evaluated = count
+    return best
+
+
+# ---- Aceso -----------------------------------------------------------------------------------------------------
+
+
+def balanced(model: PipelineModel, pp: int, *, global_batch: int) -> list[PipelineConfig]:
+    """Aceso's starting points for depth ``pp``: for each tp the shapes allow (the same in every stage, since one
+    stage at a time cannot move the micro-batch every stage must divide), stages of about equal compute, no
+    recomputation, the smallest micro-batch that splits over dp."""
+    per_stage = model.cluster.num_devices // pp
+    starts = []
+    for tp in tensor_parallel_sizes(model, per_stage):
+        dp = per_stage // tp
+        sizes = micro_batches(global_batch, [dp])
+        if sizes:
+            stages = even_stages(model, pp, tp=tp, dp=dp)
+            starts.append(PipelineConfig(stages=_balance(model, stages, sizes[0]), micro_batch=sizes[0]))
+    return starts
+
+
+def _balance(model: PipelineModel, stages: tuple[Stage, ...], micro: int) -> tuple[Stage, ...]:
+    """Re-cut stage boundaries so each stage's compute is close to the mean (greedy over the row chain)."""
+    pp = len(stages)
+    if pp == 1:
+        return stages
+    tp, dp = stages[0].tp, stages[0].dp
+    weights = []
+    mesh = build_mesh(model.cluster, {"pp": pp, "dp": dp, "tp": tp})
+    for row in range(len(model.layers)):
+        price = model.price(row, tp=tp, samples=micro / dp, recompute="none", sp=False, mesh=mesh)
+        weights.append(price.forward + price.backward)
+    target = sum(weights) / pp
+    cuts, acc = [0], 0.0
+    for row, w in enumerate(weights):
+        remaining_rows = len(weights) - row
+        remaining_stages = pp - len(cuts)
+        if len(cuts) < pp and acc + w / 2 > target * len(cuts) and row > cuts[-1] and remaining_rows >= remaining_stages:
+            cuts.append(row)
+        acc += w
+    while len(cuts) < pp:  # too few cuts (a heavy head): split the largest stage
+        cuts.append(cuts[-1] + 1)
+    cuts.append(len(weights))
+    if any(b <= a for a, b in zip(cuts, cuts[1:])):
+        return stages
+    return tuple(Stage(start=a, end=b, tp=tp, dp=dp, recompute=("none",) * (b - a)) for a, b in zip(cuts, cuts[1:]))
+
+
+def _bottleneck(result: PipelineEstimate) -> int:
+    reports = result.stages
+    over = [r.memory.total / r.memory.budget for r in reports]
+    if max(over) > 1:
+        return max(range(len(reports)), key=lambda i: over[i])
+    return max(range(len(reports)), key=lambda i: reports[i].seconds)
+
+
+def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_batch: int) -> Iterator[PipelineConfig]:
+    """Every single reconfiguration of ``stage`` (and the global micro-batch and ZeRO stage) that is valid."""
+    stages = list(config.stages)
+    s = stages[stage]
+    # op#: hand a row to a neighbour
+    if stage > 0 and s.end - s.start > 1:
+        yield _with(config, _move(stages, stage - 1, stage, left=True))
+    if stage < len(stages) - 1 and s.end - s.start > 1:
+        yield _with(config, _move(stages, stage, stage + 1, left=False))
+    # tp up / down (dp follows)
+    per_stage = s.tp * s.dp
+    allowed = tensor_parallel_sizes(model, per_stage)
+    for tp in (s.tp * 2, s.tp // 2):
+        if tp in allowed and config.micro_batch % (per_stage // tp) == 0:
+            stages_new = list(stages)
+            stages_new[stage] = replace(s, tp=tp, dp=per_stage // tp)
+            yield _with(config, stages_new)
+    # recompute one more / one fewer row: the one keeping the most activations
+    rows = range(s.start, s.end)
+    levels = {"none": 0, "selective": 1, "full": 2}
+    heavy = sorted(rows, key=lambda r: -model.layers[r].saved_sharded - model.layers[r].saved_replicated)
+    for direction in (1, -1):
+        for row in heavy:
+            level = levels[s.recompute_of(row)] + direction
+            if model.layers[row].repeated and 0 <= level <= 2:
+                recompute = list(s.recompute or ("none",) * (s.end - s.start))
+                recompute[row - s.start] = RECOMPUTE[level]
+                stages_new = list(stages)
+                stages_new[stage] = replace(s, recompute=tuple(recompute))
+                yield _with(config, stages_new)
+                break
+    # micro-batch and ZeRO (global)
+    dps = [x.dp for x in stages]
+    for micro in (config.micro_batch * 2, config.micro_batch // 2):
+        if micro >= 1 and global_batch % micro == 0 and all(micro % d == 0 for d in dps):
+            yield replace(config, micro_batch=micro)
+    for zero in (config.zero + 1, config.zero - 1):
+        if 0 <= zero <= 3:
+            yield replace(config, zero=zero)
+
+
+def _with(config: PipelineConfig, stages: list[Stage]) -> PipelineConfig:
+    return replace(config, stages=tuple(stages))
+
+
+def _move(stages: list[Stage], left_index: int, right_index: int, *, left: bool) -> list[Stage]:
+    """Move one row across the boundary between two neighbouring stages: into the left one (``left``) or out of
+    it into the right one."""
+    a, b = stages[left_index], stages[right_index]
+    ra = list(a.recompute or ("none",) * (a.end - a.start))
+    rb = list(b.recompute or ("none",) * (b.end - b.start))
+    if left:  # b's first row joins a
+        ra.append(rb.pop(0))
+        a, b = replace(a, end=a.end + 1, recompute=tuple(ra)), replace(b, start=b.start + 1, recompute=tuple(rb))
+    else:  # a's last row joins b
+        rb.insert(0, ra.pop())
+        a, b = replace(a, end=a.end - 1, recompute=tuple(ra)), replace(b, start=b.start - 1, recompute=tuple(rb))
+    out = list(stages)
+    out[left_index], out[right_index] = a, b
+    return out
+
+
+def aceso(
+    model: PipelineModel,
+    *,
+    global_batch: int,
+    time_limit: float = 30.0,
+    max_hops: int = 3,
+    beam: int = 4,
+    depths: list[int] | None = None,
+    seeds: list[PipelineConfig] | None = None,
+    evaluate: Evaluator | None = None,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Found | None:
+    """Aceso's search over every pipeline depth (or ``depths``); ``seeds`` are extra starting points (the best
+    Megatron configuration, say), climbed at their own depth."""
+    evaluate = evaluate or Evaluator(model, global_batch=global_batch)
+    depths = depths or pipeline_depths(model, model.cluster.num_devices)
+    start_time = time.perf_counter()
+    best: Found | None = None
+    evaluated = 0
+    for k, pp in enumerate(depths):
+        share = (time_limit - (time.perf_counter() - start_time)) / (len(depths) - k)
+        deadline = time.perf_counter() + share
+        starts = [*balanced(model, pp, global_batch=global_batch), *(c for c in seeds or () if c.pp == pp)]
+        if not starts:
+            continue
+        found = None
+        for n, start in enumerate(starts):  # each start climbs with its share of the depth's time
+            sub_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - n)
+            climbed, count = _climb(model, start, evaluate, global_batch, sub_deadline, max_hops, beam, should_stop)
+            evaluated += count
+            if found is None or climbed.score < found.score:
+                found = climbed
+        if progress:
+            e = found.result.estimate
+            progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)"))
+        if best is None or found.score < best.score:
+            best = found
+        if should_stop():
+            break
+    if best is not None:
+        best.evaluated = evaluated
+    return best
+
+
+def _climb(
+    model: PipelineModel, start: PipelineConfig, evaluate: Evaluator, global_batch: int, deadline: float,
+    max_hops: int, beam: int, should_stop: Callable[[], bool],
+) -> tuple[Found, int]:
+    current, current_score = start, score(evaluate(start))
+    visited = {start}
+    count = 1
+    while time.perf_counter() < deadline and not should_stop():
+        frontier = [current]
+        improved = False
+        for _ in range(max_hops):
+            scored: list[tuple[Score, PipelineConfig]] = []
+            for config in frontier:
+                result = evaluate(config)
+                for candidate in primitives(model, config, _bottleneck(result), global_batch):
+                    if candidate in visited:
+                        continue
+                    visited.add(candidate)
+                    try:
+                        candidate_result = evaluate(candidate)
+                    except ValueError:  # e.g. a micro-batch that no longer splits: not a configuration
+                        continue
+                    count += 1
+                    scored.append((score(candidate_result), candidate))
+            if not scored:
+                break
+            scored.sort(key=lambda x: x[0])
+            if scored[0][0] < current_score:
+                current, current_score = scored[0][1], scored[0][0]
+                improved = True
+                break
+            frontier = [c for _, c in scored[:beam]]
+            if time.perf_counter() > deadline:
+                break
+        if not improved:
+            break
+    return Found(current, evaluate(current), count), count
+
+
+# ---- exhaustive ------------------------------------------------------------------------------------------------
+
+
+def exhaustive(model: PipelineModel, *, global_batch: int, limit: int = 200_000, deadline: float = math.inf) -> Found:
+    """Every configuration with uniform recomputation per stage (raises if the space exceeds ``limit``)."""
+    evaluate = Evaluator(model, global_batch=global_batch)
+    spaces = list(_exhaustive_space(model, global_batch))
+    if len(spaces) > limit:
+        raise ValueError(
+            f"the exhaustive space has {len(spaces):,} configurations, more than {limit:,}: use --search auto"
+        )
+    best: Found | None = None
+    for count, config in enumerate(spaces, 1):
+        if time.perf_counter() > deadline:
+            break
+        try:
+            result = evaluate(config)
+        except ValueError:
+            continue
+        if best is None or score(result) < best.score:
+            best = Found(config, result, count)
+    if best is None:
+        raise ValueError("no pipeline configuration exists for this batch and device count")
+    best.evaluated = len(spaces)
+    return best
+
+
+def _exhaustive_space(model: PipelineModel, global_batch: int) -> Iterator[PipelineConfig]:
+    devices = model.cluster.num_devices
+    rows = len(model.layers)
+    for pp in pipeline_depths(model, devices):
+        per_stage = devices // pp
+        tps = tensor_parallel_sizes(model, per_stage)
+        for cuts in itertools.combinations(range(1, rows), pp - 1):
+            bounds = (0, *cuts, rows)
+            for stage_tps in itertools.product(tps, repeat=pp):
+                dps = [per_stage // t for t in stage_tps]
+                for recs in itertools.product(RECOMPUTE, repeat=pp):
+                    stages = tuple(
+                        Stage(start=a, end=b, tp=t, dp=per_stage // t, recompute=(r,) * (b - a))
+                        for a, b, t, r in zip(bounds, bounds[1:], stage_tps, recs)
+                    )
+                    for micro in micro_batches(global_batch, dps):
+                        for zero in (0, 1, 2, 3):
+                            yield PipelineConfig(stages=stages, micro_batch=micro, zero=zero)
+
+
+# ---- auto and the baselines ----------------------------------------------------------------------------------
+
+
+def auto(
+    model: PipelineModel,
+    *,
+    global_batch: int,
+    time_limit: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> dict[str, Found | None]:
+    """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
+    then Aceso over every depth; returns ``auto`` (the best) with the ``megatron``, ``dp`` and ``fsdp`` baselines."""
+    start = time.perf_counter()
+    evaluate = Evaluator(model, global_batch=global_batch)
+    grid = megatron_grid(model, global_batch=global_batch, evaluate=evaluate, deadline=start + time_limit / 3)
+    if progress and grid is not None:
+        progress(f"Megatron grid: {grid.result.estimate.iteration_seconds:.3f} s per iteration")
+    remaining = max(time_limit - (time.perf_counter() - start), 0.1)
+    found = aceso(
+        model, global_batch=global_batch, time_limit=remaining, seeds=[grid.config] if grid else None,
+        evaluate=evaluate, progress=progress, should_stop=should_stop,
+    )
+    best = min((f for f in (found, grid) if f is not None), key=lambda f: f.score, default=None)
+    if best is not None:
+        best.evaluated = len(evaluate.cache)
+    return {
+        "auto": best,
+        "megatron": grid,
+        "dp": data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate),
+        "fsdp": data_parallel(model, global_batch=global_batch, zero=3, evaluate=evaluate),
+    }
+
+
+def data_parallel(
+    model: PipelineModel, *, global_batch: int, zero: int, evaluate: Evaluator | None = None
+) -> Found | None:
+    """Pure data parallelism (ZeRO ``zero``; 3 is FSDP) at its best micro-batch size."""
+    evaluate = evaluate or Evaluator(model, global_batch=global_batch)
+    devices = model.cluster.num_devices
+    best: Found | None = None
+    for micro in micro_batches(global_batch, [devices]):
+        config = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=micro, zero=zero)
+        result = evaluate(config)
+        if best is None or score(result) < best.score:
+            best = Found(config, result, 1)
+    return best
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+
+
+def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, global_batch: int) -> dict:
+    """A pipeline plan as JSON data: stages with their layers, dp x tp and recomputed layers, and per module the
+    layouts of its parameters over its stage's (dp, tp) mesh: column-parallel weights S(0), row-parallel S(1) on
+    tp; under ZeRO-3 every parameter S(0) on dp."""
+    config = found.config
+    devices = model.cluster.num_devices
+    stages, modules = [], {}
+    dp_placement = "S(0)" if config.zero == 3 else "R"
+    for stage, report in zip(config.stages, found.result.stages):
+        rows = [model.layers[r] for r in range(stage.start, stage.end)]
+        stages.append(
+            {
+                "layers": [row.name for row in rows],
+                "dp": stage.dp,
+                "tp": stage.tp,
+                "recompute": {
+                    row.name: stage.recompute_of(r)
+                    for r, row in zip(range(stage.start, stage.end), rows)
+                    if stage.recompute_of(r) != "none"
+                },
+                "seconds_per_micro_batch": report.seconds,
+                "memory": report.memory.to_dict(),
+            }
+        )
+        for row in rows:
+            for node in row.nodes:
+                for source in node.sources:
+                    fqn = source.state
+                    info = model.graph.state.get(fqn) if fqn else None
+                    if info is None or info.is_buffer:
+                        continue
+                    tp_placement = "R"
+                    if stage.tp > 1 and node.id in row.sharded:
+                        if node.id in row.columns:  # weight (out, in) and bias (out): split the output features
+                            tp_placement = "S(0)"
+                        elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
+                            tp_placement = "S(1)"
+                    owner = fqn.rpartition(".")[0]
+                    modules.setdefault(owner, {"params": {}})["params"][fqn] = f"[{dp_placement}, {tp_placement}]"
+    return {
+        "schema": 1,
+        "model": name,
+        "kind": kind,
+        "mesh": {"shape": [config.pp, devices // config.pp], "axes": ["pp", "dp_tp"]},
+        "schedule": config.schedule,
+        "micro_batch_size": config.micro_batch,
+        "micro_batches": global_batch // config.micro_batch,
+        "zero": config.zero,
+        "sp": config.sp,
+        "stages": stages,
+        "modules": modules,
+    }
+
+
+def pipeline_searches(
+    model: PipelineModel,
+    kind: str,
+    *,
+    global_batch: int,
+    time_limit: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> dict[str, Found | None]:
+    """Run search ``kind`` (auto, aceso, exhaustive, megatron, dp, fsdp) and price the baselines beside it."""
+    if kind == "auto":
+        return auto(model, global_batch=global_batch, time_limit=time_limit, progress=progress, should_stop=should_stop)
+    evaluate = Evaluator(model, global_batch=global_batch)
+    found: dict[str, Found | None] = {}
+    deadline = time.perf_counter() + time_limit
+    if kind == "aceso":
+        found["aceso"] = aceso(model, global_batch=global_batch, time_limit=time_limit, evaluate=evaluate,
+                               progress=progress, should_stop=should_stop)
+    elif kind == "exhaustive":
+        found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline)
+    found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=evaluate)
+    found["dp"] = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate)
+    found["fsdp"] = data_parallel(model, global_batch=global_batch, zero=3, evaluate=evaluate)
+    return found

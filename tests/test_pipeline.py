@@ -1,0 +1,97 @@
+"""The pipeline cost model and its searches: Aceso against exhaustive enumeration and the Megatron grid."""
+
+import dataclasses
+
+import pytest
+
+from autopar.capture import trace
+from autopar.cluster import load_cluster
+from autopar.cluster.spec import GIB
+from autopar.cost import ParallelConfig, estimate
+from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+from autopar.search.pipeline import aceso, auto, even_stages, exhaustive, megatron_grid
+from autopar.zoo import load
+
+
+def _model(name: str, *, gpus: int, memory_gib: float | None = None, batch: int = 1, **overrides) -> PipelineModel:
+    zoo = load(name, batch=batch, **overrides)
+    cluster = load_cluster("a100-80g-sxm").with_devices(gpus)
+    if memory_gib is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory_gib * GIB))
+    return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=batch)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "mbs", "recompute"),
+    [(1, 1, 16, 2, "none"), (2, 2, 4, 2, "none"), (4, 4, 1, 1, "full"), (2, 1, 8, 4, "selective")],
+)
+def test_uniform_pipeline_matches_the_megatron_estimate(tp, pp, dp, mbs, recompute) -> None:
+    """Same layer pricing; the pipeline model traces at batch 1 and scales, and counts the bubble per stage."""
+    zoo = load("gpt3-1.3b", batch=mbs, layers=8)
+    cluster = load_cluster("a100-80g-sxm").with_devices(16)
+    reference = estimate(trace(zoo.module, example_kwargs=zoo.inputs), cluster,
+                         ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, recompute=recompute), global_batch=64)
+    model = _model("gpt3-1.3b", gpus=16, layers=8)
+    config = PipelineConfig(stages=even_stages(model, pp, tp=tp, dp=dp, recompute=recompute), micro_batch=mbs * dp)
+    ours = model.estimate(config, global_batch=64).estimate
+    assert ours.memory.total == pytest.approx(reference.memory.total, rel=1e-6)
+    assert ours.iteration_seconds == pytest.approx(reference.iteration_seconds, rel=0.03)
+    assert ours.mfu == pytest.approx(reference.mfu, rel=0.03)
+
+
+def test_costs_scale_with_the_batch() -> None:
+    one = _model("gpt3-350m", gpus=8, layers=4)
+    four = _model("gpt3-350m", gpus=8, layers=4, batch=4)
+    config = PipelineConfig(stages=even_stages(one, 2, tp=2, dp=2), micro_batch=8)
+    a = one.estimate(config, global_batch=32).estimate
+    b = four.estimate(config, global_batch=32).estimate
+    assert a.iteration_seconds == pytest.approx(b.iteration_seconds, rel=0.01)
+    assert a.memory.activations == pytest.approx(b.memory.activations, rel=1e-6)
+
+
+def test_uneven_stages_and_bubble() -> None:
+    model = _model("gpt3-350m", gpus=4, layers=8)
+    rows = len(model.layers)
+    even = PipelineConfig(stages=even_stages(model, 2, tp=1, dp=2), micro_batch=2)
+    cut = even.stages[0].end
+    uneven = PipelineConfig(
+        stages=(Stage(start=0, end=cut + 2, dp=2), Stage(start=cut + 2, end=rows, dp=2)), micro_batch=2
+    )
+    e, u = model.estimate(even, global_batch=16), model.estimate(uneven, global_batch=16)
+    assert u.stages[0].compute > e.stages[0].compute and u.stages[1].compute < e.stages[1].compute
+    times = [s.seconds for s in u.stages]
+    assert u.estimate.bubble_seconds == pytest.approx(sum(times) - max(times))
+    with pytest.raises(ValueError, match="contiguous"):
+        PipelineConfig(stages=(Stage(start=0, end=3), Stage(start=4, end=rows)), micro_batch=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "memory_gib", "overrides"),
+    [
+        ("gpt3-125m", 4, None, {"layers": 2}),
+        ("gpt3-125m", 4, 3.0, {"layers": 2}),
+        ("gpt3-125m", 2, 3.0, {"layers": 3}),
+        ("llama-7b", 4, 2.8, {"layers": 2, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn": 2816, "vocab": 8000}),
+    ],
+)
+def test_auto_is_within_one_percent_of_exhaustive(name, gpus, memory_gib, overrides) -> None:
+    model = _model(name, gpus=gpus, memory_gib=memory_gib, **overrides)
+    best = exhaustive(model, global_batch=8)
+    found = auto(model, global_batch=8, time_limit=20)["auto"]
+    assert found.result.estimate.memory.fits == best.result.estimate.memory.fits
+    if best.result.estimate.memory.fits:
+        assert found.result.estimate.iteration_seconds <= best.result.estimate.iteration_seconds * 1.01
+
+
+def test_auto_never_loses_to_the_megatron_grid() -> None:
+    model = _model("llama-7b", gpus=16, layers=8)
+    found = auto(model, global_batch=64, time_limit=20)
+    grid = megatron_grid(model, global_batch=64)
+    assert found["auto"].score <= grid.score
+    assert found["megatron"].score == grid.score
+
+
+def test_search_stops_when_asked_and_keeps_the_best_so_far() -> None:
+    model = _model("gpt3-350m", gpus=8, layers=8)
+    stopped = aceso(model, global_batch=32, time_limit=20, should_stop=lambda: True)
+    assert stopped is not None and stopped.config.devices == 8
