@@ -25,8 +25,8 @@ def _model(name: str, *, gpus: int, memory_gib: float | None = None, batch: int 
     ("tp", "pp", "dp", "mbs", "recompute"),
     [(1, 1, 16, 2, "none"), (2, 2, 4, 2, "none"), (4, 4, 1, 1, "full"), (2, 1, 8, 4, "selective")],
 )
-def test_uniform_pipeline_matches_the_megatron_estimate(tp, pp, dp, mbs, recompute) -> None:
-    """Same layer pricing; the pipeline model traces at batch 1 and scales, and counts the bubble per stage."""
+def test_one_trace_at_batch_one_prices_every_micro_batch(tp, pp, dp, mbs, recompute) -> None:
+    """`estimate` traces at the per-device micro-batch; the planner traces once at batch 1 and scales."""
     zoo = load("gpt3-1.3b", batch=mbs, layers=8)
     cluster = load_cluster("a100-80g-sxm").with_devices(16)
     reference = estimate(trace(zoo.module, example_kwargs=zoo.inputs), cluster,

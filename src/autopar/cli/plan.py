@@ -205,15 +205,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
         estimate_text(e),
         "",
-        "against the baselines (same cost model)",
     ]
-    summary = [[data["search"], *_summary(e, e)]]
-    for kind, other in data["baselines"].items():
-        summary.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])
-    lines.append(table(["plan", "iteration", "samples/s", "MFU", "memory", "vs plan"], summary))
-    if out:
-        lines += ["", f"plan written to {out}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _comparison(data, out))
 
 
 def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
@@ -257,15 +250,19 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
         estimate_text(e),
         "",
-        "against the baselines (same cost model)",
     ]
+    return "\n".join(lines + _comparison(data, out))
+
+
+def _comparison(data: dict[str, Any], out: str | None) -> list[str]:
+    """The plan beside its baselines, priced by the same cost model."""
+    e = data["estimate"]
     rows = [[data["search"], *_summary(e, e)]]
     for kind, other in data["baselines"].items():
         rows.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])
-    lines.append(table(["plan", "iteration", "samples/s", "MFU", "memory", "vs plan"], rows))
-    if out:
-        lines += ["", f"plan written to {out}"]
-    return "\n".join(lines)
+    lines = ["against the baselines (same cost model)",
+             table(["plan", "iteration", "samples/s", "MFU", "memory", "vs plan"], rows)]
+    return lines + (["", f"plan written to {out}"] if out else [])
 
 
 def _summary(e: dict[str, Any], reference: dict[str, Any]) -> list[str]:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
 from autopar.capture import Node
-from autopar.cluster import Cluster, Collective, collective_seconds
+from autopar.cluster import Cluster, collective_seconds
 from autopar.cluster.mesh import Mesh
 from autopar.cost.compute import node_seconds
+from autopar.cost.memory import gradient_sync
 from autopar.sharding import (
     PASS,
     REPLICATE,
@@ -339,13 +340,7 @@ def sync_seconds(
         nbytes = p.local * itemsize
         for axis in p.reduce_axes:
             placement = mesh.placements[axis]
-            if zero == 0:
-                plan = [(Collective.ALL_REDUCE, 1)]
-            elif zero in (1, 2):
-                plan = [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
-            else:
-                plan = [(Collective.ALL_GATHER, 2 * micro_batches), (Collective.REDUCE_SCATTER, micro_batches)]
-            for kind, count in plan:
+            for kind, count in gradient_sync(zero, micro_batches):
                 total += count * collective_seconds(kind, nbytes, placement, cluster)
                 if uses is not None:
                     uses.append((kind.value, axis, nbytes, count))

@@ -8,6 +8,8 @@ also the gradients, stage 3 (FSDP) also the weights.
 
 from __future__ import annotations
 
+from autopar.cluster import Collective
+
 
 def model_states(params: float, *, dtype: str, zero: int, dp: int) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes on one device holding ``params`` parameters before ZeRO."""
@@ -24,3 +26,15 @@ def model_states(params: float, *, dtype: str, zero: int, dp: int) -> tuple[floa
         params * grad / (dp if zero >= 2 else 1),
         params * optimizer / (dp if zero >= 1 else 1),
     )
+
+
+def gradient_sync(zero: int, micro_batches: int) -> list[tuple[Collective, int]]:
+    """Collectives per iteration that keep data-parallel replicas' parameters in step, with their call counts, on
+    a gradient-sized buffer: all-reduce (ZeRO 0); reduce-scatter of gradients and all-gather of updated weights
+    (ZeRO 1-2); all-gather of weights for each micro-batch's forward and backward and reduce-scatter of its
+    gradients (ZeRO 3, FSDP)."""
+    if zero == 0:
+        return [(Collective.ALL_REDUCE, 1)]
+    if zero in (1, 2):
+        return [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
+    return [(Collective.ALL_GATHER, 2 * micro_batches), (Collective.REDUCE_SCATTER, micro_batches)]

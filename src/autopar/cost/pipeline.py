@@ -30,7 +30,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cost.compute import node_seconds
 from autopar.cost.layers import LayerCost, analyse
-from autopar.cost.memory import model_states
+from autopar.cost.memory import gradient_sync, model_states
 from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 
 
@@ -274,14 +274,26 @@ class PipelineModel:
             return 0.0
         nbytes = params * (4 if self.dtype == "fp32" else 2)
         axis = mesh.axis("dp")
-        if zero == 0:
-            plan = [(Collective.ALL_REDUCE, 1)]
-        elif zero in (1, 2):
-            plan = [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
-        else:
-            plan = [(Collective.ALL_GATHER, 2 * m), (Collective.REDUCE_SCATTER, m)]
         total = 0.0
-        for kind, count in plan:
+        for kind, count in gradient_sync(zero, m):
             total += count * collective_seconds(kind, nbytes, axis, self.cluster)
             uses[(kind.value, "dp", nbytes)] += count
         return total
+
+
+def even_stages(model: PipelineModel, pp: int, *, tp: int, dp: int, recompute: str = "none") -> tuple[Stage, ...]:
+    """Repeated layers spread evenly (Megatron's split); the embedding joins the first stage, the head the last."""
+    rows = len(model.layers)
+    blocks = [i for i, layer in enumerate(model.layers) if layer.repeated] or list(range(rows))
+    if pp > len(blocks):
+        raise ValueError(f"--pp {pp} is more pipeline stages than the model's {len(blocks)} repeated layers")
+    per, extra = divmod(len(blocks), pp)
+    cuts, taken = [0], 0
+    for s in range(pp - 1):
+        taken += per + (1 if s < extra else 0)
+        cuts.append(blocks[taken])
+    cuts.append(rows)
+    levels = [recompute if layer.repeated else "none" for layer in model.layers]  # only layers recompute
+    return tuple(
+        Stage(start=a, end=b, tp=tp, dp=dp, recompute=tuple(levels[a:b])) for a, b in zip(cuts, cuts[1:])
+    )

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from autopar.cluster import build_mesh
-from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage
+from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
 from autopar.cost.types import RECOMPUTE
 
 log = logging.getLogger(__name__)
@@ -105,22 +105,6 @@ def pipeline_depths(model: PipelineModel, devices: int) -> list[int]:
 def micro_batches(global_batch: int, dp_values: list[int]) -> list[int]:
     """Pipeline micro-batch sizes: divisors of the batch that every dp size divides."""
     return [b for b in divisors(global_batch) if all(b % d == 0 for d in dp_values)]
-
-
-def even_stages(model: PipelineModel, pp: int, *, tp: int, dp: int, recompute: str = "none") -> tuple[Stage, ...]:
-    """Repeated layers spread evenly (Megatron's split); the embedding joins the first stage, the head the last."""
-    rows = len(model.layers)
-    blocks = [i for i, layer in enumerate(model.layers) if layer.repeated] or list(range(rows))
-    per, extra = divmod(len(blocks), pp)
-    cuts, taken = [0], 0
-    for s in range(pp - 1):
-        taken += per + (1 if s < extra else 0)
-        cuts.append(blocks[taken])
-    cuts.append(rows)
-    levels = [recompute if layer.repeated else "none" for layer in model.layers]  # only layers recompute
-    return tuple(
-        Stage(start=a, end=b, tp=tp, dp=dp, recompute=tuple(levels[a:b])) for a, b in zip(cuts, cuts[1:])
-    )
 
 
 # ---- Megatron grid -------------------------------------------------------------------------------------------
