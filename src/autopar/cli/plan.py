@@ -186,8 +186,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
     plan, e = data["plan"], data["estimate"]
     rows = []
     for k, stage in enumerate(plan["stages"]):
-        layers = stage["layers"]
-        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+        layers = [name or "<root>" for name in stage["layers"]]  # the root's own ops: the loss
+        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} rows)"
         recompute = ", ".join(f"{n}:{v[0]}" for n, v in list(stage["recompute"].items())[:3])
         if len(stage["recompute"]) > 3:
             recompute += f" (+{len(stage['recompute']) - 3} more)"
@@ -196,7 +196,7 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}",
-        f"plan ({data['search']}): {len(plan['stages'])} pipeline stages, micro-batch {plan['micro_batch_size']} x "
+        f"plan ({data['search']}): {len(plan['stages'])} pipeline stage{'s' if len(plan['stages']) > 1 else ''}, micro-batch {plan['micro_batch_size']} x "
         f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; {data['configurations_priced']:,} "
         f"configurations priced in {data['search_seconds']:.1f} s" + (" (interrupted: best so far)" if data["interrupted"] else ""),
         "",
