@@ -200,6 +200,6 @@ def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "4", "--gpus", "8", "--batch", "32",
                              "--budget-s", "5")
     assert code == 0, err
-    assert "pipeline stages" in out and "dp x tp" in out and "against the baselines" in out
+    assert "pipeline stage" in out and "dp x tp" in out and "against the baselines" in out
     code, _, err = run_cli(capsys, "plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x4")
     assert code == 2 and "--mesh applies to --search ilp" in err
