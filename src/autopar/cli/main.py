@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import analyze, calibrate, estimate, models, plan, profile
+from autopar.cli import analyze, calibrate, estimate, models, plan, profile, run
 
-COMMANDS = (profile, estimate, analyze, plan, calibrate, models)
+COMMANDS = (profile, estimate, analyze, plan, run, calibrate, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, ImportError, RuntimeError, OSError) as exc:
+    except (ValueError, KeyError, ImportError, RuntimeError, OSError, NotImplementedError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"autopar {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "gpus": cluster.num_devices,
         "search": args.search,
         "params": chosen.space.graph.num_params,
-        "plan": chosen.to_dict(name),
+        "plan": {**chosen.to_dict(name), "workload": _workload(args, zoo)},
         "estimate": chosen.estimate.to_dict(),
         "baselines": {
             kind: ({"plan": p.to_dict(name), "estimate": p.estimate.to_dict()} if p is not None else None)
@@ -115,6 +115,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.out:
         save_plan(args.out, data["plan"], data["estimate"])
     return data if args.json else render(data, out=args.out)
+
+
+def _workload(args: argparse.Namespace, zoo: Any) -> dict[str, Any]:
+    """What `autopar run` needs to rebuild the model and its batches."""
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
+    return {"model": args.model, "overrides": overrides, "seq": zoo.seq, "batch": args.batch, "dtype": args.dtype}
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -163,6 +169,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
                 "estimate": f.result.estimate.to_dict()}
 
     chosen_entry = entry(args.search, chosen)
+    chosen_entry["plan"]["workload"] = _workload(args, zoo)
     data = {
         "model": name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},

@@ -1,0 +1,106 @@
+"""Training steps on synthetic data, on a rank of a plan or in one process as the reference.
+
+Every rank builds the model from the plan's workload with one seed (so all start from the same weights), draws the
+same global batch for each step from a seeded generator, and takes its data-parallel slice of each micro-batch.
+Losses are scaled by 1/micro-batches and gradients accumulate, so a rank's averaged gradient equals the
+single-process gradient of the whole global batch. Dropout is off: ranks and the reference must see the same
+numbers. The optimizer is SGD (Adam's eps turns 1e-9 gradient noise into visible parameter differences).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.zoo import example_inputs, load
+
+LEARNING_RATE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    model: str
+    overrides: dict[str, int]
+    seq: int
+    batch: int  # global batch per step
+    micro_batch: int  # samples per micro-batch across the data-parallel ranks
+    micro_batches: int
+
+    @classmethod
+    def of(cls, plan: dict[str, Any]) -> Workload:
+        work = plan.get("workload")
+        if not isinstance(work, dict):
+            raise ValueError("the plan has no 'workload' (model, overrides, seq, batch): write it with autopar plan --out")
+        return cls(
+            model=work["model"], overrides=dict(work.get("overrides", {})), seq=work["seq"], batch=work["batch"],
+            micro_batch=plan["micro_batch_size"], micro_batches=plan["micro_batches"],
+        )
+
+
+@dataclass
+class StepLog:
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    peak_bytes: list[int] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="cpu", dropout=0.0, **work.overrides)
+    return zoo.module.train()
+
+
+def global_batch(work: Workload, step: int) -> dict[str, torch.Tensor]:
+    """The step's whole batch: token ids below the vocabulary, floats from a normal, from a seeded generator."""
+    config = load(work.model, batch=1, seq=work.seq, device="meta", **work.overrides).config
+    shapes = example_inputs(config, batch=work.batch, seq=work.seq, device="cpu")
+    generator = torch.Generator().manual_seed(10_000 + step)
+    return {
+        key: torch.randn(value.shape, generator=generator) if value.dtype.is_floating_point
+        else torch.randint(0, config.vocab, value.shape, generator=generator)
+        for key, value in shapes.items()
+    }
+
+
+def train(
+    module: nn.Module, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int, rank: int = 0, dp: int = 1,
+    gradients=None,  # noqa: ANN001 - callable returning the whole gradients after backward
+    reduce_loss=None,  # noqa: ANN001 - callable averaging a float over ranks
+) -> StepLog:
+    log = StepLog()
+    share = work.micro_batch // dp
+    for step in range(steps):
+        batch = global_batch(work, step)
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        total = 0.0
+        for k in range(work.micro_batches):
+            first = k * work.micro_batch + rank * share
+            inputs = {key: value[first : first + share] for key, value in batch.items()}
+            loss = module(**inputs) / work.micro_batches
+            loss.backward()
+            total += float(loss.detach())
+        if gradients is not None:
+            log.grads.append(gradients())
+        optimizer.step()
+        log.seconds.append(time.perf_counter() - start)
+        log.losses.append(reduce_loss(total) if reduce_loss is not None else total)
+        log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return log
+
+
+def reference(work: Workload, *, steps: int, seed: int = 0) -> StepLog:
+    """The same steps in one process with no parallelism."""
+    module = build_model(work, seed=seed)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    return train(module, optimizer, work, steps=steps, gradients=grads)
