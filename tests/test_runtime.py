@@ -32,6 +32,42 @@ def test_data_parallel_plans_match_one_process(tmp_path, capsys, zero: int) -> N
     assert len(out["steps"]) == 3 and out["steps"][2]["loss"] < out["steps"][0]["loss"]
 
 
+def _pipeline_plan(tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0) -> str:
+    """A single-stage plan with a chosen dp x tp, built with the planner's own functions."""
+    from autopar.capture import trace
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
+    from autopar.search.pipeline import Found, plan_dict
+    from autopar.zoo import load
+
+    zoo = load(name, batch=1, seq=32, **overrides)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(tp * dp),
+                          traced_batch=1)
+    config = PipelineConfig(stages=even_stages(model, 1, tp=tp, dp=dp), micro_batch=4, zero=zero)
+    found = Found(config, model.estimate(config, global_batch=8), 1)
+    plan = plan_dict(model, found, name=name, kind="test", global_batch=8)
+    plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": 8, "dtype": "fp32"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"plan": plan, "estimate": found.result.estimate.to_dict()}))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "tp", "dp", "zero"),
+    [
+        ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 2, 1, 0),  # fused QKV, tied head
+        ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "ffn": 128}, 2, 1, 0),
+        ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 1, 4, 3),  # FSDP on 4 ranks
+    ],
+)
+def test_tensor_parallel_and_fsdp_plans_match_one_process(tmp_path, capsys, name, overrides, tp, dp, zero) -> None:
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero)
+    assert main(["run", path, "--nproc", str(tp * dp), "--steps", "3", "--check", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["check"]["ok"], out["check"]["message"]
+
+
 def test_the_check_names_the_first_mismatch() -> None:
     grads = {"w": torch.ones(3), "b": torch.zeros(2)}
     ref = StepLog(losses=[1.0, 0.5], grads=[grads, grads])
@@ -46,13 +82,14 @@ def test_the_check_names_the_first_mismatch() -> None:
 def test_unsupported_plans_are_refused_by_name(tmp_path, capsys) -> None:
     plan = _plan(tmp_path, capsys, "--search", "dp")["plan"]
     check_supported(plan)
-    tp = json.loads(json.dumps(plan))
-    tp["stages"][0].update(tp=2, dp=1)
-    with pytest.raises(NotImplementedError, match="tp 2"):
-        check_supported(tp)
+    both = json.loads(json.dumps(plan))
+    both["stages"][0].update(tp=2, dp=2)
+    both["mesh"]["shape"] = [1, 4]
+    with pytest.raises(NotImplementedError, match="tp 2 with dp 2"):
+        check_supported(both)
     with pytest.raises(NotImplementedError, match="intra-op"):
         check_supported({k: v for k, v in plan.items() if k != "stages"})
-    path = tmp_path / "tp.json"
-    path.write_text(json.dumps({"plan": tp, "estimate": {}}))
-    assert main(["run", str(path), "--nproc", "2"]) == 2
-    assert "tensor parallelism cannot be run yet" in capsys.readouterr().err
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps({"plan": both, "estimate": {}}))
+    assert main(["run", str(path), "--nproc", "4"]) == 2
+    assert "only one of them can be run yet" in capsys.readouterr().err

@@ -1,16 +1,24 @@
 """Apply a plan to a model with PyTorch's own distributed engine.
 
-Supported so far: single-stage plans with tp 1 on a dp-way process group, i.e. data parallelism under every ZeRO
-stage: ZeRO 0 is `DistributedDataParallel`; ZeRO 1 and 2 add `ZeroRedundancyOptimizer` (optimizer states sharded
-over dp; gradients are all-reduced whole, so ZeRO 2's gradient sharding is not reproduced, only priced); ZeRO 3 is
-FSDP2 `fully_shard` on every repeated layer and then the root. Tensor and pipeline parallelism, recomputation and
-intra-op (``ilp``) plans are refused with an error that says so.
+Supported so far, for single-stage pipeline plans:
+
+- data parallelism under every ZeRO stage: ZeRO 0 is `DistributedDataParallel`; ZeRO 1 and 2 add
+  `ZeroRedundancyOptimizer` (optimizer states sharded over dp; gradients are all-reduced whole, so ZeRO 2's
+  gradient sharding is priced but not reproduced); ZeRO 3 is FSDP2 `fully_shard` on every repeated layer and then
+  the root;
+- Megatron tensor parallelism (dp 1): `parallelize_module` with `ColwiseParallel` where the plan shards a weight's
+  output features (``S(0)`` on tp) and `RowwiseParallel` where it shards input features (``S(1)``); attention runs on
+  local tensors (CPU SDPA has no DTensor rule), so the zoo's fused QKV weight is permuted to hold each rank's
+  heads' q, k and v side by side and the module's head counts become per-rank counts.
+
+Pipeline parallelism, recomputation, tp combined with dp, and intra-op (``ilp``) plans are refused with an error
+that says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +32,7 @@ class ParallelModel:
     module: nn.Module
     zero: int
     make_optimizer: Callable[..., torch.optim.Optimizer]
+    permutations: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> row order it is stored in
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered)."""
@@ -35,7 +44,13 @@ class ParallelModel:
             grad = p.grad
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
-            grads[name] = grad.detach().clone()
+            grad = grad.detach().clone()
+            order = self.permutations.get(name)
+            if order is not None:  # back to the model's own row order
+                restored = torch.empty_like(grad)
+                restored[order] = grad
+                grad = restored
+            grads[name] = grad
         return grads
 
 
@@ -46,8 +61,10 @@ def check_supported(plan: dict[str, Any]) -> None:
     stages = plan["stages"]
     if len(stages) > 1:
         raise NotImplementedError(f"the plan pipelines over {len(stages)} stages; pipeline parallelism cannot be run yet")
-    if stages[0]["tp"] > 1:
-        raise NotImplementedError(f"the plan uses tp {stages[0]['tp']}; tensor parallelism cannot be run yet")
+    if stages[0]["tp"] > 1 and stages[0]["dp"] > 1:
+        raise NotImplementedError(
+            f"the plan combines tp {stages[0]['tp']} with dp {stages[0]['dp']}; only one of them can be run yet"
+        )
     if stages[0].get("recompute"):
         raise NotImplementedError("the plan recomputes layers; recomputation cannot be run yet")
 
@@ -60,10 +77,12 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
     import torch.distributed as dist
 
     check_supported(plan)
-    dp = plan["stages"][0]["dp"]
-    if dist.get_world_size() != dp:
-        raise ValueError(f"the plan needs {dp} ranks, this process group has {dist.get_world_size()}")
+    dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+    if dist.get_world_size() != dp * tp:
+        raise ValueError(f"the plan needs {dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
+    if tp > 1:
+        return _tensor_parallel(model, plan, tp)
     if zero == 3:
         from torch.distributed.fsdp import fully_shard
 
@@ -82,3 +101,65 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
             wrapped, zero, lambda cls, **kw: ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=cls, **kw)
         )
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw))
+
+
+def _tensor_parallel(model: nn.Module, plan: dict[str, Any], tp: int) -> ParallelModel:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.tensor import Replicate
+
+    from autopar.zoo.layers import MLP, Attention
+
+    mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (tp,), mesh_dim_names=("tp",))
+    styles: dict[str, Any] = {}
+    permutations: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    for fqn, entry in plan["modules"].items():
+        layouts = {name.rpartition(".")[2]: text for name, text in entry.get("params", {}).items()}
+        weight = layouts.get("weight", "")
+        tp_placement = weight.strip("[]").split(", ")[-1] if weight else "R"
+        if tp_placement == "R":
+            continue
+        module = modules.get(fqn)
+        weight_tensor = getattr(module, "weight", None)
+        if weight_tensor is not None and sum(p is weight_tensor for p in _all_parameters(model)) > 1:
+            continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(f"module {fqn!r} ({type(module).__name__}) cannot be split by tensor parallelism yet")
+        parent = modules.get(fqn.rpartition(".")[0])
+        if tp_placement == "S(1)":
+            styles[fqn] = RowwiseParallel()
+        elif isinstance(parent, (Attention, MLP)):  # a row-parallel layer of the same block consumes the shards
+            styles[fqn] = ColwiseParallel()
+        else:  # a column layer with no row partner (the LM head): gather its output for what follows
+            styles[fqn] = ColwiseParallel(output_layouts=Replicate())
+        if tp_placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
+            order = _qkv_rows(parent, tp)
+            with torch.no_grad():
+                module.weight.copy_(module.weight[order])
+                if module.bias is not None:
+                    module.bias.copy_(module.bias[order])
+            permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if module.bias is not None else {})})
+            parent.heads //= tp
+            parent.kv_heads //= tp
+        elif tp_placement == "S(0)" and isinstance(parent, Attention):
+            raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
+    parallelize_module(model, mesh, styles)
+    return ParallelModel(model, plan["zero"], lambda cls, **kw: cls(model.parameters(), **kw), permutations)
+
+
+def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:
+    """Row order of a fused [q; k; v] weight that puts each rank's heads' q, k and v in one contiguous shard."""
+    hd, heads, kv = attention.head_dim, attention.heads, attention.kv_heads
+    if heads % tp or kv % tp:
+        raise ValueError(f"tp {tp} does not divide the attention's {heads} heads and {kv} key/value heads")
+    q_rows = torch.arange(heads * hd).view(tp, -1)
+    k_rows = (heads * hd + torch.arange(kv * hd)).view(tp, -1)
+    v_rows = ((heads + kv) * hd + torch.arange(kv * hd)).view(tp, -1)
+    return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
+
+
+def _all_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every module's direct parameters, shared ones repeated (``named_parameters`` lists a shared one once)."""
+    return [p for m in model.modules() for p in m._parameters.values() if p is not None]

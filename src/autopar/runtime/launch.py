@@ -39,8 +39,9 @@ def _rank_main(rank: int, nproc: int, port: int, plan: dict[str, Any], steps: in
             dist.all_reduce(t)
             return float(t) / nproc
 
+        dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
         log = train(
-            parallel.module, optimizer, work, steps=steps, rank=rank, dp=nproc,
+            parallel.module, optimizer, work, steps=steps, rank=rank // tp, dp=dp,
             gradients=parallel.full_gradients if check else None, reduce_loss=average,
         )
         if rank == 0:
@@ -57,6 +58,10 @@ def run_plan(plan: dict[str, Any], *, nproc: int, steps: int, check: bool = Fals
         raise ValueError(f"the plan is for {devices} devices; run it with --nproc {devices}")
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        mp.spawn(_rank_main, args=(nproc, _free_port(), plan, steps, check, out), nprocs=nproc, join=True)
+        try:
+            mp.spawn(_rank_main, args=(nproc, _free_port(), plan, steps, check, out), nprocs=nproc, join=True)
+        except mp.ProcessRaisedException as exc:  # a rank failed: report its own error in one line
+            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+            raise RuntimeError(f"a rank failed: {lines[-1] if lines else exc}") from None
         data = torch.load(out)
     return StepLog(**data)
