@@ -32,7 +32,9 @@ def test_data_parallel_plans_match_one_process(tmp_path, capsys, zero: int) -> N
     assert len(out["steps"]) == 3 and out["steps"][2]["loss"] < out["steps"][0]["loss"]
 
 
-def _pipeline_plan(tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0) -> str:
+def _pipeline_plan(
+    tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None
+) -> str:
     """A single-stage plan with a chosen dp x tp, built with the planner's own functions."""
     from autopar.capture import trace
     from autopar.cluster import load_cluster
@@ -47,22 +49,32 @@ def _pipeline_plan(tmp_path, name: str, overrides: dict, *, tp: int, dp: int, ze
     found = Found(config, model.estimate(config, global_batch=8), 1)
     plan = plan_dict(model, found, name=name, kind="test", global_batch=8)
     plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": 8, "dtype": "fp32"}
+    plan["stages"][0]["recompute"] = recompute or {}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"plan": plan, "estimate": found.result.estimate.to_dict()}))
     return str(path)
 
 
+GPT = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}
+LLAMA = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "ffn": 128}
+BOTH = {"layers.0": "full", "layers.1": "selective"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "overrides", "tp", "dp", "zero"),
+    ("name", "overrides", "tp", "dp", "zero", "recompute"),
     [
-        ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 2, 1, 0),  # fused QKV, tied head
-        ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "ffn": 128}, 2, 1, 0),
-        ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 1, 4, 3),  # FSDP on 4 ranks
+        ("gpt3-125m", GPT, 2, 1, 0, None),  # fused QKV, tied head
+        ("llama-7b", LLAMA, 2, 1, 0, None),  # grouped-query attention, rotary, SwiGLU, gathered head
+        ("gpt3-125m", GPT, 1, 4, 3, None),  # FSDP on 4 ranks
+        ("llama-7b", LLAMA, 2, 1, 0, BOTH),  # recomputation inside TP
+        ("gpt3-125m", GPT, 1, 2, 3, BOTH),  # recomputation inside FSDP
     ],
 )
-def test_tensor_parallel_and_fsdp_plans_match_one_process(tmp_path, capsys, name, overrides, tp, dp, zero) -> None:
-    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero)
+def test_tensor_parallel_fsdp_and_recompute_match_one_process(
+    tmp_path, capsys, name, overrides, tp, dp, zero, recompute
+) -> None:
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero, recompute=recompute)
     assert main(["run", path, "--nproc", str(tp * dp), "--steps", "3", "--check", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["check"]["ok"], out["check"]["message"]
@@ -93,3 +105,28 @@ def test_unsupported_plans_are_refused_by_name(tmp_path, capsys) -> None:
     path.write_text(json.dumps({"plan": both, "estimate": {}}))
     assert main(["run", str(path), "--nproc", "4"]) == 2
     assert "only one of them can be run yet" in capsys.readouterr().err
+
+
+def test_recomputation_keeps_fewer_tensors_and_the_same_gradients() -> None:
+    from autopar.runtime.apply import recompute
+    from autopar.runtime.train import Workload, build_model, global_batch
+
+    work = Workload(model="gpt3-125m", overrides=GPT, seq=32, batch=4, micro_batch=4, micro_batches=1)
+    batch = global_batch(work, 0)
+
+    def run(levels: dict) -> tuple[int, dict]:
+        model = build_model(work)
+        recompute(model, levels)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            loss = model(**batch)
+        loss.backward()
+        return sum(kept), {n: p.grad for n, p in model.named_parameters()}
+
+    plain, grads = run({})
+    selective, grads_s = run({"layers.0": "selective", "layers.1": "selective"})
+    full, grads_f = run({"layers.0": "full", "layers.1": "full"})
+    assert full < selective < plain
+    for other in (grads_s, grads_f):
+        for name, grad in grads.items():
+            torch.testing.assert_close(other[name], grad)

@@ -11,12 +11,14 @@ Supported so far, for single-stage pipeline plans:
   local tensors (CPU SDPA has no DTensor rule), so the zoo's fused QKV weight is permuted to hold each rank's
   heads' q, k and v side by side and the module's head counts become per-rank counts.
 
-Pipeline parallelism, recomputation, tp combined with dp, and intra-op (``ilp``) plans are refused with an error
+and recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
+``selective``). Pipeline parallelism, tp combined with dp, and intra-op (``ilp``) plans are refused with an error
 that says so.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,8 +67,6 @@ def check_supported(plan: dict[str, Any]) -> None:
         raise NotImplementedError(
             f"the plan combines tp {stages[0]['tp']} with dp {stages[0]['dp']}; only one of them can be run yet"
         )
-    if stages[0].get("recompute"):
-        raise NotImplementedError("the plan recomputes layers; recomputation cannot be run yet")
 
 
 def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = ()) -> ParallelModel:
@@ -81,6 +81,7 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
     if dist.get_world_size() != dp * tp:
         raise ValueError(f"the plan needs {dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
+    recompute(model, plan["stages"][0].get("recompute", {}))
     if tp > 1:
         return _tensor_parallel(model, plan, tp)
     if zero == 3:
@@ -163,3 +164,33 @@ def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:
 def _all_parameters(model: nn.Module) -> list[torch.Tensor]:
     """Every module's direct parameters, shared ones repeated (``named_parameters`` lists a shared one once)."""
     return [p for m in model.modules() for p in m._parameters.values() if p is not None]
+
+
+def recompute(model: nn.Module, levels: dict[str, str]) -> None:
+    """Apply the plan's recomputation: ``full`` checkpoints the whole layer (only its input is kept; the forward
+    runs again in backward), ``selective`` checkpoints the attention core of the zoo's attention modules (q, k, v
+    kept, scores and softmax redone). Parameter names do not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    from autopar.zoo.layers import Attention
+
+    modules = dict(model.named_modules())
+    for name, level in levels.items():
+        layer = modules.get(name)
+        if layer is None:
+            raise ValueError(f"the plan recomputes {name!r}, which the model does not have")
+        if level == "full":
+            forward = layer.forward
+            layer.forward = functools.partial(_checkpointed, checkpoint, forward)
+        elif level == "selective":
+            cores = [m for m in layer.modules() if isinstance(m, Attention)]
+            if not cores:
+                raise NotImplementedError(f"selective recomputation of {name!r} needs the zoo's attention module")
+            for core in cores:
+                core.recompute_core = True
+        else:
+            raise ValueError(f"unknown recomputation {level!r} for {name!r}")
+
+
+def _checkpointed(checkpoint, forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

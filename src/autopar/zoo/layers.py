@@ -6,7 +6,10 @@ contraction blocks to the planner: QKV + attention core, output projection, FC1 
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -64,6 +67,7 @@ class Attention(nn.Module):
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.qkv = nn.Linear(hidden, qkv_out, bias=bias)
         self.proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.recompute_core = False  # selective recomputation: keep only q, k, v for backward, redo the core
 
     def forward(
         self,
@@ -79,15 +83,17 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
+        core = functools.partial(
+            F.scaled_dot_product_attention,
             attn_mask=bias,
             is_causal=self.causal and bias is None,
             scale=self.scale,
             enable_gqa=self.kv_heads != self.heads,
         )
+        if self.recompute_core and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(core, q, k, v, use_reentrant=False)
+        else:
+            out = core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, q_size))
 
 
