@@ -205,7 +205,7 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         f"{data['config']['seq']}",
         f"plan ({data['search']}): {len(plan['stages'])} pipeline stage{'s' if len(plan['stages']) > 1 else ''}, micro-batch {plan['micro_batch_size']} x "
         f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; {data['configurations_priced']:,} "
-        f"configurations priced in {data['search_seconds']:.1f} s" + (" (interrupted: best so far)" if data["interrupted"] else ""),
+        f"configuration{'s' if data['configurations_priced'] != 1 else ''} priced in {data['search_seconds']:.1f} s" + (" (interrupted: best so far)" if data["interrupted"] else ""),
         "",
         table(["stage", "layers", "dp x tp", "per micro-batch", "memory", "recomputed (s: selective, f: full)"], rows,
               align="rlrrrl"),
