@@ -26,8 +26,10 @@ def test_data_parallel_plans_match_one_process(tmp_path, capsys, zero: int) -> N
     data["plan"]["zero"] = zero  # DDP, DDP + ZeroRedundancyOptimizer, FSDP2
     path = tmp_path / f"zero{zero}.json"
     path.write_text(json.dumps(data))
-    assert main(["run", str(path), "--nproc", "2", "--steps", "3", "--check", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    code = main(["run", str(path), "--nproc", "2", "--steps", "3", "--check", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = json.loads(captured.out)
     assert out["check"]["ok"], out["check"]["message"]
     assert len(out["steps"]) == 3 and out["steps"][2]["loss"] < out["steps"][0]["loss"]
 
@@ -75,8 +77,10 @@ def test_tensor_parallel_fsdp_and_recompute_match_one_process(
     tmp_path, capsys, name, overrides, tp, dp, zero, recompute
 ) -> None:
     path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero, recompute=recompute)
-    assert main(["run", path, "--nproc", str(tp * dp), "--steps", "3", "--check", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    code = main(["run", path, "--nproc", str(tp * dp), "--steps", "3", "--check", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = json.loads(captured.out)
     assert out["check"]["ok"], out["check"]["message"]
 
 

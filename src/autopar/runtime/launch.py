@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,19 +13,13 @@ from autopar.runtime.apply import check_supported, parallelize
 from autopar.runtime.train import LEARNING_RATE, StepLog, Workload, build_model, train
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, nproc: int, port: int, plan: dict[str, Any], steps: int, check: bool, out: str) -> None:
+def _rank_main(rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], steps: int, check: bool, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=nproc)
+    # a file rendezvous in a fresh directory: no port to pick, so no race with other jobs on the machine
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=nproc)
     try:
         work = Workload.of(plan)
         model = build_model(work)
@@ -46,6 +38,7 @@ def _rank_main(rank: int, nproc: int, port: int, plan: dict[str, Any], steps: in
         )
         if rank == 0:
             torch.save(log.__dict__, out)
+        dist.barrier()  # no rank may tear gloo down while a peer still finishes its last collective (SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -59,7 +52,8 @@ def run_plan(plan: dict[str, Any], *, nproc: int, steps: int, check: bool = Fals
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
         try:
-            mp.spawn(_rank_main, args=(nproc, _free_port(), plan, steps, check, out), nprocs=nproc, join=True)
+            rendezvous = str(Path(tmp) / "rendezvous")
+            mp.spawn(_rank_main, args=(nproc, rendezvous, plan, steps, check, out), nprocs=nproc, join=True)
         except mp.ProcessRaisedException as exc:  # a rank failed: report its own error in one line
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
             raise RuntimeError(f"a rank failed: {lines[-1] if lines else exc}") from None
