@@ -120,3 +120,17 @@ def test_measured_table_is_interpolated() -> None:
     assert flat_seconds(Collective.ALL_REDUCE, 1 << 20, 2, link) == pytest.approx(2e-3)
     between = flat_seconds(Collective.ALL_REDUCE, 8 << 20, 2, link)
     assert 2e-3 < between < 64e-3 and math.isfinite(between)
+
+
+def test_link_fit_recovers_bandwidth_from_noisy_measurements() -> None:
+    import numpy as np
+
+    from autopar.cluster.detect import fit_link
+
+    rng = np.random.default_rng(0)
+    sizes = tuple(2**k for k in range(10, 27))  # 1 KiB .. 64 MiB
+    bandwidth, latency = 1.2e9, 0.8e-3
+    seconds = [(latency + 2 * 0.5 * s / bandwidth) * rng.uniform(0.9, 1.1) for s in sizes]  # 2 ranks, +-10%
+    fitted, _, error = fit_link(sizes, seconds, 2)
+    assert fitted == pytest.approx(bandwidth, rel=0.15)
+    assert error < 0.25
