@@ -134,3 +134,14 @@ def test_recomputation_keeps_fewer_tensors_and_the_same_gradients() -> None:
     for other in (grads_s, grads_f):
         for name, grad in grads.items():
             torch.testing.assert_close(other[name], grad)
+
+
+@pytest.mark.slow
+def test_the_auto_plan_of_a_tiny_model_runs_on_four_ranks(tmp_path, capsys) -> None:
+    path = tmp_path / "auto.json"
+    assert main(["plan", *TINY, "--cluster", "cpu", "--gpus", "4", "--batch", "16", "--out", str(path)]) == 0
+    capsys.readouterr()
+    code = main(["run", str(path), "--nproc", "4", "--steps", "3", "--check", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["check"]["ok"]
