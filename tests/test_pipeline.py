@@ -95,3 +95,30 @@ def test_search_stops_when_asked_and_keeps_the_best_so_far() -> None:
     model = _model("gpt3-350m", gpus=8, layers=8)
     stopped = aceso(model, global_batch=32, time_limit=20, should_stop=lambda: True)
     assert stopped is not None and stopped.config.devices == 8
+
+
+def test_recompute_choice_is_the_fastest_that_fits() -> None:
+    """The knapsack's choice against every assignment of none / selective / full to a stage's layers."""
+    import itertools
+
+    from autopar.cost.types import RECOMPUTE
+    from autopar.search.recompute import optimal_recompute
+
+    model = _model("gpt3-350m", gpus=2, memory_gib=5.6, layers=4)
+    base = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=2), micro_batch=8)
+    stage = base.stages[0]
+    repeated = [r for r in range(stage.start, stage.end) if model.layers[r].repeated]
+    best = None
+    for levels in itertools.product(RECOMPUTE, repeat=len(repeated)):
+        chosen = dict(zip(repeated, levels))
+        recompute = tuple(chosen.get(r, "none") for r in range(stage.start, stage.end))
+        config = dataclasses.replace(base, stages=(dataclasses.replace(stage, recompute=recompute),))
+        result = model.estimate(config, global_batch=32)
+        if result.estimate.memory.fits and (best is None or result.stages[0].seconds < best):
+            best = result.stages[0].seconds
+    assert best is not None
+    picked = optimal_recompute(model, base, 0, global_batch=32)
+    result = model.estimate(dataclasses.replace(base, stages=(picked,)), global_batch=32)
+    assert result.estimate.memory.fits
+    assert result.stages[0].seconds == pytest.approx(best, rel=0.01)
+    assert any(level != "none" for level in picked.recompute)  # the budget is tight enough to need some

@@ -15,7 +15,9 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
 4. keep the best few results and go on from them, up to ``max_hops`` primitives deep (a move that is worse alone
    can open a better one); the first configuration better than the current one becomes current, and the search
    repeats from step 2; visited configurations are never priced twice;
-5. stop when no configuration within ``max_hops`` improves, or the time budget ends (the best so far is kept).
+5. stop when no configuration within ``max_hops`` improves, or the time budget ends (the best so far is kept);
+6. choose every stage's recomputation exactly for the configuration found (`search.recompute`: a knapsack per
+   stage over none / selective / full per layer) and keep it if it is faster.
 
 Depths are searched one after another, each with an equal share of the budget; the best over depths wins.
 """
@@ -32,6 +34,7 @@ from dataclasses import dataclass, replace
 from autopar.cluster import build_mesh
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
 from autopar.cost.types import RECOMPUTE
+from autopar.search.recompute import with_optimal_recompute
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +292,13 @@ def aceso(
             evaluated += count
             if found is None or climbed.score < found.score:
                 found = climbed
+        # the exact per-stage recomputation (a knapsack per stage) on the depth's best configuration
+        tuned = with_optimal_recompute(model, found.config, global_batch=global_batch)
+        if tuned != found.config:
+            result = evaluate(tuned)
+            evaluated += 1
+            if score(result) < found.score:
+                found = Found(tuned, result, evaluated)
         if progress:
             e = found.result.estimate
             progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)"))

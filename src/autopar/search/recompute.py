@@ -1,0 +1,97 @@
+"""Which layers of a stage to recompute: an exact choice by dynamic programming.
+
+For one stage with its dp x tp and micro-batch fixed, each repeated layer ``i`` picks a level ``l`` in (none,
+selective, full) with backward time ``t[i][l]`` and bytes kept per micro-batch ``a[i][l]``:
+
+    minimise    sum_i t[i][l_i]
+    subject to  in_flight * sum_i a[i][l_i]  <=  budget - model states - transient - reserve
+
+(transient: the largest temporary, bounded by the largest of the layers' temporaries and, for a recomputed
+layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
+rounded up to ``1 / buckets`` of the capacity it is solved exactly over the rounded sizes in
+O(layers x buckets) with numpy. MAP (§5.2) runs the rotor dynamic programme over the linearised graph; at the
+granularity of this cost model (a layer keeps its activations or its input) the knapsack is the same decision. The
+stage's time is then as small as its memory allows, which also minimises the pipeline's slowest stage and sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from autopar.cluster import build_mesh
+from autopar.cost.memory import model_states
+from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+from autopar.cost.types import RECOMPUTE
+
+
+def optimal_recompute(
+    model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int, buckets: int = 2048
+) -> Stage | None:
+    """Stage ``index`` with the fastest recomputation that fits, or None when even full recomputation of every
+    layer does not fit."""
+    stage = config.stages[index]
+    mesh = build_mesh(model.cluster, {"pp": config.pp, "dp": stage.dp, "tp": stage.tp})
+    samples = config.micro_batch / stage.dp
+    m = global_batch // config.micro_batch
+    in_flight = m if config.schedule == "gpipe" else min(config.pp - index, m)
+    rows = range(stage.start, stage.end)
+    prices = {
+        (row, level): model.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+        for row in rows
+        for level in (RECOMPUTE if model.layers[row].repeated else ("none",))
+    }
+    params = sum(prices[(row, "none")].params for row in rows)
+    weights, grads, optim = model_states(params / stage.tp, dtype=model.dtype, zero=config.zero, dp=stage.dp)
+    transient = max(max(p.temporary for p in prices.values()), max(prices[(r, "none")].activations for r in rows))
+    capacity = (model.cluster.device.memory - model.cluster.device.reserved - weights - grads - optim - transient)
+    capacity /= in_flight
+    fixed = sum(prices[(r, "none")].activations for r in rows if not model.layers[r].repeated)
+    capacity -= fixed
+    choosable = [r for r in rows if model.layers[r].repeated]
+    if capacity < 0:
+        return None
+    if not choosable:
+        return stage
+    unit = capacity / buckets if capacity > 0 else 1.0
+    best = np.zeros(buckets + 1)  # best[b]: least extra time with rounded bytes <= b units so far
+    picks: list[np.ndarray] = []
+    for row in choosable:
+        options = [(level, prices[(row, level)]) for level in RECOMPUTE]
+        base = prices[(row, "none")]
+        new = np.full(buckets + 1, math.inf)
+        choice = np.zeros(buckets + 1, dtype=np.int8)
+        for k, (_, price) in enumerate(options):
+            weight = math.ceil(price.activations / unit - 1e-9) if unit > 0 else 0
+            if weight > buckets:
+                continue
+            extra = (price.backward + price.comm_backward) - (base.backward + base.comm_backward)
+            shifted = np.full(buckets + 1, math.inf)
+            shifted[weight:] = best[: buckets + 1 - weight] + extra
+            better = shifted < new
+            new[better], choice[better] = shifted[better], k
+        best = new
+        picks.append(choice)
+    if not math.isfinite(best[buckets]):
+        return None
+    levels: dict[int, str] = {}
+    b = buckets
+    for row, choice in zip(reversed(choosable), reversed(picks)):  # walk the choices back
+        k = int(choice[b])
+        level = RECOMPUTE[k]
+        levels[row] = level
+        b -= math.ceil(prices[(row, level)].activations / unit - 1e-9) if unit > 0 else 0
+    recompute = tuple(levels.get(row, "none") for row in rows)
+    return replace(stage, recompute=recompute)
+
+
+def with_optimal_recompute(model: PipelineModel, config: PipelineConfig, *, global_batch: int) -> PipelineConfig:
+    """Every stage's recomputation chosen by `optimal_recompute` (stages where nothing fits are left as they are)."""
+    stages = list(config.stages)
+    for index in range(len(stages)):
+        chosen = optimal_recompute(model, replace(config, stages=tuple(stages)), index, global_batch=global_batch)
+        if chosen is not None:
+            stages[index] = chosen
+    return replace(config, stages=tuple(stages))
