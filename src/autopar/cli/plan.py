@@ -64,20 +64,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     base = load_cluster(args.cluster)
     shape = _default_mesh(args, base.devices_per_node)
     cluster = base.with_devices(math.prod(shape))
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
-    for flag in ("batch", "seq", *MODEL_OVERRIDES):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    zoo = load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
-    kinds = ("ilp", *BASELINES) if args.search == "ilp" else (args.search,)
+    zoo = _load(args)
+    kinds = ("ilp", *BASELINES)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
-
-    def progress(message: str) -> None:
-        if show:
-            print(f"\r\033[K{message} ({time.perf_counter() - start:.1f} s)", end="", file=sys.stderr, flush=True)
-
+    progress = _progress(show, start)
     found = plan_intra(
         lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
         cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=kinds, time_limit=args.budget_s,
@@ -117,6 +108,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     return data if args.json else render(data, out=args.out)
 
 
+def _progress(show: bool, start: float):  # noqa: ANN202
+    """One status line on stderr, rewritten in place (only on a terminal, never with --json)."""
+
+    def progress(message: str) -> None:
+        if show:
+            print(f"\r\033[K{message} ({time.perf_counter() - start:.1f} s)", end="", file=sys.stderr, flush=True)
+
+    return progress
+
+
 def _workload(args: argparse.Namespace, zoo: Any) -> dict[str, Any]:
     """What `autopar run` needs to rebuild the model and its batches."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
@@ -141,10 +142,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     stop = threading.Event()
-
-    def progress(message: str) -> None:
-        if show:
-            print(f"\r\033[K{message} ({time.perf_counter() - start:.1f} s)", end="", file=sys.stderr, flush=True)
+    progress = _progress(show, start)
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
