@@ -71,6 +71,8 @@ BOTH = {"layers.0": "full", "layers.1": "selective"}
         ("gpt3-125m", GPT, 1, 4, 3, None),  # FSDP on 4 ranks
         ("llama-7b", LLAMA, 2, 1, 0, BOTH),  # recomputation inside TP
         ("gpt3-125m", GPT, 1, 2, 3, BOTH),  # recomputation inside FSDP
+        ("gpt3-125m", GPT, 2, 2, 3, None),  # FSDP x TP on a 2 x 2 mesh
+        ("llama-7b", LLAMA, 2, 2, 3, BOTH),  # FSDP x TP with recomputation
     ],
 )
 def test_tensor_parallel_fsdp_and_recompute_match_one_process(
@@ -101,14 +103,14 @@ def test_unsupported_plans_are_refused_by_name(tmp_path, capsys) -> None:
     both = json.loads(json.dumps(plan))
     both["stages"][0].update(tp=2, dp=2)
     both["mesh"]["shape"] = [1, 4]
-    with pytest.raises(NotImplementedError, match="tp 2 with dp 2"):
+    with pytest.raises(NotImplementedError, match="tp 2 with dp 2 under ZeRO 0"):
         check_supported(both)
     with pytest.raises(NotImplementedError, match="intra-op"):
         check_supported({k: v for k, v in plan.items() if k != "stages"})
     path = tmp_path / "both.json"
     path.write_text(json.dumps({"plan": both, "estimate": {}}))
     assert main(["run", str(path), "--nproc", "4"]) == 2
-    assert "only one of them can be run yet" in capsys.readouterr().err
+    assert "tp x dp runs with FSDP (ZeRO 3) only so far" in capsys.readouterr().err
 
 
 def test_recomputation_keeps_fewer_tensors_and_the_same_gradients() -> None:

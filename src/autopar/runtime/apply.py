@@ -6,14 +6,17 @@ Supported so far, for single-stage pipeline plans:
   `ZeroRedundancyOptimizer` (optimizer states sharded over dp; gradients are all-reduced whole, so ZeRO 2's
   gradient sharding is priced but not reproduced); ZeRO 3 is FSDP2 `fully_shard` on every repeated layer and then
   the root;
-- Megatron tensor parallelism (dp 1): `parallelize_module` with `ColwiseParallel` where the plan shards a weight's
+- Megatron tensor parallelism: `parallelize_module` with `ColwiseParallel` where the plan shards a weight's
   output features (``S(0)`` on tp) and `RowwiseParallel` where it shards input features (``S(1)``); attention runs on
   local tensors (CPU SDPA has no DTensor rule), so the zoo's fused QKV weight is permuted to hold each rank's
   heads' q, k and v side by side and the module's head counts become per-rank counts.
 
 and recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
-``selective``). Pipeline parallelism, tp combined with dp, and intra-op (``ilp``) plans are refused with an error
-that says so.
+``selective``);
+- tp x dp under ZeRO 3: tensor parallelism on the inner mesh axis, FSDP2 over the outer one.
+
+Pipeline parallelism, tp x dp under ZeRO 0-2, and intra-op (``ilp``) plans are refused with an error that says
+so.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def check_supported(plan: dict[str, Any]) -> None:
     stages = plan["stages"]
     if len(stages) > 1:
         raise NotImplementedError(f"the plan pipelines over {len(stages)} stages; pipeline parallelism cannot be run yet")
-    if stages[0]["tp"] > 1 and stages[0]["dp"] > 1:
+    if stages[0]["tp"] > 1 and stages[0]["dp"] > 1 and plan["zero"] != 3:
         raise NotImplementedError(
-            f"the plan combines tp {stages[0]['tp']} with dp {stages[0]['dp']}; only one of them can be run yet"
+            f"the plan combines tp {stages[0]['tp']} with dp {stages[0]['dp']} under ZeRO {plan['zero']}; "
+            "tp x dp runs with FSDP (ZeRO 3) only so far"
         )
 
 
@@ -82,16 +86,24 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
         raise ValueError(f"the plan needs {dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
     recompute(model, plan["stages"][0].get("recompute", {}))
+    permutations: dict[str, torch.Tensor] = {}
+    if tp > 1 or zero == 3:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))  # tp innermost, as priced
     if tp > 1:
-        return _tensor_parallel(model, plan, tp)
+        permutations = _tensor_parallel(model, plan, mesh["tp"])
+        if dp == 1:
+            return ParallelModel(model, zero, lambda cls, **kw: cls(model.parameters(), **kw), permutations)
     if zero == 3:
         from torch.distributed.fsdp import fully_shard
 
         layers = list(units) or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return ParallelModel(model, zero, lambda cls, **kw: cls(model.parameters(), **kw))
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return ParallelModel(model, zero, lambda cls, **kw: cls(model.parameters(), **kw), permutations)
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model)
@@ -104,15 +116,14 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw))
 
 
-def _tensor_parallel(model: nn.Module, plan: dict[str, Any], tp: int) -> ParallelModel:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[str, torch.Tensor]:
+    """Megatron TP over the 1-D ``mesh``; returns the row orders of permuted fused-QKV parameters."""
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from autopar.zoo.layers import MLP, Attention
 
-    mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (tp,), mesh_dim_names=("tp",))
+    tp = mesh.size()
     styles: dict[str, Any] = {}
     permutations: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules())
@@ -147,7 +158,7 @@ def _tensor_parallel(model: nn.Module, plan: dict[str, Any], tp: int) -> Paralle
         elif tp_placement == "S(0)" and isinstance(parent, Attention):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
     parallelize_module(model, mesh, styles)
-    return ParallelModel(model, plan["zero"], lambda cls, **kw: cls(model.parameters(), **kw), permutations)
+    return permutations
 
 
 def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:
