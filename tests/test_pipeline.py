@@ -122,3 +122,9 @@ def test_recompute_choice_is_the_fastest_that_fits() -> None:
     assert result.estimate.memory.fits
     assert result.stages[0].seconds == pytest.approx(best, rel=0.01)
     assert any(level != "none" for level in picked.recompute)  # the budget is tight enough to need some
+
+
+def test_exhaustive_refuses_a_large_space() -> None:
+    model = _model("gpt3-350m", gpus=8, layers=12)
+    with pytest.raises(ValueError, match="more than 1,000 configurations"):  # counted lazily, not enumerated whole
+        exhaustive(model, global_batch=64, limit=1000)

@@ -356,11 +356,9 @@ def _climb(
 def exhaustive(model: PipelineModel, *, global_batch: int, limit: int = 200_000, deadline: float = math.inf) -> Found:
     """Every configuration with uniform recomputation per stage (raises if the space exceeds ``limit``)."""
     evaluate = Evaluator(model, global_batch=global_batch)
-    spaces = list(_exhaustive_space(model, global_batch))
+    spaces = list(itertools.islice(_exhaustive_space(model, global_batch), limit + 1))  # stop counting past limit
     if len(spaces) > limit:
-        raise ValueError(
-            f"the exhaustive space has {len(spaces):,} configurations, more than {limit:,}: use --search auto"
-        )
+        raise ValueError(f"the exhaustive space has more than {limit:,} configurations: use --search auto")
     best: Found | None = None
     for count, config in enumerate(spaces, 1):
         if time.perf_counter() > deadline:
