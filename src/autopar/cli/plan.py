@@ -27,10 +27,11 @@ SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="search a parallel plan and compare it with pure DP, FSDP and Megatron TP",
-        description="Trace MODEL, search the intra-op space (a split per ParallelBlock, ZeRO stage, micro-batch "
-        "count) with the ILP under the device memory, and print the plan, its estimate and the baselines "
-        "priced by the same cost model.",
+        help="search a parallel plan and compare it with pure DP, FSDP and the best Megatron configuration",
+        description="Trace MODEL once and search pipeline stages (uneven allowed), each stage's dp x tp, per-layer "
+        "recomputation, the micro-batch and the ZeRO stage with the pipeline cost model (Megatron grid, then "
+        "Aceso's bottleneck search); or, with --search ilp, the intra-op space on one mesh. Prints the plan, its "
+        "estimate and the baselines priced by the same cost model. Ctrl-C keeps the best plan found so far.",
     )
     add_model_arguments(parser)
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
