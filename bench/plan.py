@@ -1,8 +1,8 @@
 """Intra-op planning speed: llama-7b on 8 devices (1-D and 2x4 meshes), and how planning time grows with depth.
 
-Run: python bench/plan.py. Each case runs in three fresh Python processes (the median is shown), as `autopar plan` does: capture (one trace per
-micro-batch size tried), ParallelBlocks and segments, pricing, the ILP per ZeRO stage and micro-batch count, and
-the three baselines. Model building (the nn.Module on the meta device) is reported apart: it is the user's code.
+Run: python bench/plan.py. Each case runs in three fresh Python processes (the median is shown), as
+`autopar plan --search ilp` does: capture (one trace per micro-batch size tried), ParallelBlocks and segments,
+pricing, the ILP per ZeRO stage and micro-batch count, and the three baselines. Model building (the nn.Module on the meta device) is reported apart: it is the user's code.
 Targets: llama-7b on 8 devices under 10 s including capture; 320 layers / 32 layers under 2x (same width, both
 fitting, so the search takes the same path).
 """
@@ -21,7 +21,8 @@ from autopar.capture import trace
 from autopar.cluster import load_cluster
 from autopar.search import plan_intra
 from autopar.zoo import load
-name, gpus, batch, mesh, layers, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+name, mesh = sys.argv[1], sys.argv[4]
+gpus, batch, layers, hidden = (int(sys.argv[i]) for i in (2, 3, 5, 6))
 shape = tuple(int(x) for x in mesh.split("x"))
 overrides = {"layers": layers} if layers else {}
 if hidden:
@@ -40,7 +41,8 @@ found = plan_intra(trace_at, load_cluster("a100-80g-sxm").with_devices(gpus), sh
 total = time.perf_counter() - start
 ilp = found["ilp"]
 print(json.dumps({"build_s": build, "plan_s": total, "capture_s": sum(traces), "traces": len(traces),
-                  "iteration_s": ilp.estimate.iteration_seconds, "trace_each": [round(t, 3) for t in traces], "fits": ilp.estimate.memory.fits,
+                  "iteration_s": ilp.estimate.iteration_seconds, "trace_each": [round(t, 3) for t in traces],
+                  "fits": ilp.estimate.memory.fits,
                   "variables": len(ilp.space.representative), "blocks": len(ilp.space.blocks.blocks)}))
 """
 

@@ -147,7 +147,9 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if threading.current_thread() is threading.main_thread() else None
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # Ctrl-C ends the search, keeping the best plan
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set)
@@ -202,9 +204,10 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}",
-        f"plan ({data['search']}): {len(plan['stages'])} pipeline stage{'s' if len(plan['stages']) > 1 else ''}, micro-batch {plan['micro_batch_size']} x "
-        f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; {data['configurations_priced']:,} "
-        f"configuration{'s' if data['configurations_priced'] != 1 else ''} priced in {data['search_seconds']:.1f} s" + (" (interrupted: best so far)" if data["interrupted"] else ""),
+        f"plan ({data['search']}): {_count(len(plan['stages']), 'pipeline stage')}, micro-batch "
+        f"{plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; "
+        f"{_count(data['configurations_priced'], 'configuration')} priced in {data['search_seconds']:.1f} s"
+        + (" (interrupted: best so far)" if data["interrupted"] else ""),
         "",
         table(["stage", "layers", "dp x tp", "per micro-batch", "memory", "recomputed (s: selective, f: full)"], rows,
               align="rlrrrl"),
@@ -258,6 +261,10 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
     ]
     return "\n".join(lines + _comparison(data, out))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _comparison(data: dict[str, Any], out: str | None) -> list[str]:

@@ -1,24 +1,25 @@
 """Pipeline cost model (Aceso §3.3): uneven stages, each with its own dp x tp and per-layer recomputation.
 
 A configuration cuts the chain of profile rows (embedding, layers, head) into contiguous stages. Stage ``s`` holds
-``N / pp`` devices as a (dp_s, tp_s) grid, tp innermost. A micro-batch of ``B`` samples crosses the pipeline;
-stage ``s`` splits it ``dp_s`` ways, so each device runs ``B / dp_s`` samples, and its tensor-parallel layers
-``tp_s`` ways. The graph is traced once, at any batch ``b``: a transformer's or a CNN's work, bytes and activations
-are linear in the batch, so a node costs its roofline time with its work scaled by ``(B / dp_s) / b`` (and divided
-by ``tp_s`` where TP splits it; the per-kernel overhead is paid once), and TP collectives scale the same way. Per micro-batch, stage ``s`` takes ``t_s = f_s + b_s`` (compute, its TP
-communication, and the point-to-point sends to its neighbours); recomputation adds forward work to ``b_s``.
+``N / pp`` devices as a (dp_s, tp_s) grid, tp innermost. A micro-batch of ``B`` samples crosses the pipeline; stage
+``s`` splits it ``dp_s`` ways, so each device runs ``B / dp_s`` samples, and its tensor-parallel layers ``tp_s``
+ways. The graph is traced once, at any batch ``b``: a transformer's or a CNN's work, bytes and activations are
+linear in the batch, so a node costs its roofline time with its work scaled by ``(B / dp_s) / b`` (and divided by
+``tp_s`` where TP splits it; the per-kernel overhead is paid once), and TP collectives scale the same way. Per
+micro-batch, stage ``s`` takes ``t_s = f_s + b_s`` (compute, its TP communication, and the point-to-point sends to
+its neighbours); recomputation adds forward work to ``b_s``.
 
     iteration = sum_s t_s + (m - 1) * max_s t_s + max_s sync_s
 
-for ``m`` micro-batches under 1F1B or GPipe: the first micro-batch crosses every stage (warm-up and cool-down),
-the rest stream at the pace of the slowest stage; ``bubble = sum_s t_s - max_s t_s``. Gradient synchronisation
-over each stage's dp axis (all-reduce, or reduce-scatter + all-gather under ZeRO 1-2, or per-micro-batch gathers
-under ZeRO 3) runs after the last backward, stages in parallel. Memory per stage: model states of its parameters
-split ``tp_s`` ways (sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``,
-GPipe: ``m``), the largest temporary, the device reserve.
+for ``m`` micro-batches under 1F1B or GPipe: the first micro-batch crosses every stage (warm-up and cool-down), the
+rest stream at the pace of the slowest stage; ``bubble = sum_s t_s - max_s t_s``. Gradient synchronisation over each
+stage's dp axis (all-reduce, or reduce-scatter + all-gather under ZeRO 1-2, or per-micro-batch gathers under ZeRO 3)
+runs after the last backward, stages in parallel. Memory per stage: model states of its parameters split ``tp_s``
+ways (sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``, GPipe: ``m``),
+the largest temporary, the device reserve.
 
-Layer prices are cached by (layer signature, tp, dp, recompute, sp): repeated layers are priced once, so a
-configuration of a 1,000-layer model costs a sum over its layers, not a pass over its nodes.
+Layer prices are cached by (layer signature, tp, samples per device, recompute, sp): repeated layers are priced
+once, so a configuration of a 1,000-layer model costs a sum over its layers, not a pass over its nodes.
 """
 
 from __future__ import annotations
