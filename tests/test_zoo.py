@@ -49,3 +49,21 @@ def test_parametric_names() -> None:
     assert get_config("moe-1.3b-e16").experts == 16
     cfg = get_config("wrn-101-4")
     assert (cfg.layers, cfg.width) == (101, 4)
+
+
+@pytest.mark.parametrize("name", ["gpt3-125m", "bert-base", "t5-base", "llama-7b"])
+def test_no_module_runs_twice_in_one_forward(name: str) -> None:
+    """Module-level tools (CommDebugMode's tracker, per-module profilers) need each module called once per
+    forward; this runs a small real model under CommDebugMode, which raises otherwise."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autopar.runtime.train import Workload, build_model, global_batch
+
+    small = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}
+    if name == "llama-7b":
+        small.update(kv_heads=4, ffn=128)
+    work = Workload(model=name, overrides=small, seq=16, batch=2, micro_batch=2, micro_batches=1)
+    model = build_model(work)
+    with CommDebugMode() as comm:
+        model(**global_batch(work, 0)).backward()
+    assert comm.get_total_counts() == 0  # one process: no collectives

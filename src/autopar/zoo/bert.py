@@ -17,11 +17,12 @@ class BertBlock(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg.hidden, cfg.ffn)
         self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop_attn = nn.Dropout(cfg.dropout)  # one module per branch (see gpt.GPTBlock)
+        self.drop_mlp = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln1(x + self.drop(self.attn(x)))
-        return self.ln2(x + self.drop(self.mlp(x)))
+        x = self.ln1(x + self.drop_attn(self.attn(x)))
+        return self.ln2(x + self.drop_mlp(self.mlp(x)))
 
 
 class Bert(nn.Module):

@@ -25,11 +25,14 @@ class GPTBlock(nn.Module):
             )
         else:
             self.mlp = MLP(cfg.hidden, cfg.ffn)
-        self.drop = nn.Dropout(cfg.dropout)
+        # one dropout module per branch: a module called twice in one forward confuses module-level tools
+        # (CommDebugMode's module tracker raises on it)
+        self.drop_attn = nn.Dropout(cfg.dropout)
+        self.drop_mlp = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        x = x + self.drop_attn(self.attn(self.ln1(x)))
+        return x + self.drop_mlp(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):

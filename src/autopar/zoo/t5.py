@@ -57,13 +57,16 @@ class T5Block(nn.Module):
             self.cross = CrossAttention(cfg.hidden, cfg.heads, head_dim=head_dim)
         self.norm2 = RMSNorm(cfg.hidden)
         self.mlp = MLP(cfg.hidden, cfg.ffn, bias=False, act="relu")
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop_attn = nn.Dropout(cfg.dropout)  # one module per branch (see gpt.GPTBlock)
+        if decoder:
+            self.drop_cross = nn.Dropout(cfg.dropout)
+        self.drop_mlp = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), bias=bias.to(x.dtype)))
+        x = x + self.drop_attn(self.attn(self.norm1(x), bias=bias.to(x.dtype)))
         if memory is not None:
-            x = x + self.drop(self.cross(self.norm_cross(x), memory))
-        return x + self.drop(self.mlp(self.norm2(x)))
+            x = x + self.drop_cross(self.cross(self.norm_cross(x), memory))
+        return x + self.drop_mlp(self.mlp(self.norm2(x)))
 
 
 class T5Stack(nn.Module):
@@ -72,14 +75,15 @@ class T5Stack(nn.Module):
         self.relative_bias = RelativeBias(cfg.heads, bidirectional=not decoder)
         self.layers = nn.ModuleList(T5Block(cfg, decoder=decoder) for _ in range(layers))
         self.norm = RMSNorm(cfg.hidden)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop_in = nn.Dropout(cfg.dropout)
+        self.drop_out = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
         bias = self.relative_bias(x.shape[1])
-        x = self.drop(x)
+        x = self.drop_in(x)
         for layer in self.layers:
             x = layer(x, bias, memory)
-        return self.drop(self.norm(x))
+        return self.drop_out(self.norm(x))
 
 
 class T5(nn.Module):
@@ -87,11 +91,13 @@ class T5(nn.Module):
         super().__init__()
         self.hidden = cfg.hidden
         self.shared = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.decoder_embed = nn.Embedding(cfg.vocab, cfg.hidden)  # its own module, the shared weight
+        self.decoder_embed.weight = self.shared.weight
         self.encoder = T5Stack(cfg, cfg.layers, decoder=False)
         self.decoder = T5Stack(cfg, cfg.decoder_layers or cfg.layers, decoder=True)
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         memory = self.encoder(self.shared(input_ids))
-        out = self.decoder(self.shared(decoder_input_ids), memory)
+        out = self.decoder(self.decoder_embed(decoder_input_ids), memory)
         logits = torch.nn.functional.linear(out * self.hidden**-0.5, self.shared.weight)
         return lm_loss(logits, labels)
