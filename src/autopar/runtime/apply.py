@@ -119,7 +119,12 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
 def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[str, torch.Tensor]:
     """Megatron TP over the 1-D ``mesh``; returns the row orders of permuted fused-QKV parameters."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from autopar.zoo.layers import MLP, Attention
 
@@ -157,6 +162,11 @@ def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[
             parent.kv_heads //= tp
         elif tp_placement == "S(0)" and isinstance(parent, Attention):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
+    for fqn, module in modules.items():  # gate and up read one input: reduce its gradient once, as priced
+        if isinstance(module, MLP) and module.gated and f"{fqn}.gate" in styles and f"{fqn}.up" in styles:
+            styles[fqn] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
     parallelize_module(model, mesh, styles)
     return permutations
 
