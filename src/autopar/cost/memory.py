@@ -28,6 +28,11 @@ def model_states(params: float, *, dtype: str, zero: int, dp: int) -> tuple[floa
     )
 
 
+def gradient_itemsize(dtype: str) -> int:
+    """Bytes per weight and per gradient element: 4 in fp32 training, 2 in mixed precision (bf16, fp16)."""
+    return 4 if dtype == "fp32" else 2
+
+
 def gradient_sync(zero: int, micro_batches: int) -> list[tuple[Collective, int]]:
     """Collectives per iteration that keep data-parallel replicas' parameters in step, with their call counts, on
     a gradient-sized buffer: all-reduce (ZeRO 0); reduce-scatter of gradients and all-gather of updated weights

@@ -31,7 +31,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cost.compute import node_seconds
 from autopar.cost.layers import LayerCost, analyse
-from autopar.cost.memory import gradient_sync, model_states
+from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
 from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 
 
@@ -273,7 +273,7 @@ class PipelineModel:
     def _sync(self, params: float, zero: int, dp: int, m: int, mesh, uses: Counter) -> float:  # noqa: ANN001
         if dp == 1:
             return 0.0
-        nbytes = params * (4 if self.dtype == "fp32" else 2)
+        nbytes = params * gradient_itemsize(self.dtype)
         axis = mesh.axis("dp")
         total = 0.0
         for kind, count in gradient_sync(zero, m):

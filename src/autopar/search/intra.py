@@ -30,7 +30,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
 from autopar.cluster.mesh import Mesh
 from autopar.cost.intra import BlockCost, Candidate, IntraCost, Key, ParamUse, sync_seconds
-from autopar.cost.memory import model_states
+from autopar.cost.memory import gradient_itemsize, model_states
 from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
 from autopar.search.ilp import Edge, Solution, solve
 from autopar.sharding import short_layout
@@ -174,10 +174,6 @@ def _states(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, 
     return weights, grads, optim
 
 
-def _itemsize(dtype: str) -> int:
-    return 4 if dtype == "fp32" else 2
-
-
 def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> Terms:
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     costs = [np.zeros(len(c)) for c in space.candidates]
@@ -194,7 +190,8 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
                 c_row[i] = math.inf
                 continue
             sync = sync_seconds(
-                bc.params, zero=zero, micro_batches=m, itemsize=_itemsize(dtype), mesh=space.mesh, cluster=ic.cluster
+                bc.params, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
+                cluster=ic.cluster,
             )
             c_row[i] = m * bc.seconds + sync
             held = sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
@@ -298,8 +295,8 @@ def estimate_choice(
             uses[(kind, names[axis], nbytes)] += n * m
         sync_uses: list = []
         comm += n * sync_seconds(
-            bc.params, zero=zero, micro_batches=m, itemsize=_itemsize(dtype), mesh=space.mesh, cluster=ic.cluster,
-            uses=sync_uses,
+            bc.params, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
+            cluster=ic.cluster, uses=sync_uses,
         )
         for kind, axis, nbytes, count in sync_uses:
             uses[(kind, names[axis], nbytes)] += n * count
@@ -482,7 +479,7 @@ def _plan_intra(
             i = first_fit
             while i + 1 < len(counts) and time.perf_counter() < deadline:
                 following = attempt(i + 1)
-                if following is None or not _better(following, tried[counts[i]]):
+                if following is None or _rank(following) >= _rank(tried[counts[i]]):
                     break
                 i += 1
         candidates = [p for p in tried.values() if p is not None]
@@ -491,16 +488,9 @@ def _plan_intra(
 
 
 def _rank(plan: IntraPlan) -> tuple:
+    """Plans in order of preference: fitting before not, then faster (fitting) or smaller (not fitting)."""
     e = plan.estimate
     return (not e.memory.fits, e.iteration_seconds if e.memory.fits else e.memory.total)
-
-
-def _better(a: IntraPlan, b: IntraPlan) -> bool:
-    if a.estimate.memory.fits != b.estimate.memory.fits:
-        return a.estimate.memory.fits
-    if not a.estimate.memory.fits:
-        return a.estimate.memory.total < b.estimate.memory.total
-    return a.estimate.iteration_seconds < b.estimate.iteration_seconds
 
 
 def _best_of_kind(
@@ -536,7 +526,7 @@ def _best_of_kind(
             else sum(float(terms.states[v][i]) for v, i in enumerate(choice))
         )
         plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution)
-        if best is None or _better(plan, best):
+        if best is None or _rank(plan) < _rank(best):
             best = plan
         lowest = min(lowest, floor)
     if best is not None:
