@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
@@ -172,8 +173,24 @@ class PipelineModel:
         self.cluster = cluster
         self.dtype = dtype
         self.layers = analyse(graph)
-        self._signature = [self._layer_signature(layer) for layer in self.layers]
+        ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
+        self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
+
+    @cached_property
+    def split_widths(self) -> frozenset[int]:
+        """Sizes tensor parallelism must divide: the repeated layers' attention heads and column-parallel outputs
+        (read once; the search asks for every configuration it changes)."""
+        widths: set[int] = set()
+        for layer in self.layers:
+            if not layer.repeated:
+                continue
+            for node in layer.nodes:
+                if node.id in layer.columns and node.outputs:
+                    widths.add(node.outputs[0].shape[-1])
+                if "scaled_dot_product" in node.op and node.inputs:
+                    widths.add(node.inputs[0].shape[1])
+        return frozenset(widths)
 
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:

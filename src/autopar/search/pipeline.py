@@ -83,21 +83,11 @@ def divisors(n: int) -> list[int]:
 
 
 def tensor_parallel_sizes(model: PipelineModel, devices_per_stage: int) -> list[int]:
-    """tp sizes the model's shapes allow: dividing attention heads and the repeated layers' column-parallel
-    outputs, within a node (Megatron keeps tp inside one). The vocabulary may split unevenly (Megatron pads it)."""
+    """tp sizes the model's shapes allow (`PipelineModel.split_widths`), within a node (Megatron keeps tp inside
+    one). The vocabulary may split unevenly (Megatron pads it)."""
     per_node = model.cluster.devices_per_node
-    widths: set[int] = set()
-    for layer in model.layers:
-        if not layer.repeated:
-            continue
-        for node in layer.nodes:
-            if node.id in layer.columns and node.outputs:
-                widths.add(node.outputs[0].shape[-1])
-            if "scaled_dot_product" in node.op and node.inputs:
-                widths.add(node.inputs[0].shape[1])
-    return [
-        t for t in divisors(devices_per_stage) if t <= per_node and all(w % t == 0 for w in widths)
-    ]
+    widths = model.split_widths
+    return [t for t in divisors(devices_per_stage) if t <= per_node and all(w % t == 0 for w in widths)]
 
 
 def pipeline_depths(model: PipelineModel, devices: int) -> list[int]:
