@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.zoo import example_inputs, load
+from autopar.zoo import config_for, example_inputs, load
 
 LEARNING_RATE = 0.05
 
@@ -58,7 +58,7 @@ def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
 
 def global_batch(work: Workload, step: int) -> dict[str, torch.Tensor]:
     """The step's whole batch: token ids below the vocabulary, floats from a normal, from a seeded generator."""
-    config = load(work.model, batch=1, seq=work.seq, device="meta", **work.overrides).config
+    config = config_for(work.model, seq=work.seq, **work.overrides)
     shapes = example_inputs(config, batch=work.batch, seq=work.seq, device="cpu")
     generator = torch.Generator().manual_seed(10_000 + step)
     return {

@@ -191,6 +191,12 @@ class ZooModel:
         return inputs
 
 
+def config_for(name: str, *, seq: int | None = None, **overrides: Any) -> ModelConfig:
+    """The configuration `load` builds: a ``seq`` longer than the model's default raises its maximum."""
+    cfg = get_config(name, **overrides)
+    return cfg.with_overrides(seq=seq) if seq is not None and seq > cfg.seq else cfg
+
+
 def load(
     name: str,
     *,
@@ -204,9 +210,7 @@ def load(
 
     A ``seq`` longer than the model's default raises its maximum (position tables grow with it).
     """
-    cfg = get_config(name, **overrides)
-    if seq is not None and seq > cfg.seq:
-        cfg = cfg.with_overrides(seq=seq)
+    cfg = config_for(name, seq=seq, **overrides)
     seq = seq or cfg.seq
     module = build_model(cfg, dtype=dtype, device=device)
     inputs = example_inputs(cfg, batch=batch, seq=seq, device=device)
