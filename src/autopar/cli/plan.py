@@ -85,28 +85,39 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             "the batch does not divide over the devices"
         )
     name = zoo.config.name
-    data = {
-        "model": name,
+    baselines = {
+        kind: ({"plan": p.to_dict(name), "estimate": p.estimate.to_dict()} if p is not None else None)
+        for kind, p in found.items()
+        if kind != args.search
+    }
+    data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_dict(name),
+                   estimate=chosen.estimate.to_dict(), baselines=baselines, seconds=seconds)
+    if chosen.solution is not None:
+        data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
+                          "status": chosen.solution.status}
+    return data if args.json else render(data, out=args.out)
+
+
+def _result(
+    args: argparse.Namespace, zoo: Any, cluster: Any, *, params: int, plan: dict[str, Any], estimate: dict[str, Any],
+    baselines: dict[str, Any], seconds: float,
+) -> dict[str, Any]:
+    """The fields every search reports (CLI.md), with the plan's workload; writes ``--out``."""
+    plan = {**plan, "workload": _workload(args, zoo)}
+    if args.out:
+        save_plan(args.out, plan, estimate)
+    return {
+        "model": zoo.config.name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},
         "cluster": cluster.name,
         "gpus": cluster.num_devices,
         "search": args.search,
-        "params": chosen.space.graph.num_params,
-        "plan": {**chosen.to_dict(name), "workload": _workload(args, zoo)},
-        "estimate": chosen.estimate.to_dict(),
-        "baselines": {
-            kind: ({"plan": p.to_dict(name), "estimate": p.estimate.to_dict()} if p is not None else None)
-            for kind, p in found.items()
-            if kind != args.search
-        },
+        "params": params,
+        "plan": plan,
+        "estimate": estimate,
+        "baselines": baselines,
         "search_seconds": seconds,
     }
-    if chosen.solution is not None:
-        data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
-                          "status": chosen.solution.status}
-    if args.out:
-        save_plan(args.out, data["plan"], data["estimate"])
-    return data if args.json else render(data, out=args.out)
 
 
 def _progress(show: bool, start: float):  # noqa: ANN202
@@ -170,23 +181,10 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
                 "estimate": f.result.estimate.to_dict()}
 
     chosen_entry = entry(args.search, chosen)
-    chosen_entry["plan"]["workload"] = _workload(args, zoo)
-    data = {
-        "model": name,
-        "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},
-        "cluster": cluster.name,
-        "gpus": cluster.num_devices,
-        "search": args.search,
-        "params": graph.num_params,
-        "plan": chosen_entry["plan"],
-        "estimate": chosen_entry["estimate"],
-        "baselines": {k: (entry(k, f) if f is not None else None) for k, f in found.items() if k != args.search},
-        "search_seconds": seconds,
-        "configurations_priced": chosen.evaluated,
-        "interrupted": stop.is_set(),
-    }
-    if args.out:
-        save_plan(args.out, data["plan"], data["estimate"])
+    baselines = {k: (entry(k, f) if f is not None else None) for k, f in found.items() if k != args.search}
+    data = _result(args, zoo, cluster, params=graph.num_params, plan=chosen_entry["plan"],
+                   estimate=chosen_entry["estimate"], baselines=baselines, seconds=seconds)
+    data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set())
     return data if args.json else render_pipeline(data, out=args.out)
 
 
