@@ -46,7 +46,7 @@ def _rank_main(rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], ste
 def run_plan(plan: dict[str, Any], *, nproc: int, steps: int, check: bool = False) -> StepLog:
     """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``)."""
     check_supported(plan)
-    devices = plan["mesh"]["shape"][0] * plan["mesh"]["shape"][-1] if "stages" in plan else 0
+    devices = plan["mesh"]["shape"][0] * plan["mesh"]["shape"][-1]  # pipeline stages x devices per stage
     if devices != nproc:
         raise ValueError(f"the plan is for {devices} devices; run it with --nproc {devices}")
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
