@@ -20,18 +20,25 @@ def _plan(tmp_path, capsys, *extra: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_data_parallel_plans_match_one_process(tmp_path, capsys, zero: int) -> None:
-    data = _plan(tmp_path, capsys, "--search", "dp")
-    data["plan"]["zero"] = zero  # DDP, DDP + ZeroRedundancyOptimizer, FSDP2
-    path = tmp_path / f"zero{zero}.json"
-    path.write_text(json.dumps(data))
-    code = main(["run", str(path), "--nproc", "2", "--steps", "3", "--check", "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    out = json.loads(captured.out)
-    assert out["check"]["ok"], out["check"]["message"]
+def test_a_data_parallel_plan_from_the_planner_matches_one_process(tmp_path, capsys) -> None:
+    path = tmp_path / "dp.json"
+    path.write_text(json.dumps(_plan(tmp_path, capsys, "--search", "dp")))
+    out = _run(path, 2)
     assert len(out["steps"]) == 3 and out["steps"][2]["loss"] < out["steps"][0]["loss"]
+
+
+def _run(path, nproc: int) -> dict:
+    """``autopar run --check --check-comm`` on ``nproc`` ranks; both checks must pass."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["run", str(path), "--nproc", str(nproc), "--steps", "3", "--check", "--check-comm", "--json"])
+    assert code == 0, err.getvalue().strip().splitlines()[-1:]
+    data = json.loads(out.getvalue())
+    assert data["check"]["ok"] and data["check_comm"]["ok"]
+    return data
 
 
 def _pipeline_plan(
@@ -66,24 +73,25 @@ BOTH = {"layers.0": "full", "layers.1": "selective"}
 @pytest.mark.parametrize(
     ("name", "overrides", "tp", "dp", "zero", "recompute"),
     [
+        ("gpt3-125m", GPT, 1, 2, 0, None),  # DDP
+        ("gpt3-125m", GPT, 1, 2, 1, None),  # FSDP2 keeping weights and whole gradients through the step
+        ("llama-7b", LLAMA, 1, 2, 2, None),  # FSDP2 keeping weights, gradients reduce-scattered per micro-batch
         ("gpt3-125m", GPT, 2, 1, 0, None),  # fused QKV, tied head
         ("llama-7b", LLAMA, 2, 1, 0, None),  # grouped-query attention, rotary, SwiGLU, gathered head
         ("gpt3-125m", GPT, 1, 4, 3, None),  # FSDP on 4 ranks
         ("llama-7b", LLAMA, 2, 1, 0, BOTH),  # recomputation inside TP
         ("gpt3-125m", GPT, 1, 2, 3, BOTH),  # recomputation inside FSDP
+        ("gpt3-125m", GPT, 2, 2, 0, None),  # TP with gradients all-reduced over dp by hand
+        ("llama-7b", LLAMA, 2, 2, 1, None),  # TP x FSDP2 under ZeRO 1
         ("gpt3-125m", GPT, 2, 2, 3, None),  # FSDP x TP on a 2 x 2 mesh
         ("llama-7b", LLAMA, 2, 2, 3, BOTH),  # FSDP x TP with recomputation
     ],
 )
-def test_tensor_parallel_fsdp_and_recompute_match_one_process(
-    tmp_path, capsys, name, overrides, tp, dp, zero, recompute
+def test_single_stage_plans_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, tp, dp, zero, recompute
 ) -> None:
     path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero, recompute=recompute)
-    code = main(["run", path, "--nproc", str(tp * dp), "--steps", "3", "--check", "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    out = json.loads(captured.out)
-    assert out["check"]["ok"], out["check"]["message"]
+    _run(path, tp * dp)
 
 
 def test_the_check_names_the_first_mismatch() -> None:
@@ -97,20 +105,29 @@ def test_the_check_names_the_first_mismatch() -> None:
     assert "loss" in compare(StepLog(losses=[1.0, 0.6], grads=[]), ref)["message"]
 
 
-def test_unsupported_plans_are_refused_by_name(tmp_path, capsys) -> None:
-    plan = _plan(tmp_path, capsys, "--search", "dp")["plan"]
+def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) -> None:
+    from autopar.runtime.apply import check_matches
+    from autopar.runtime.train import Workload, build_model
+
+    data = _plan(tmp_path, capsys, "--search", "dp")
+    plan = data["plan"]
     check_supported(plan)
-    both = json.loads(json.dumps(plan))
-    both["stages"][0].update(tp=2, dp=2)
-    both["mesh"]["shape"] = [1, 4]
-    with pytest.raises(NotImplementedError, match="tp 2 with dp 2 under ZeRO 0"):
-        check_supported(both)
     with pytest.raises(NotImplementedError, match="intra-op"):
         check_supported({k: v for k, v in plan.items() if k != "stages"})
-    path = tmp_path / "both.json"
-    path.write_text(json.dumps({"plan": both, "estimate": {}}))
-    assert main(["run", str(path), "--nproc", "4"]) == 2
-    assert "tp x dp runs with FSDP (ZeRO 3) only so far" in capsys.readouterr().err
+    model = build_model(Workload.of(plan))
+    check_matches(model, plan)
+    other = json.loads(json.dumps(plan))
+    other["stages"][0]["layers"].append("layers.7")  # planned for a deeper model
+    with pytest.raises(ValueError, match="'layers.7', which the model does not have"):
+        check_matches(model, other)
+    other = json.loads(json.dumps(plan))
+    other["modules"]["layers.0.attn.qkv"]["params"]["layers.0.attn.qkv.scale"] = "[R, R]"
+    with pytest.raises(ValueError, match="parameter 'layers.0.attn.qkv.scale' of 'layers.0.attn.qkv'"):
+        check_matches(model, other)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert main(["run", str(path), "--nproc", "2", "--steps", "2", "--check-comm"]) == 2
+    assert "--check-comm counts the last step and needs --steps 3 or more" in capsys.readouterr().err
 
 
 def test_recomputation_keeps_fewer_tensors_and_the_same_gradients() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from autopar.cli.render import binary_bytes, table
 from autopar.plan import load_plan
 from autopar.runtime import Workload, reference, run_plan
+from autopar.runtime.comm import check_ranks
 
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
@@ -27,6 +29,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--nproc", type=int, required=True, help="ranks to launch (the plan's device count)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--check", action="store_true", help="compare losses and gradients with one process")
+    parser.add_argument("--check-comm", action="store_true",
+                        help="count every rank's collectives in the last step (--steps 3 or more) and compare them (kind, mesh axis, "
+                        "calls, bytes) with the cost model's prediction for the plan")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -34,8 +39,11 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.nproc < 1 or args.steps < 1:
         raise ValueError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
+    if args.check_comm and args.steps < 3:
+        raise ValueError(f"--check-comm counts the last step and needs --steps 3 or more (got {args.steps}): "
+                         "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
     plan = load_plan(args.plan)["plan"]
-    log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check)
+    log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm)
     data: dict[str, Any] = {
         "plan": args.plan,
         "nproc": args.nproc,
@@ -46,10 +54,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     }
     if args.check:
         data["check"] = compare(log, reference(Workload.of(plan), steps=args.steps))
-    if not data.get("check", {"ok": True})["ok"]:
+    if args.check_comm:
+        data["check_comm"] = check_ranks(plan, log.collectives)
+    failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
+    if failed:
         if args.json:
-            return data
-        raise RuntimeError(data["check"]["message"])
+            print(json.dumps(data, indent=2))
+        raise RuntimeError("; ".join(failed))
     return data if args.json else render(data)
 
 
@@ -78,4 +89,17 @@ def render(data: dict[str, Any]) -> str:
     if "check" in data:
         c = data["check"]
         lines.append(f"check: {c['message']} over {c['steps']} steps (largest gradient difference {c['max_grad_diff']:.2g})")
+    if "check_comm" in data:
+        lines += ["", "collectives in the last step, rank 0 (counted / predicted)", comm_table(data["check_comm"]["ranks"][0]["rows"]),
+                  f"check-comm: {data['check_comm']['message']}"]
     return "\n".join(lines)
+
+
+def comm_table(rows: list[dict[str, Any]]) -> str:
+    """Counted against predicted collectives, one row per (axis, kind)."""
+    return table(
+        ["axis", "kind", "calls", "bytes", ""],
+        [[r["axis"], r["kind"], f"{r['counted']} / {r['predicted']}",
+          f"{binary_bytes(r['counted_bytes'])} / {binary_bytes(r['predicted_bytes'])}", "ok" if r["ok"] else "MISMATCH"]
+         for r in rows],
+    )

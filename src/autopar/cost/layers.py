@@ -25,6 +25,7 @@ class LayerCost:
     name: str
     repeated: bool
     params: int = 0
+    sharded_params: int = 0  # of those, what TP splits (column weights and biases, row weights)
     nodes: list[Node] = field(default_factory=list)
     sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
@@ -32,13 +33,20 @@ class LayerCost:
     saved_replicated: int = 0
     attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
     input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
+    largest_input: int = 0  # its largest single activation input (what a pipeline stage boundary sends)
     row_outputs: list[int] = field(default_factory=list)  # bytes of each row-parallel output (fwd all-reduce)
     column_inputs: list[int] = field(default_factory=list)  # bytes of each column group's input (bwd all-reduce)
+    gathered_outputs: list[int] = field(default_factory=list)  # bytes of each unclosed column's output (fwd gather)
     largest_output: int = 0
 
 
 def _is_param_contraction(node: Node) -> bool:
     return node.op.startswith(_CONTRACTIONS) and node.reads_params
+
+
+def _reads_foreign_weight(node: Node) -> bool:
+    """A parameter owned by another module (a tied weight): TP keeps it, and the contraction, whole."""
+    return any(s.state is not None and s.state.rpartition(".")[0] != node.module for s in node.sources if s.state)
 
 
 def _behind_views(graph: Graph, node_id: int, index: int) -> tuple[int, int]:
@@ -54,21 +62,25 @@ def analyse(graph: Graph) -> list[LayerCost]:
     rows: dict[str, LayerCost] = {}
     for row in graph.layers():
         rows[row.name] = LayerCost(name=row.name, repeated=row.name in repeated, params=row.params)
-    open_region: set[int] = set()  # node ids whose outputs are inside an open sharded region
+    # node id -> the column-parallel contractions whose sharded region its output lies in
+    open_region: dict[int, frozenset[int]] = {}
+    closed: set[int] = set()  # columns some row-parallel contraction consumed
     column_groups: dict[tuple[int, int], int] = {}  # input ref of a column group -> its bytes
     for node in graph.nodes:
         layer = rows[graph.layer_of(node.module)]
         layer.nodes.append(node)
         activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
-        in_region = any(s.node in open_region for s in activation_sources)
-        if _is_param_contraction(node):
+        region = frozenset().union(*(open_region.get(s.node, ()) for s in activation_sources))
+        in_region = bool(region)
+        if _is_param_contraction(node) and not (not in_region and _reads_foreign_weight(node)):
             if in_region:  # row-parallel: consumes the shard, produces partial sums -> all-reduce
                 layer.sharded.add(node.id)
                 layer.row_outputs.append(node.output_bytes)
+                closed.update(region)
             else:  # column-parallel: replicated input, sharded output
                 layer.sharded.add(node.id)
                 layer.columns.add(node.id)
-                open_region.add(node.id)
+                open_region[node.id] = frozenset((node.id,))
                 for s, t in zip(node.sources, node.inputs):
                     if s.state is not None:
                         continue
@@ -78,15 +90,25 @@ def analyse(graph: Graph) -> list[LayerCost]:
                         layer.column_inputs.append(t.nbytes)
         elif in_region:
             layer.sharded.add(node.id)
-            open_region.add(node.id)
-        if node.saved_bytes:  # a column-parallel op saves its replicated input; everything else in a region is split
+            open_region[node.id] = region
+    _gather_unclosed(graph, rows, open_region, closed)
+    for layer in rows.values():
+        split: set[str] = set()
+        for node in layer.nodes:
+            if node.id in layer.sharded and _is_param_contraction(node):
+                for source in node.sources:
+                    info = graph.state.get(source.state) if source.state else None
+                    if info is not None and (node.id in layer.columns or len(info.tensor.shape) == 2):
+                        split.add(source.state)
+        layer.sharded_params = sum(graph.state[fqn].tensor.numel for fqn in split)
+        for node in layer.nodes:  # a column-parallel op saves its replicated input; the rest of a region is split
             if node.id in layer.sharded and node.id not in layer.columns:
                 layer.saved_sharded += node.saved_bytes
             else:
                 layer.saved_replicated += node.saved_bytes
-        if "attention" in node.op:
-            layer.attention_saved += node.output_bytes
-        layer.largest_output = max(layer.largest_output, node.output_bytes)
+            if "attention" in node.op:
+                layer.attention_saved += node.output_bytes
+            layer.largest_output = max(layer.largest_output, node.output_bytes)
     # a layer's activation input (what full recomputation keeps): float values it reads from outside itself, once
     # each; `Graph.module_memory(...).bwd_out` by definition, computed here in one pass for all layers
     layer_of_node = {}
@@ -105,4 +127,21 @@ def analyse(graph: Graph) -> list[LayerCost]:
                     continue
                 seen.add((s.node, s.index))
                 layer.input_bytes += t.nbytes
+                layer.largest_input = max(layer.largest_input, t.nbytes)
     return list(rows.values())
+
+
+def _gather_unclosed(
+    graph: Graph, rows: dict[str, LayerCost], open_region: dict[int, frozenset[int]], closed: set[int]
+) -> None:
+    """Columns no row-parallel op consumed gather their output in the forward; what reads it runs replicated."""
+    unclosed = {c for layer in rows.values() for c in layer.columns} - closed
+    if not unclosed:
+        return
+    for layer in rows.values():
+        for node in layer.nodes:
+            if node.id in unclosed:
+                layer.gathered_outputs.append(node.output_bytes)
+            elif node.id in layer.sharded and open_region.get(node.id, frozenset()) <= unclosed \
+                    and not (_is_param_contraction(node) and node.id not in layer.columns):
+                layer.sharded.discard(node.id)

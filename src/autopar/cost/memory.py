@@ -33,13 +33,31 @@ def gradient_itemsize(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def gradient_sync(zero: int, micro_batches: int) -> list[tuple[Collective, int]]:
-    """Collectives per iteration that keep data-parallel replicas' parameters in step, with their call counts, on
-    a gradient-sized buffer: all-reduce (ZeRO 0); reduce-scatter of gradients and all-gather of updated weights
-    (ZeRO 1-2); all-gather of weights for each micro-batch's forward and backward and reduce-scatter of its
-    gradients (ZeRO 3, FSDP)."""
+DDP_BUCKET_BYTES = 25 * 2**20  # gradients all-reduce in buckets of this size (DDP's default bucket_cap_mb)
+
+
+def gradient_sync(zero: int, micro_batches: int, *, root: bool = False) -> list[tuple[Collective, int]]:
+    """Collectives per iteration that keep data-parallel replicas' parameters in step, with their call counts, on a
+    buffer the size of one FSDP unit's gradients (the whole model's, where it is one unit):
+
+    - ZeRO 0: one all-reduce (per DDP bucket, see `ddp_buckets`);
+    - ZeRO 1: the weights all-gathered once before the first micro-batch, the accumulated gradients
+      reduce-scattered once after the last;
+    - ZeRO 2: the same gather, and a reduce-scatter after every micro-batch (gradients stay sharded);
+    - ZeRO 3 (FSDP): per micro-batch an all-gather before the forward, another before the backward (not for the
+      ``root`` unit, which keeps its weights between the two) and a reduce-scatter of the gradients.
+    """
+    m = micro_batches
     if zero == 0:
         return [(Collective.ALL_REDUCE, 1)]
-    if zero in (1, 2):
-        return [(Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1)]
-    return [(Collective.ALL_GATHER, 2 * micro_batches), (Collective.REDUCE_SCATTER, micro_batches)]
+    if zero == 1:
+        return [(Collective.ALL_GATHER, 1), (Collective.REDUCE_SCATTER, 1)]
+    if zero == 2:
+        return [(Collective.ALL_GATHER, 1), (Collective.REDUCE_SCATTER, m)]
+    return [(Collective.ALL_GATHER, m if root else 2 * m), (Collective.REDUCE_SCATTER, m)]
+
+
+def ddp_buckets(nbytes: float) -> list[float]:
+    """Bucket sizes DDP all-reduces ``nbytes`` of gradients in."""
+    full, rest = divmod(nbytes, DDP_BUCKET_BYTES)
+    return [float(DDP_BUCKET_BYTES)] * int(full) + ([rest] if rest or not full else [])

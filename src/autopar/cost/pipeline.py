@@ -32,7 +32,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cost.compute import node_seconds
 from autopar.cost.layers import LayerCost, analyse
-from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
+from autopar.cost.memory import ddp_buckets, gradient_itemsize, gradient_sync, model_states
 from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 
 
@@ -46,7 +46,7 @@ class LayerPrice:
     comm_backward: float
     activations: float  # bytes kept until its backward
     temporary: float
-    params: int  # parameters before TP
+    params: float  # parameters on one device: what TP splits divided by tp, the rest whole
     collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes, calls) on the tp axis per micro-batch
 
 
@@ -68,11 +68,19 @@ def price_layer(
         for nbytes in layer.column_inputs:
             calls += [(Collective.ALL_GATHER, nbytes * scale, "f"), (Collective.REDUCE_SCATTER, nbytes * scale, "b")] \
                 if sp else [(Collective.ALL_REDUCE, nbytes * scale, "b")]
+        calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.gathered_outputs]
     saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
     temporary = layer.largest_output / tp * scale
     if layer.repeated and recompute == "full":
         backward += forward
-        calls += [(kind, nbytes, "b") for kind, nbytes, phase in calls if phase == "f"]  # replayed forward
+        # the forward replays in the backward, its collectives too, except the layer's last one: checkpointing
+        # stops recomputing once it has every saved tensor, and the layer's output (the final row-parallel
+        # reduction, read by the residual add only) is not one of them
+        replay = [(kind, nbytes, "b") for kind, nbytes, phase in calls if phase == "f"]
+        if tp > 1 and layer.row_outputs:
+            last = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "b")
+            replay.remove(last)
+        calls += replay
         temporary = max(temporary, saved)  # one layer's activations live again during its recompute
         saved = layer.input_bytes / (tp if sp else 1) * scale
     elif layer.repeated and recompute == "selective":
@@ -86,8 +94,14 @@ def price_layer(
         counted[(kind.value, nbytes)] += 1
     return LayerPrice(
         forward=forward, backward=backward, comm_forward=comm["f"], comm_backward=comm["b"], activations=saved,
-        temporary=temporary, params=layer.params, collectives=tuple((k, b, c) for (k, b), c in counted.items()),
+        temporary=temporary, params=device_params(layer, tp),
+        collectives=tuple((k, b, c) for (k, b), c in counted.items()),
     )
+
+
+def device_params(layer: LayerCost, tp: int) -> float:
+    """Parameters of ``layer`` one device holds: what tensor parallelism splits over ``tp``, the rest whole."""
+    return layer.sharded_params / tp + layer.params - layer.sharded_params
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +166,7 @@ class StageReport:
     comm: float  # per micro-batch: TP collectives and point-to-point sends
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
+    collectives: tuple[CollectiveUse, ...] = ()  # per iteration on each device of the stage
 
     @property
     def seconds(self) -> float:
@@ -195,9 +210,10 @@ class PipelineModel:
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
-            layer.repeated, layer.params, len(layer.nodes), layer.saved_sharded, layer.saved_replicated,
+            layer.repeated, layer.params, layer.sharded_params, len(layer.nodes), layer.saved_sharded,
+            layer.saved_replicated,
             layer.attention_saved, layer.input_bytes, tuple(layer.row_outputs), tuple(layer.column_inputs),
-            layer.largest_output, sum(n.flops_forward for n in layer.nodes),
+            tuple(layer.gathered_outputs), layer.largest_output, sum(n.flops_forward for n in layer.nodes),
             sum(n.bytes_read + n.bytes_written for n in layer.nodes),
         )
 
@@ -232,6 +248,7 @@ class PipelineModel:
             mesh = build_mesh(self.cluster, {"pp": pp, "dp": stage.dp, "tp": stage.tp})
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
+            stage_uses: Counter[tuple[str, str, float]] = Counter()
             for row in range(stage.start, stage.end):
                 price = self.price(row, tp=stage.tp, samples=config.micro_batch / stage.dp,
                                    recompute=stage.recompute_of(row), sp=config.sp, mesh=mesh)
@@ -241,21 +258,22 @@ class PipelineModel:
                 temp = max(temp, price.temporary)
                 params += price.params
                 for kind, nbytes, calls in price.collectives:
-                    uses[(kind, "tp", nbytes)] += calls * m
-            if pp > 1:  # activations to the next stage and gradients back, per micro-batch
+                    stage_uses[(kind, "tp", nbytes)] += calls * m
+            if pp > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
                 sends = (index > 0) + (index < pp - 1)
                 comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
-                if index < pp - 1:
-                    uses[(Collective.SEND_RECV.value, "pp", boundary)] += 2 * m
-            sync = self._sync(params / stage.tp, config.zero, stage.dp, m, mesh, uses)
+                stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
+            sync = self._sync(stage, config.zero, m, mesh, stage_uses)
+            uses.update(stage_uses)
             in_flight = m if config.schedule == "gpipe" else min(pp - index, m)
-            weights, grads, optim = model_states(params / stage.tp, dtype=self.dtype, zero=config.zero, dp=stage.dp)
+            weights, grads, optim = model_states(params, dtype=self.dtype, zero=config.zero, dp=stage.dp)
             memory = MemoryBreakdown(
                 parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
                 other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
             )
-            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory))
+            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
+                                       collectives=_uses(stage_uses)))
         times = [r.seconds for r in reports]
         slowest = max(range(pp), key=lambda i: times[i])
         pipeline = sum(times) + (m - 1) * times[slowest]
@@ -276,7 +294,7 @@ class PipelineModel:
             tflops_per_device=per_device / 1e12,
             mfu=per_device / self.cluster.device.peak(self.dtype),
             memory=worst.memory,
-            collectives=tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(uses.items())),
+            collectives=_uses(uses),
             micro_batches=m,
         )
         return PipelineEstimate(estimate=estimate, stages=reports)
@@ -284,19 +302,33 @@ class PipelineModel:
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
         rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
         rows = rows or [layer for layer in self.layers if layer.repeated][:1]
-        size = max((layer.input_bytes for layer in rows), default=0)
+        size = max((layer.largest_input for layer in rows), default=0)
         return size / (stage.tp if config.sp else 1)
 
-    def _sync(self, params: float, zero: int, dp: int, m: int, mesh, uses: Counter) -> float:  # noqa: ANN001
-        if dp == 1:
+    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter) -> float:  # noqa: ANN001
+        """Gradient synchronisation of one stage over its dp axis. ZeRO 1-3 run per FSDP unit: each repeated layer,
+        and the stage's other parameters together (the root unit); ZeRO 0 all-reduces DDP buckets."""
+        if stage.dp == 1:
             return 0.0
-        nbytes = params * gradient_itemsize(self.dtype)
+        itemsize = gradient_itemsize(self.dtype)
+        rows = [self.layers[r] for r in range(stage.start, stage.end)]
+        units = [(device_params(layer, stage.tp) * itemsize, False) for layer in rows if layer.repeated]
+        rest = sum(device_params(layer, stage.tp) for layer in rows if not layer.repeated) * itemsize
+        if rest:
+            units.append((rest, True))
+        if zero == 0:
+            units = [(nbytes, True) for nbytes in ddp_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")
         total = 0.0
-        for kind, count in gradient_sync(zero, m):
-            total += count * collective_seconds(kind, nbytes, axis, self.cluster)
-            uses[(kind.value, "dp", nbytes)] += count
+        for nbytes, root in units:
+            for kind, count in gradient_sync(zero, m, root=root):
+                total += count * collective_seconds(kind, nbytes, axis, self.cluster)
+                uses[(kind.value, "dp", nbytes)] += count
         return total
+
+
+def _uses(counted: Counter) -> tuple[CollectiveUse, ...]:
+    return tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(counted.items()))
 
 
 def even_stages(model: PipelineModel, pp: int, *, tp: int, dp: int, recompute: str = "none") -> tuple[Stage, ...]:

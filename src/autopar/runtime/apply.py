@@ -1,26 +1,27 @@
 """Apply a plan to a model with PyTorch's own distributed engine.
 
-Supported so far, for single-stage pipeline plans:
+Supported so far, for single-stage pipeline plans, on a (dp, tp) device mesh with tp innermost:
 
-- data parallelism under every ZeRO stage: ZeRO 0 is `DistributedDataParallel`; ZeRO 1 and 2 add
-  `ZeroRedundancyOptimizer` (optimizer states sharded over dp; gradients are all-reduced whole, so ZeRO 2's
-  gradient sharding is priced but not reproduced); ZeRO 3 is FSDP2 `fully_shard` on every repeated layer and then
-  the root;
+- data parallelism: ZeRO 0 is `DistributedDataParallel` (25 MiB buckets, no buffer broadcasts, ``no_sync`` until
+  the last micro-batch); ZeRO 1-3 are FSDP2 `fully_shard` on every repeated layer and then the root. ZeRO 1 and 2
+  keep the gathered weights from the first forward to the last backward (``reshard_after_forward=False``); ZeRO 1
+  also accumulates whole gradients and reduce-scatters them once, ZeRO 2 after every micro-batch;
 - Megatron tensor parallelism: `parallelize_module` with `ColwiseParallel` where the plan shards a weight's
   output features (``S(0)`` on tp) and `RowwiseParallel` where it shards input features (``S(1)``); attention runs on
   local tensors (CPU SDPA has no DTensor rule), so the zoo's fused QKV weight is permuted to hold each rank's
-  heads' q, k and v side by side and the module's head counts become per-rank counts.
+  heads' q, k and v side by side and the module's head counts become per-rank counts;
+- tp x dp: FSDP2 over dp for ZeRO 1-3; under ZeRO 0 (DDP does not take tensor-parallel parameters) the
+  gradients are all-reduced over dp by hand after the last micro-batch, in DDP-sized buckets;
+- recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
+  ``selective``).
 
-and recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
-``selective``);
-- tp x dp under ZeRO 3: tensor parallelism on the inner mesh axis, FSDP2 over the outer one.
-
-Pipeline parallelism, tp x dp under ZeRO 0-2, and intra-op (``ilp``) plans are refused with an error that says
-so.
+Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
+Pipeline parallelism and intra-op (``ilp``) plans are refused with an error that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,12 +33,48 @@ from torch import nn
 
 @dataclass
 class ParallelModel:
-    """The parallelised module and how to build its optimizer (ZeRO 1-2 wrap the optimizer)."""
+    """The parallelised module, how to build its optimizer, and what each micro-batch must tell it."""
 
     module: nn.Module
     zero: int
     make_optimizer: Callable[..., torch.optim.Optimizer]
     permutations: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> row order it is stored in
+    axes: dict[str, str] = field(default_factory=dict)  # process-group name -> mesh axis, for counting
+    dp_group: Any = None  # set where gradients are all-reduced by hand (ZeRO 0 under tensor parallelism)
+
+    def micro_batch(self, k: int, m: int) -> contextlib.AbstractContextManager:
+        """Enter around micro-batch ``k`` of ``m``: gradients synchronise once per step, as the plan priced.
+
+        DDP skips its all-reduce until the last micro-batch. FSDP2 keeps the weights it gathered until the last
+        backward under ZeRO 1-2, and under ZeRO 1 also accumulates whole gradients and reduce-scatters them
+        once."""
+        last = k == m - 1
+        if isinstance(self.module, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext() if last else self.module.no_sync()
+        if self.zero in (1, 2) and hasattr(self.module, "set_reshard_after_backward"):
+            self.module.set_reshard_after_backward(last)
+            self.module.set_requires_gradient_sync(last or self.zero == 2)
+        return contextlib.nullcontext()
+
+    def finish_backward(self) -> None:
+        """After the last micro-batch: all-reduce gradients by hand where no wrapper does (`ddp_buckets` sizes)."""
+        if self.dp_group is None:
+            return
+        import torch.distributed as dist
+
+        from autopar.cost.memory import DDP_BUCKET_BYTES
+
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])
+        step = max(1, DDP_BUCKET_BYTES // flat.element_size())
+        for start in range(0, flat.numel(), step):
+            dist.all_reduce(flat[start : start + step], group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered)."""
@@ -66,11 +103,6 @@ def check_supported(plan: dict[str, Any]) -> None:
     stages = plan["stages"]
     if len(stages) > 1:
         raise NotImplementedError(f"the plan pipelines over {len(stages)} stages; pipeline parallelism cannot be run yet")
-    if stages[0]["tp"] > 1 and stages[0]["dp"] > 1 and plan["zero"] != 3:
-        raise NotImplementedError(
-            f"the plan combines tp {stages[0]['tp']} with dp {stages[0]['dp']} under ZeRO {plan['zero']}; "
-            "tp x dp runs with FSDP (ZeRO 3) only so far"
-        )
 
 
 def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = ()) -> ParallelModel:
@@ -79,41 +111,62 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
     ``units`` are the repeated layers FSDP shards one by one (default: the children of every ``nn.ModuleList``).
     Needs an initialised default process group of the plan's data-parallel size."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     check_supported(plan)
+    check_matches(model, plan)
     dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
     if dist.get_world_size() != dp * tp:
         raise ValueError(f"the plan needs {dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
     recompute(model, plan["stages"][0].get("recompute", {}))
-    permutations: dict[str, torch.Tensor] = {}
-    if tp > 1 or zero == 3:
-        from torch.distributed.device_mesh import init_device_mesh
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))  # tp innermost, as priced
+    axes = {mesh.get_group(axis).group_name: axis for axis in ("dp", "tp")}
+    axes[dist.group.WORLD.group_name] = "dp" if tp == 1 else "tp" if dp == 1 else "world"
+    permutations = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else {}
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))  # tp innermost, as priced
-    if tp > 1:
-        permutations = _tensor_parallel(model, plan, mesh["tp"])
-        if dp == 1:
-            return ParallelModel(model, zero, lambda cls, **kw: cls(model.parameters(), **kw), permutations)
-    if zero == 3:
+    def plain(cls, **kw):  # noqa: ANN001, ANN003, ANN202
+        return cls(model.parameters(), **kw)
+
+    if dp == 1:
+        return ParallelModel(model, zero, plain, permutations, axes)
+    if zero > 0:  # FSDP2 per repeated layer, then the rest; ZeRO 1-2 keep weights gathered through the step
         from torch.distributed.fsdp import fully_shard
 
         layers = list(units) or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
         for layer in layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return ParallelModel(model, zero, lambda cls, **kw: cls(model.parameters(), **kw), permutations)
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False if zero < 3 else None)
+        return ParallelModel(model, zero, plain, permutations, axes)
+    if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
+        return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"))
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model)
-    if zero in (1, 2):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    # buffers are not broadcast each forward (the plan prices no such traffic; FSDP does not either): BatchNorm
+    # statistics stay per rank
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MB, forward_sync_buffers=False)
+    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
 
-        return ParallelModel(
-            wrapped, zero, lambda cls, **kw: ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=cls, **kw)
-        )
-    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw))
+
+DDP_BUCKET_MB = 25  # as `autopar.cost.memory.DDP_BUCKET_BYTES` prices it; set explicitly, no small first bucket
+
+
+def check_matches(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse a plan written for another model: every module and parameter it names must exist here."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, entry in plan.get("modules", {}).items():
+        if fqn not in modules:
+            raise ValueError(f"the plan shards module {fqn!r}, which the model does not have: was it planned for "
+                             "another model or other --layers/--hidden?")
+        for name in entry.get("params", {}):
+            if name not in params:
+                raise ValueError(f"the plan lays out parameter {name!r} of {fqn!r}, which the model does not have")
+    for number, stage in enumerate(plan.get("stages", [])):
+        for name in stage.get("layers", []):
+            if name and name not in modules:
+                raise ValueError(f"stage {number} of the plan holds layer {name!r}, which the model does not have")
 
 
 def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[str, torch.Tensor]:

@@ -10,10 +10,13 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.runtime.apply import check_supported, parallelize
+from autopar.runtime.comm import CollectiveCounter
 from autopar.runtime.train import LEARNING_RATE, StepLog, Workload, build_model, train
 
 
-def _rank_main(rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], steps: int, check: bool, out: str) -> None:
+def _rank_main(
+    rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], steps: int, check: bool, check_comm: bool, out: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -32,10 +35,13 @@ def _rank_main(rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], ste
             return float(t) / nproc
 
         dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+        counter = CollectiveCounter(parallel.axes) if check_comm else None
         log = train(
-            parallel.module, optimizer, work, steps=steps, rank=rank // tp, dp=dp,
-            gradients=parallel.full_gradients if check else None, reduce_loss=average,
+            parallel, optimizer, work, steps=steps, rank=rank // tp, dp=dp,
+            gradients=parallel.full_gradients if check else None, reduce_loss=average, counter=counter,
         )
+        if counter is not None:
+            torch.save(counter.summary(), f"{out}.comm{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)
         dist.barrier()  # no rank may tear gloo down while a peer still finishes its last collective (SIGABRT)
@@ -43,8 +49,11 @@ def _rank_main(rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], ste
         dist.destroy_process_group()
 
 
-def run_plan(plan: dict[str, Any], *, nproc: int, steps: int, check: bool = False) -> StepLog:
-    """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``)."""
+def run_plan(
+    plan: dict[str, Any], *, nproc: int, steps: int, check: bool = False, check_comm: bool = False
+) -> StepLog:
+    """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``, every
+    rank's collectives in the last step with ``check_comm``)."""
     check_supported(plan)
     devices = plan["mesh"]["shape"][0] * plan["mesh"]["shape"][-1]  # pipeline stages x devices per stage
     if devices != nproc:
@@ -53,9 +62,11 @@ def run_plan(plan: dict[str, Any], *, nproc: int, steps: int, check: bool = Fals
         out = str(Path(tmp) / "rank0.pt")
         try:
             rendezvous = str(Path(tmp) / "rendezvous")
-            mp.spawn(_rank_main, args=(nproc, rendezvous, plan, steps, check, out), nprocs=nproc, join=True)
+            mp.spawn(_rank_main, args=(nproc, rendezvous, plan, steps, check, check_comm, out), nprocs=nproc, join=True)
         except mp.ProcessRaisedException as exc:  # a rank failed: report its own error in one line
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
             raise RuntimeError(f"a rank failed: {lines[-1] if lines else exc}") from None
         data = torch.load(out)
+        if check_comm:
+            data["collectives"] = [torch.load(f"{out}.comm{r}") for r in range(nproc)]
     return StepLog(**data)

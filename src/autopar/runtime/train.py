@@ -9,6 +9,7 @@ numbers. The optimizer is SGD (Adam's eps turns 1e-9 gradient noise into visible
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.runtime.apply import ParallelModel
+from autopar.runtime.comm import CollectiveCounter
 from autopar.zoo import config_for, example_inputs, load
 
 LEARNING_RATE = 0.05
@@ -48,6 +51,7 @@ class StepLog:
     seconds: list[float] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    collectives: list[list[dict]] = field(default_factory=list)  # per rank: calls and bytes per (kind, axis)
 
 
 def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
@@ -69,30 +73,49 @@ def global_batch(work: Workload, step: int) -> dict[str, torch.Tensor]:
 
 
 def train(
-    module: nn.Module, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int, rank: int = 0, dp: int = 1,
+    parallel: ParallelModel, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int, rank: int = 0,
+    dp: int = 1,
     gradients=None,  # noqa: ANN001 - callable returning the whole gradients after backward
     reduce_loss=None,  # noqa: ANN001 - callable averaging a float over ranks
+    counter: CollectiveCounter | None = None,  # counts the collectives of the last step
 ) -> StepLog:
     log = StepLog()
     share = work.micro_batch // dp
+    m = work.micro_batches
     for step in range(steps):
         batch = global_batch(work, step)
         optimizer.zero_grad(set_to_none=True)
+        counting = counter if counter is not None and step == steps - 1 else contextlib.nullcontext()
         start = time.perf_counter()
         total = 0.0
-        for k in range(work.micro_batches):
-            first = k * work.micro_batch + rank * share
-            inputs = {key: value[first : first + share] for key, value in batch.items()}
-            loss = module(**inputs) / work.micro_batches
-            loss.backward()
-            total += float(loss.detach())
-        if gradients is not None:
-            log.grads.append(gradients())
-        optimizer.step()
+        with counting:
+            for k in range(m):
+                first = k * work.micro_batch + rank * share
+                inputs = {key: value[first : first + share] for key, value in batch.items()}
+                with parallel.micro_batch(k, m):
+                    loss = parallel.module(**inputs) / m
+                    loss.backward()
+                total += float(loss.detach())
+            parallel.finish_backward()
+            if gradients is not None:
+                _paused(counter, lambda: log.grads.append(gradients()))
+            optimizer.step()
         log.seconds.append(time.perf_counter() - start)
         log.losses.append(reduce_loss(total) if reduce_loss is not None else total)
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
+
+
+def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001
+    """Run ``work`` (the check's own gathers) without counting its collectives."""
+    if counter is None:
+        work()
+        return
+    counter.enabled = False
+    try:
+        work()
+    finally:
+        counter.enabled = True
 
 
 def reference(work: Workload, *, steps: int, seed: int = 0) -> StepLog:
@@ -103,4 +126,5 @@ def reference(work: Workload, *, steps: int, seed: int = 0) -> StepLog:
     def grads() -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
-    return train(module, optimizer, work, steps=steps, gradients=grads)
+    plain = ParallelModel(module, 0, lambda cls, **kw: cls(module.parameters(), **kw))
+    return train(plain, optimizer, work, steps=steps, gradients=grads)

@@ -491,6 +491,25 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
     }
 
 
+def config_of(model: PipelineModel, plan: dict) -> PipelineConfig:
+    """The configuration a pipeline plan (``plan_dict``'s output) describes, on ``model``'s layer chain."""
+    index = {layer.name: i for i, layer in enumerate(model.layers)}
+    stages = []
+    for number, entry in enumerate(plan["stages"]):
+        rows = []
+        for name in entry["layers"]:
+            if name not in index:
+                raise ValueError(f"stage {number} of the plan holds {name!r}, which the model does not have")
+            rows.append(index[name])
+        start, end = min(rows), max(rows) + 1
+        if sorted(rows) != list(range(start, end)):
+            raise ValueError(f"stage {number}'s layers are not contiguous in the model: {entry['layers']}")
+        levels = tuple(entry.get("recompute", {}).get(model.layers[r].name, "none") for r in range(start, end))
+        stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels))
+    return PipelineConfig(stages=tuple(stages), micro_batch=plan["micro_batch_size"], zero=plan["zero"],
+                          sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"))
+
+
 def pipeline_searches(
     model: PipelineModel,
     kind: str,

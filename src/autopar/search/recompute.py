@@ -44,7 +44,7 @@ def optimal_recompute(
         for level in (RECOMPUTE if model.layers[row].repeated else ("none",))
     }
     params = sum(prices[(row, "none")].params for row in rows)
-    weights, grads, optim = model_states(params / stage.tp, dtype=model.dtype, zero=config.zero, dp=stage.dp)
+    weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
     transient = max(max(p.temporary for p in prices.values()), max(prices[(r, "none")].activations for r in rows))
     capacity = (model.cluster.device.memory - model.cluster.device.reserved - weights - grads - optim - transient)
     capacity /= in_flight
