@@ -42,9 +42,10 @@ def _run(path, nproc: int) -> dict:
 
 
 def _pipeline_plan(
-    tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None
+    tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None,
+    pp: int = 1, schedule: str = "1f1b",
 ) -> str:
-    """A single-stage plan with a chosen dp x tp, built with the planner's own functions."""
+    """A plan with chosen pp x dp x tp (even stages), built with the planner's own functions."""
     from autopar.capture import trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
@@ -52,13 +53,16 @@ def _pipeline_plan(
     from autopar.zoo import load
 
     zoo = load(name, batch=1, seq=32, **overrides)
-    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(tp * dp),
-                          traced_batch=1)
-    config = PipelineConfig(stages=even_stages(model, 1, tp=tp, dp=dp), micro_batch=4, zero=zero)
-    found = Found(config, model.estimate(config, global_batch=8), 1)
-    plan = plan_dict(model, found, name=name, kind="test", global_batch=8)
-    plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": 8, "dtype": "fp32"}
-    plan["stages"][0]["recompute"] = recompute or {}
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs),
+                          load_cluster("cpu").with_devices(pp * tp * dp), traced_batch=1)
+    micro, batch = (4, 8) if pp == 1 else (2 * dp, 8 * dp)  # pipelines get 4 micro-batches
+    config = PipelineConfig(stages=even_stages(model, pp, tp=tp, dp=dp), micro_batch=micro, zero=zero,
+                            schedule=schedule)
+    found = Found(config, model.estimate(config, global_batch=batch), 1)
+    plan = plan_dict(model, found, name=name, kind="test", global_batch=batch)
+    plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": batch, "dtype": "fp32"}
+    for stage in plan["stages"]:
+        stage["recompute"] = {k: v for k, v in (recompute or {}).items() if k in stage["layers"]}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"plan": plan, "estimate": found.result.estimate.to_dict()}))
     return str(path)
@@ -103,6 +107,30 @@ def test_the_check_names_the_first_mismatch() -> None:
     result = compare(off, ref)
     assert not result["ok"] and "step 1" in result["message"] and "of w" in result["message"]
     assert "loss" in compare(StepLog(losses=[1.0, 0.6], grads=[]), ref)["message"]
+
+
+GPT4 = dict(GPT, layers=4)
+LLAMA4 = dict(LLAMA, layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "pp", "tp", "dp", "schedule", "recompute"),
+    [
+        ("gpt3-125m", GPT4, 2, 1, 1, "1f1b", None),  # tied head: its gradient summed over the two ends
+        ("llama-7b", LLAMA4, 2, 1, 1, "gpipe", None),
+        ("gpt3-125m", GPT4, 4, 1, 1, "1f1b", {"layers.1": "full", "layers.2": "selective"}),  # middle stages
+        ("gpt3-125m", GPT4, 2, 2, 1, "gpipe", None),  # PP x TP
+        ("llama-7b", LLAMA4, 2, 2, 1, "1f1b", {"layers.0": "full", "layers.3": "full"}),
+        ("gpt3-125m", GPT4, 2, 1, 2, "gpipe", None),  # PP x DP
+    ],
+)
+def test_pipelines_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, pp, tp, dp, schedule, recompute
+) -> None:
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, pp=pp, schedule=schedule, recompute=recompute)
+    data = _run(path, pp * tp * dp)
+    assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp"}
 
 
 def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) -> None:

@@ -251,9 +251,16 @@ class Graph:
         return module
 
     def layers(self) -> list[LayerSummary]:
-        """Per-layer totals in first-execution order (what ``autopar profile`` prints)."""
+        """Per-layer totals in first-execution order (what ``autopar profile`` prints). A module that runs no op of
+        its own (a position table its parent slices) takes its place where its parameters are first read."""
         rows: dict[str, LayerSummary] = {}
         for n in self.nodes:
+            for source in n.sources:
+                info = self.state.get(source.state) if source.state else None
+                if info is not None and not info.is_buffer:
+                    owner = self.layer_of(_owner(info.fqn))
+                    if owner not in rows:
+                        rows[owner] = LayerSummary(name=owner, module_type=self.modules.get(owner, ""))
             name = self.layer_of(n.module)
             row = rows.get(name)
             if row is None:

@@ -26,6 +26,7 @@ class LayerCost:
     repeated: bool
     params: int = 0
     sharded_params: int = 0  # of those, what TP splits (column weights and biases, row weights)
+    tied: list[tuple[str, int]] = field(default_factory=list)  # (owner's row, size) of weights read from elsewhere
     nodes: list[Node] = field(default_factory=list)
     sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
@@ -101,6 +102,10 @@ def analyse(graph: Graph) -> list[LayerCost]:
                     if info is not None and (node.id in layer.columns or len(info.tensor.shape) == 2):
                         split.add(source.state)
         layer.sharded_params = sum(graph.state[fqn].tensor.numel for fqn in split)
+        foreign = {s.state for node in layer.nodes if _is_param_contraction(node) and _reads_foreign_weight(node)
+                   for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
+        layer.tied = [(graph.layer_of(fqn.rpartition(".")[0]), graph.state[fqn].tensor.numel)
+                      for fqn in sorted(foreign) if fqn in graph.state]
         for node in layer.nodes:  # a column-parallel op saves its replicated input; the rest of a region is split
             if node.id in layer.sharded and node.id not in layer.columns:
                 layer.saved_sharded += node.saved_bytes

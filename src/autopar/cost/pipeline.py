@@ -242,6 +242,7 @@ class PipelineModel:
                 raise ValueError(f"micro-batch {config.micro_batch} does not split over dp {s.dp}")
         m = global_batch // config.micro_batch
         pp = config.pp
+        copies = self._tied_copies(config)
         uses: Counter[tuple[str, str, float]] = Counter()
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
@@ -264,7 +265,13 @@ class PipelineModel:
                 sends = (index > 0) + (index < pp - 1)
                 comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
-            sync = self._sync(stage, config.zero, m, mesh, stage_uses)
+            copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
+            params += copy
+            sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy)
+            for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
+                nbytes = size * gradient_itemsize(self.dtype)
+                sync += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
+                stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
             uses.update(stage_uses)
             in_flight = m if config.schedule == "gpipe" else min(pp - index, m)
             weights, grads, optim = model_states(params, dtype=self.dtype, zero=config.zero, dp=stage.dp)
@@ -299,21 +306,39 @@ class PipelineModel:
         )
         return PipelineEstimate(estimate=estimate, stages=reports)
 
+    def _tied_copies(self, config: PipelineConfig) -> dict[int, list[tuple[int, bool]]]:
+        """Per stage, weights it shares with another stage (a head tied to the embedding): (size, whether this
+        stage holds the extra copy). TP does not split them (the runtime keeps tied weights whole)."""
+        stage_of = {}
+        for index, stage in enumerate(config.stages):
+            for row in range(stage.start, stage.end):
+                stage_of[self.layers[row].name] = index
+        copies: dict[int, list[tuple[int, bool]]] = {}
+        for index, stage in enumerate(config.stages):
+            for row in range(stage.start, stage.end):
+                for owner, size in self.layers[row].tied:
+                    other = stage_of.get(owner, index)
+                    if other != index:
+                        copies.setdefault(index, []).append((size, True))
+                        copies.setdefault(other, []).append((size, False))
+        return copies
+
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
         rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
         rows = rows or [layer for layer in self.layers if layer.repeated][:1]
         size = max((layer.largest_input for layer in rows), default=0)
         return size / (stage.tp if config.sp else 1)
 
-    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter) -> float:  # noqa: ANN001
+    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter, *, extra: float = 0) -> float:  # noqa: ANN001
         """Gradient synchronisation of one stage over its dp axis. ZeRO 1-3 run per FSDP unit: each repeated layer,
-        and the stage's other parameters together (the root unit); ZeRO 0 all-reduces DDP buckets."""
+        and the stage's other parameters together (the root unit, with ``extra`` parameters: a tied weight's
+        copy); ZeRO 0 all-reduces DDP buckets."""
         if stage.dp == 1:
             return 0.0
         itemsize = gradient_itemsize(self.dtype)
         rows = [self.layers[r] for r in range(stage.start, stage.end)]
         units = [(device_params(layer, stage.tp) * itemsize, False) for layer in rows if layer.repeated]
-        rest = sum(device_params(layer, stage.tp) for layer in rows if not layer.repeated) * itemsize
+        rest = (sum(device_params(layer, stage.tp) for layer in rows if not layer.repeated) + extra) * itemsize
         if rest:
             units.append((rest, True))
         if zero == 0:

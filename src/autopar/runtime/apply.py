@@ -41,6 +41,8 @@ class ParallelModel:
     permutations: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> row order it is stored in
     axes: dict[str, str] = field(default_factory=dict)  # process-group name -> mesh axis, for counting
     dp_group: Any = None  # set where gradients are all-reduced by hand (ZeRO 0 under tensor parallelism)
+    pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
+    names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
 
     def micro_batch(self, k: int, m: int) -> contextlib.AbstractContextManager:
         """Enter around micro-batch ``k`` of ``m``: gradients synchronise once per step, as the plan priced.
@@ -92,7 +94,7 @@ class ParallelModel:
                 restored = torch.empty_like(grad)
                 restored[order] = grad
                 grad = restored
-            grads[name] = grad
+            grads.setdefault(self.names.get(name, name), grad)
         return grads
 
 
@@ -101,8 +103,11 @@ def check_supported(plan: dict[str, Any]) -> None:
     if "stages" not in plan:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
     stages = plan["stages"]
-    if len(stages) > 1:
-        raise NotImplementedError(f"the plan pipelines over {len(stages)} stages; pipeline parallelism cannot be run yet")
+    if len(stages) > 1 and plan["zero"] != 0:
+        raise NotImplementedError(f"the plan pipelines over {len(stages)} stages under ZeRO {plan['zero']}; pipelines "
+                                  "run with ZeRO 0 only so far")
+    if len({(s["dp"], s["tp"]) for s in stages}) > 1:
+        raise NotImplementedError("the plan's stages have different dp x tp; the runtime needs one grid for all")
 
 
 def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = ()) -> ParallelModel:
@@ -115,15 +120,22 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
 
     check_supported(plan)
     check_matches(model, plan)
-    dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
-    if dist.get_world_size() != dp * tp:
-        raise ValueError(f"the plan needs {dp * tp} ranks, this process group has {dist.get_world_size()}")
+    stages = plan["stages"]
+    pp, dp, tp = len(stages), stages[0]["dp"], stages[0]["tp"]
+    if dist.get_world_size() != pp * dp * tp:
+        raise ValueError(f"the plan needs {pp * dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
-    recompute(model, plan["stages"][0].get("recompute", {}))
+    for stage in stages:
+        recompute(model, stage.get("recompute", {}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))  # tp innermost, as priced
-    axes = {mesh.get_group(axis).group_name: axis for axis in ("dp", "tp")}
-    axes[dist.group.WORLD.group_name] = "dp" if tp == 1 else "tp" if dp == 1 else "world"
+    names = ("pp", "dp", "tp") if pp > 1 else ("dp", "tp")
+    mesh = init_device_mesh(device, (pp, dp, tp) if pp > 1 else (dp, tp), mesh_dim_names=names)  # tp innermost
+    axes = {mesh.get_group(axis).group_name: axis for axis in names}
+    sizes = dict(zip(names, mesh.shape))
+    spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
+    axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
+    if pp > 1:
+        return _pipelined(model, plan, mesh, axes)
     permutations = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else {}
 
     def plain(cls, **kw):  # noqa: ANN001, ANN003, ANN202
@@ -141,12 +153,42 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
         return ParallelModel(model, zero, plain, permutations, axes)
     if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"))
+    wrapped = _ddp(model)
+    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
+
+
+def _ddp(module: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     # buffers are not broadcast each forward (the plan prices no such traffic; FSDP does not either): BatchNorm
     # statistics stay per rank
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MB, forward_sync_buffers=False)
-    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
+    return DistributedDataParallel(
+        module, bucket_cap_mb=DDP_BUCKET_MB, forward_sync_buffers=False
+    )
+
+
+def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str, str]) -> ParallelModel:
+    """This rank's stage: its modules, tensor parallelism over tp, gradients all-reduced over dp after the
+    schedule's last backward (by hand, in DDP-sized buckets: DDP's reducer cannot follow GPipe's forwards of
+    every micro-batch before the first backward), and the plan's schedule over pp."""
+    from autopar.runtime import pipeline
+
+    dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+    permutations: dict[str, torch.Tensor] = {}
+    dp_group = mesh.get_group("dp") if dp > 1 else None
+
+    def wrap(part: nn.Module) -> nn.Module:
+        if tp > 1:
+            permutations.update(_tensor_parallel(part, plan, mesh["tp"], model=model))
+        return part
+
+    part, wrapped, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap, micro_batches=plan["micro_batches"])
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    names = {name: canonical[id(p)] for name, p in part.named_parameters()}
+    return ParallelModel(
+        wrapped, plan["zero"], lambda cls, **kw: cls(part.parameters(), **kw), permutations, {**axes, **groups},
+        dp_group=dp_group, pipeline=pipe, names=names,
+    )
 
 
 DDP_BUCKET_MB = 25  # as `autopar.cost.memory.DDP_BUCKET_BYTES` prices it; set explicitly, no small first bucket
@@ -169,8 +211,12 @@ def check_matches(model: nn.Module, plan: dict[str, Any]) -> None:
                 raise ValueError(f"stage {number} of the plan holds layer {name!r}, which the model does not have")
 
 
-def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[str, torch.Tensor]:
-    """Megatron TP over the 1-D ``mesh``; returns the row orders of permuted fused-QKV parameters."""
+def _tensor_parallel(
+    module: nn.Module, plan: dict[str, Any], mesh: Any, *, model: nn.Module | None = None
+) -> dict[str, torch.Tensor]:
+    """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
+    stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
+    fused-QKV parameters."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -181,22 +227,25 @@ def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[
 
     from autopar.zoo.layers import MLP, Attention
 
+    model = module if model is None else model
     tp = mesh.size()
     styles: dict[str, Any] = {}
     permutations: dict[str, torch.Tensor] = {}
-    modules = dict(model.named_modules())
+    modules = dict(module.named_modules())
     for fqn, entry in plan["modules"].items():
+        if fqn not in modules:  # another pipeline stage's
+            continue
         layouts = {name.rpartition(".")[2]: text for name, text in entry.get("params", {}).items()}
         weight = layouts.get("weight", "")
         tp_placement = weight.strip("[]").split(", ")[-1] if weight else "R"
         if tp_placement == "R":
             continue
-        module = modules.get(fqn)
-        weight_tensor = getattr(module, "weight", None)
+        linear = modules[fqn]
+        weight_tensor = getattr(linear, "weight", None)
         if weight_tensor is not None and sum(p is weight_tensor for p in _all_parameters(model)) > 1:
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
-        if not isinstance(module, nn.Linear):
-            raise NotImplementedError(f"module {fqn!r} ({type(module).__name__}) cannot be split by tensor parallelism yet")
+        if not isinstance(linear, nn.Linear):
+            raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
         parent = modules.get(fqn.rpartition(".")[0])
         if tp_placement == "S(1)":
             styles[fqn] = RowwiseParallel()
@@ -207,20 +256,20 @@ def _tensor_parallel(model: nn.Module, plan: dict[str, Any], mesh: Any) -> dict[
         if tp_placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
             order = _qkv_rows(parent, tp)
             with torch.no_grad():
-                module.weight.copy_(module.weight[order])
-                if module.bias is not None:
-                    module.bias.copy_(module.bias[order])
-            permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if module.bias is not None else {})})
+                linear.weight.copy_(linear.weight[order])
+                if linear.bias is not None:
+                    linear.bias.copy_(linear.bias[order])
+            permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if linear.bias is not None else {})})
             parent.heads //= tp
             parent.kv_heads //= tp
         elif tp_placement == "S(0)" and isinstance(parent, Attention):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
-    for fqn, module in modules.items():  # gate and up read one input: reduce its gradient once, as priced
-        if isinstance(module, MLP) and module.gated and f"{fqn}.gate" in styles and f"{fqn}.up" in styles:
+    for fqn, mlp in modules.items():  # gate and up read one input: reduce its gradient once, as priced
+        if isinstance(mlp, MLP) and mlp.gated and f"{fqn}.gate" in styles and f"{fqn}.up" in styles:
             styles[fqn] = PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
             )
-    parallelize_module(model, mesh, styles)
+    parallelize_module(module, mesh, styles)
     return permutations
 
 

@@ -29,19 +29,22 @@ def _rank_main(
         parallel = parallelize(model, plan)
         optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
 
-        def average(value: float) -> float:
+        dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+
+        def average(value: float) -> float:  # over the last stage's ranks (the others hold 0)
             t = torch.tensor([value], dtype=torch.float64)
             dist.all_reduce(t)
-            return float(t) / nproc
+            return float(t) / (dp * tp)
 
-        dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
         counter = CollectiveCounter(parallel.axes) if check_comm else None
         log = train(
-            parallel, optimizer, work, steps=steps, rank=rank // tp, dp=dp,
+            parallel, optimizer, work, steps=steps, rank=(rank // tp) % dp, dp=dp,
             gradients=parallel.full_gradients if check else None, reduce_loss=average, counter=counter,
         )
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
+        if check and rank % (dp * tp) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
+            torch.save(log.grads, f"{out}.grads{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)
         dist.barrier()  # no rank may tear gloo down while a peer still finishes its last collective (SIGABRT)
@@ -67,6 +70,12 @@ def run_plan(
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
             raise RuntimeError(f"a rank failed: {lines[-1] if lines else exc}") from None
         data = torch.load(out)
+        for r in range(1, nproc):  # merge the other stages' gradients into rank 0's
+            path = Path(f"{out}.grads{r}")
+            if path.exists():
+                for mine, theirs in zip(data["grads"], torch.load(path)):
+                    for name, grad in theirs.items():
+                        mine.setdefault(name, grad)
         if check_comm:
             data["collectives"] = [torch.load(f"{out}.comm{r}") for r in range(nproc)]
     return StepLog(**data)

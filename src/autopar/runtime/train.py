@@ -89,13 +89,16 @@ def train(
         start = time.perf_counter()
         total = 0.0
         with counting:
-            for k in range(m):
-                first = k * work.micro_batch + rank * share
-                inputs = {key: value[first : first + share] for key, value in batch.items()}
-                with parallel.micro_batch(k, m):
-                    loss = parallel.module(**inputs) / m
-                    loss.backward()
-                total += float(loss.detach())
+            if parallel.pipeline is not None:
+                total = _pipeline_step(parallel.pipeline, batch, work, rank=rank, dp=dp)
+            else:
+                for k in range(m):
+                    first = k * work.micro_batch + rank * share
+                    inputs = {key: value[first : first + share] for key, value in batch.items()}
+                    with parallel.micro_batch(k, m):
+                        loss = parallel.module(**inputs) / m
+                        loss.backward()
+                    total += float(loss.detach())
             parallel.finish_backward()
             if gradients is not None:
                 _paused(counter, lambda: log.grads.append(gradients()))
@@ -104,6 +107,23 @@ def train(
         log.losses.append(reduce_loss(total) if reduce_loss is not None else total)
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
+
+
+def _pipeline_step(pipeline, batch: dict[str, torch.Tensor], work: Workload, *, rank: int, dp: int) -> float:  # noqa: ANN001
+    """One step through the schedule: this data-parallel rank's slice of every micro-batch, back to back (the
+    schedule splits them again). Returns the mean micro-batch loss on the last stage, 0 elsewhere."""
+    share = work.micro_batch // dp
+    rows = torch.cat([torch.arange(share) + k * work.micro_batch + rank * share for k in range(work.micro_batches)])
+    mine = {key: value[rows] for key, value in batch.items()}
+    losses: list[torch.Tensor] = []
+    if pipeline.first:
+        pipeline.schedule.step(mine["input_ids"])
+    elif pipeline.last:
+        pipeline.schedule.step(target=mine["labels"], losses=losses)
+    else:
+        pipeline.schedule.step()
+    pipeline.sync_tied()
+    return float(sum(loss.detach() for loss in losses)) / work.micro_batches if losses else 0.0
 
 
 def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001

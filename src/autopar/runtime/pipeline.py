@@ -1,0 +1,156 @@
+"""Pipeline parallelism: cut a model into the plan's stages and run them with ``torch.distributed.pipelining``.
+
+Every rank builds the whole model from one seed, keeps its stage's modules in a `StageModule` (same parameter
+names as the whole model, so the plan's layouts still apply) and drops the rest. Ranks form a (pp, dp, tp) mesh,
+tp innermost: stage ``s`` is ranks ``s*dp*tp ...``. Inside a stage, tensor parallelism and data parallelism
+(DDP) apply as for a single stage; `PipelineStage` and the plan's schedule (``ScheduleGPipe`` or
+``Schedule1F1B``) move activations forward and gradients back over the pp axis.
+
+A weight tied across stages (GPT's head reads the embedding) is held by the first and the last stage; after the
+backward their gradients are summed over the pair of ranks, as Megatron-LM does, and the cost model prices that
+all-reduce on the pp axis.
+
+The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models are
+supported (embedding, the repeated layers, final norm and head; the last stage returns logits and the schedule's
+loss function computes the loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.zoo.layers import lm_loss
+
+
+class StageModule(nn.Module):
+    """The modules of one pipeline stage of a zoo language model, under their names in the whole model."""
+
+    def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        from autopar.zoo.gpt import GPT
+        from autopar.zoo.llama import Llama
+
+        if not isinstance(model, (GPT, Llama)):
+            raise NotImplementedError(
+                f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models can)"
+            )
+        self.kind = "gpt" if isinstance(model, GPT) else "llama"
+        self.first, self.last = first, last
+        if first:
+            self.embed = model.embed
+            if self.kind == "gpt":
+                self.pos, self.drop = model.pos, model.drop
+        if self.kind == "llama":
+            self.rotary = model.rotary
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        if last:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            ids = x
+            x = self.embed(ids)
+            if self.kind == "gpt":
+                x = self.drop(x + self.pos.weight[: ids.shape[1]])
+        extra = self.rotary(x.shape[1]) if self.kind == "llama" else ()
+        for layer in self.layers.values():
+            x = layer(x, *extra)
+        if self.last:
+            return self.head(self.norm(x))
+        return x
+
+
+def stage_layers(model: nn.Module, plan: dict[str, Any]) -> list[list[int]]:
+    """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
+    the first or the last stage; a plan that puts one elsewhere is refused by name."""
+    stages = plan["stages"]
+    count = len(model.layers)
+    result = []
+    for number, stage in enumerate(stages):
+        indices = []
+        for name in stage["layers"]:
+            head, _, index = name.rpartition(".")
+            if head == "layers" and index.isdigit() and int(index) < count:
+                indices.append(int(index))
+            elif 0 < number < len(stages) - 1:
+                raise NotImplementedError(f"stage {number} holds {name!r}; only repeated layers can sit in a middle "
+                                          "stage (the embedding goes first, the norm and head last)")
+        if not indices:
+            raise NotImplementedError(f"stage {number} holds no repeated layer; every stage needs at least one")
+        result.append(indices)
+    return result
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage and the schedule that drives it."""
+
+    stage: int
+    stages: int
+    schedule: Any
+    tied: list[tuple[nn.Parameter, Any]]  # (parameter, group with its twin on the other end of the pipeline)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def sync_tied(self) -> None:
+        """Sum the gradients of weights held by both ends of the pipeline."""
+        import torch.distributed as dist
+
+        for param, group in self.tied:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+
+
+def build(
+    model: nn.Module, plan: dict[str, Any], mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
+) -> tuple[StageModule, nn.Module, Pipeline, dict[str, str]]:
+    """This rank's stage module (before and after ``wrap``, which applies TP and DDP), its pipeline and the
+    process-group names of the groups it made (for counting)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pp = len(plan["stages"])
+    index = mesh.get_local_rank("pp")
+    layers = stage_layers(model, plan)
+    part = StageModule(model, layers[index], first=index == 0, last=index == pp - 1)
+    # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
+    shared = _tied_names(model, part) if index in (0, pp - 1) else []
+    groups: dict[str, str] = {}
+    tied = []
+    per_stage = mesh.size() // pp
+    rank = dist.get_rank()
+    if _tied_names(model, None):
+        for offset in range(per_stage):
+            group = dist.new_group([offset, (pp - 1) * per_stage + offset])  # every rank takes part in creating it
+            if rank % per_stage == offset and index in (0, pp - 1):
+                groups[group.group_name] = "pp"
+                params = dict(part.named_parameters())
+                tied += [(params[name], group) for name in shared if name in params]
+    wrapped = wrap(part)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    stage = PipelineStage(wrapped, index, pp, device, group=mesh.get_group("pp"))
+    schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
+    schedule = schedule_class(stage, n_microbatches=micro_batches, loss_fn=lm_loss, scale_grads=True)
+    return part, wrapped, Pipeline(index, pp, schedule, tied), groups
+
+
+def _tied_names(model: nn.Module, part: nn.Module | None) -> list[str]:
+    """Names (in ``part``, or anywhere when ``part`` is None) of parameters the whole model uses twice."""
+    seen: dict[int, int] = {}
+    for p in (p for m in model.modules() for p in m._parameters.values() if p is not None):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    twice = {key for key, n in seen.items() if n > 1}
+    if part is None:
+        return ["tied"] if twice else []
+    return [name for name, p in part.named_parameters(remove_duplicate=False) if id(p) in twice]
