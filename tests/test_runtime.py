@@ -192,3 +192,46 @@ def test_the_auto_plan_of_a_tiny_model_runs_on_four_ranks(tmp_path, capsys) -> N
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert json.loads(captured.out)["check"]["ok"]
+
+
+def test_dryrun_matches_the_prediction_on_a_fake_process_group(tmp_path, capsys) -> None:
+    path = _pipeline_plan(tmp_path, "llama-7b", LLAMA, tp=2, dp=2, zero=3)
+    assert main(["dryrun", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["world_size"] == 4
+    kinds = {(r["kind"], r["axis"]) for r in out["rows"]}
+    assert {("all_gather", "dp"), ("reduce_scatter", "dp"), ("all_reduce", "tp")} <= kinds
+    # the same counts against the prediction for ZeRO 0 fail, naming the first difference
+    from autopar.runtime.comm import compare, stage_predictions
+
+    plan = json.loads(open(path).read())["plan"]
+    counted = [{"kind": r["kind"], "axis": r["axis"], "count": r["counted"], "bytes": r["counted_bytes"]}
+               for r in out["rows"]]
+    result = compare(counted, stage_predictions({**plan, "zero": 0})[0])
+    assert not result["ok"] and result["message"].startswith("all_gather on dp: 10 calls")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 3])
+def test_dryrun_of_a_64_way_plan_for_a_billion_parameter_model(tmp_path, capsys, zero: int) -> None:
+    """gpt3-1.3b on 8 x 8 (dp x tp) at its full world size, in one process."""
+    from autopar.capture import trace
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
+    from autopar.search.pipeline import Found, plan_dict
+    from autopar.zoo import load
+
+    zoo = load("gpt3-1.3b", batch=1, seq=2048)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs),
+                          load_cluster("a100-80g-sxm").with_devices(64), traced_batch=1)
+    config = PipelineConfig(stages=even_stages(model, 1, tp=8, dp=8), micro_batch=8, zero=zero)
+    plan = plan_dict(model, Found(config, model.estimate(config, global_batch=16), 1), name="gpt3-1.3b",
+                     kind="test", global_batch=16)
+    plan["workload"] = {"model": "gpt3-1.3b", "overrides": {}, "seq": 2048, "batch": 16, "dtype": "bf16"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"plan": plan, "estimate": {}}))
+    assert main(["dryrun", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["world_size"] == 64
+    tp_rows = [r for r in out["rows"] if r["axis"] == "tp"]
+    assert tp_rows and tp_rows[0]["counted"] == 24 * 4 * 2  # 24 layers, 4 all-reduces each, 2 micro-batches

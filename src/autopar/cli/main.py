@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import analyze, calibrate, estimate, models, plan, profile, run
+from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
 
-COMMANDS = (profile, estimate, analyze, plan, run, calibrate, models)
+COMMANDS = (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

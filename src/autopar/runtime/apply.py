@@ -110,11 +110,14 @@ def check_supported(plan: dict[str, Any]) -> None:
         raise NotImplementedError("the plan's stages have different dp x tp; the runtime needs one grid for all")
 
 
-def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = ()) -> ParallelModel:
+def parallelize(
+    model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = (), ddp: bool = True
+) -> ParallelModel:
     """Wrap ``model`` (already on this rank's device, same initial weights on every rank) for ``plan``.
 
     ``units`` are the repeated layers FSDP shards one by one (default: the children of every ``nn.ModuleList``).
-    Needs an initialised default process group of the plan's data-parallel size."""
+    With ``ddp=False``, ZeRO 0 all-reduces gradients by hand (`ParallelModel.finish_backward`, the same buckets)
+    instead of wrapping the model in DDP. Needs an initialised default process group of the plan's size."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -151,7 +154,7 @@ def parallelize(model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Mo
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=zero == 3)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False if zero < 3 else None)
         return ParallelModel(model, zero, plain, permutations, axes)
-    if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
+    if tp > 1 or not ddp:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"))
     wrapped = _ddp(model)
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)

@@ -1,0 +1,43 @@
+"""``autopar dryrun PLAN.json``: the ``run --check-comm`` comparison at the plan's full world size, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from autopar.cli.run import comm_table
+from autopar.plan import load_plan
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "dryrun",
+        help="apply a plan at its full world size on a fake process group and compare rank 0's collectives "
+        "with the prediction",
+        description="Build the plan's model on the meta device, apply PLAN.json on a fake process group of the "
+        "plan's world size (64 ranks and more, one process), run one training step on fake tensors and compare "
+        "the collectives rank 0 issues (kind, mesh axis, calls, bytes) with the cost model's prediction for its "
+        "stage. Exits non-zero on a mismatch.",
+    )
+    parser.add_argument("plan", metavar="PLAN.json", help="a plan written by autopar plan --out")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | str:
+    from autopar.runtime.dryrun import dryrun
+
+    result = {"plan": args.plan, **dryrun(load_plan(args.plan)["plan"])}
+    if not result["ok"]:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        raise RuntimeError(result["message"])
+    if args.json:
+        return result
+    return "\n".join([
+        f"{args.plan}: rank 0 of {result['world_size']} on a fake process group ({result['seconds']:.1f} s)",
+        "collectives in one step (counted / predicted)",
+        comm_table(result["rows"]),
+        f"dryrun: {result['message']}",
+    ])
