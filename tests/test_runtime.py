@@ -43,7 +43,7 @@ def _run(path, nproc: int) -> dict:
 
 def _pipeline_plan(
     tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None,
-    pp: int = 1, schedule: str = "1f1b",
+    pp: int = 1, schedule: str = "1f1b", sp: bool = False,
 ) -> str:
     """A plan with chosen pp x dp x tp (even stages), built with the planner's own functions."""
     from autopar.capture import trace
@@ -57,7 +57,7 @@ def _pipeline_plan(
                           load_cluster("cpu").with_devices(pp * tp * dp), traced_batch=1)
     micro, batch = (4, 8) if pp == 1 else (2 * dp, 8 * dp)  # pipelines get 4 micro-batches
     config = PipelineConfig(stages=even_stages(model, pp, tp=tp, dp=dp), micro_batch=micro, zero=zero,
-                            schedule=schedule)
+                            schedule=schedule, sp=sp)
     found = Found(config, model.estimate(config, global_batch=batch), 1)
     plan = plan_dict(model, found, name=name, kind="test", global_batch=batch)
     plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": batch, "dtype": "fp32"}
@@ -71,6 +71,24 @@ def _pipeline_plan(
 GPT = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128}
 LLAMA = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "ffn": 128}
 BOTH = {"layers.0": "full", "layers.1": "selective"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "tp", "dp", "recompute"),
+    [
+        ("gpt3-125m", GPT, 2, 1, None),  # the tied head gathers the sequence first
+        ("llama-7b", LLAMA, 2, 1, {"layers.0": "full"}),  # the untied head gathers logits; recomputation
+        ("gpt3-125m", GPT, 2, 2, None),  # TP + SP, gradients all-reduced over dp
+    ],
+)
+def test_sequence_parallel_plans_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, tp, dp, recompute
+) -> None:
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, recompute=recompute, sp=True)
+    data = _run(path, tp * dp)
+    kinds = {(row["kind"], row["axis"]) for row in data["check_comm"]["ranks"][0]["rows"]}
+    assert ("reduce_scatter", "tp") in kinds and ("all_gather", "tp") in kinds
 
 
 @pytest.mark.slow

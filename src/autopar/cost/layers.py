@@ -27,6 +27,11 @@ class LayerCost:
     params: int = 0
     sharded_params: int = 0  # of those, what TP splits (column weights and biases, row weights)
     tied: list[tuple[str, int]] = field(default_factory=list)  # (owner's row, size) of weights read from elsewhere
+    # under sequence parallelism: the stream enters its sequence shards at the first layer (bytes of the stream,
+    # gathered in the backward), and a whole contraction (the tied head) gathers its input in the forward
+    sp_entry: int = 0
+    sp_gathers: list[int] = field(default_factory=list)
+    sp_partial_params: int = 0  # norm weights that see sequence shards: gradients summed over tp once a step
     nodes: list[Node] = field(default_factory=list)
     sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
@@ -106,6 +111,11 @@ def analyse(graph: Graph) -> list[LayerCost]:
                    for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
         layer.tied = [(graph.layer_of(fqn.rpartition(".")[0]), graph.state[fqn].tensor.numel)
                       for fqn in sorted(foreign) if fqn in graph.state]
+        layer.sp_gathers = [
+            max(t.nbytes for s, t in zip(node.sources, node.inputs) if s.state is None)
+            for node in layer.nodes
+            if _is_param_contraction(node) and node.id not in layer.sharded and _reads_foreign_weight(node)
+        ]
         for node in layer.nodes:  # a column-parallel op saves its replicated input; the rest of a region is split
             if node.id in layer.sharded and node.id not in layer.columns:
                 layer.saved_sharded += node.saved_bytes
@@ -133,6 +143,15 @@ def analyse(graph: Graph) -> list[LayerCost]:
                 seen.add((s.node, s.index))
                 layer.input_bytes += t.nbytes
                 layer.largest_input = max(layer.largest_input, t.nbytes)
+    first = next((layer for layer in rows.values() if layer.repeated), None)
+    if first is not None:
+        first.sp_entry = first.largest_input
+        ordered = list(rows.values())
+        for layer in ordered[ordered.index(first):]:
+            read = {s.state for node in layer.nodes if not node.is_view and not _is_param_contraction(node)
+                    for s in node.sources
+                    if s.state and s.state in graph.state and not graph.state[s.state].is_buffer}
+            layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
     return list(rows.values())
 
 

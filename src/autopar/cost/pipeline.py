@@ -69,6 +69,11 @@ def price_layer(
             calls += [(Collective.ALL_GATHER, nbytes * scale, "f"), (Collective.REDUCE_SCATTER, nbytes * scale, "b")] \
                 if sp else [(Collective.ALL_REDUCE, nbytes * scale, "b")]
         calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.gathered_outputs]
+        if sp:
+            if layer.sp_entry:  # scattered into sequence shards: free forward, gathered gradient
+                calls.append((Collective.ALL_GATHER, layer.sp_entry * scale, "b"))
+            # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
+            calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.sp_gathers]
     saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
     temporary = layer.largest_output / tp * scale
     if layer.repeated and recompute == "full":
@@ -210,10 +215,12 @@ class PipelineModel:
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
-            layer.repeated, layer.params, layer.sharded_params, len(layer.nodes), layer.saved_sharded,
+            layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, len(layer.nodes),
+            layer.saved_sharded,
             layer.saved_replicated,
             layer.attention_saved, layer.input_bytes, tuple(layer.row_outputs), tuple(layer.column_inputs),
-            tuple(layer.gathered_outputs), layer.largest_output, sum(n.flops_forward for n in layer.nodes),
+            tuple(layer.gathered_outputs), layer.sp_entry, tuple(layer.sp_gathers), layer.largest_output,
+            sum(n.flops_forward for n in layer.nodes),
             sum(n.bytes_read + n.bytes_written for n in layer.nodes),
         )
 
@@ -265,6 +272,11 @@ class PipelineModel:
                 sends = (index > 0) + (index < pp - 1)
                 comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
+            partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end))
+            if config.sp and stage.tp > 1 and partial:  # norm weights' gradients from sequence shards: summed
+                nbytes = partial * gradient_itemsize(self.dtype)
+                comm += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster) / m
+                stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
             copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
             params += copy
             sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy)

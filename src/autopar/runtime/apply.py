@@ -59,13 +59,27 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     def finish_backward(self) -> None:
-        """After the last micro-batch: all-reduce gradients by hand where no wrapper does (`ddp_buckets` sizes)."""
-        if self.dp_group is None:
-            return
+        """After the last micro-batch: sum the partial gradients sequence parallelism leaves (norm weights) over tp
+        in one all-reduce, then all-reduce gradients over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
         import torch.distributed as dist
 
         from autopar.cost.memory import DDP_BUCKET_BYTES
 
+        partial = [p for p in self.module.parameters() if p.grad is not None and hasattr(p.grad, "placements")
+                   and any(pl.is_partial() for pl in p.grad.placements)]
+        if partial:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
+            mesh = partial[0].grad.device_mesh
+            dist.all_reduce(flat, group=mesh.get_group())
+            offset = 0
+            for p in partial:
+                local = flat[offset : offset + p.grad.numel()].view(p.grad.shape)
+                p.grad = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+                offset += p.grad.numel()
+        if self.dp_group is None:
+            return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
@@ -106,6 +120,11 @@ def check_supported(plan: dict[str, Any]) -> None:
     if len(stages) > 1 and plan["zero"] != 0:
         raise NotImplementedError(f"the plan pipelines over {len(stages)} stages under ZeRO {plan['zero']}; pipelines "
                                   "run with ZeRO 0 only so far")
+    if plan.get("sp") and stages[0]["dp"] > 1 and plan["zero"] > 0:
+        raise NotImplementedError(f"the plan combines sequence parallelism with ZeRO {plan['zero']}; it runs with "
+                                  "ZeRO 0 only so far")
+    if len(stages) > 1 and plan.get("sp"):
+        raise NotImplementedError("the plan pipelines with sequence parallelism; pipelines run without it so far")
     if len({(s["dp"], s["tp"]) for s in stages}) > 1:
         raise NotImplementedError("the plan's stages have different dp x tp; the runtime needs one grid for all")
 
@@ -220,7 +239,7 @@ def _tensor_parallel(
     """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
     stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
     fused-QKV parameters."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -231,6 +250,8 @@ def _tensor_parallel(
     from autopar.zoo.layers import MLP, Attention
 
     model = module if model is None else model
+    sp = bool(plan.get("sp"))
+    stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
     tp = mesh.size()
     styles: dict[str, Any] = {}
     permutations: dict[str, torch.Tensor] = {}
@@ -251,11 +272,11 @@ def _tensor_parallel(
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
         parent = modules.get(fqn.rpartition(".")[0])
         if tp_placement == "S(1)":
-            styles[fqn] = RowwiseParallel()
+            styles[fqn] = RowwiseParallel(output_layouts=stream)
         elif isinstance(parent, (Attention, MLP)):  # a row-parallel layer of the same block consumes the shards
-            styles[fqn] = ColwiseParallel()
+            styles[fqn] = ColwiseParallel(input_layouts=stream)
         else:  # a column layer with no row partner (the LM head): gather its output for what follows
-            styles[fqn] = ColwiseParallel(output_layouts=Replicate())
+            styles[fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         if tp_placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
             order = _qkv_rows(parent, tp)
             with torch.no_grad():
@@ -267,13 +288,44 @@ def _tensor_parallel(
             parent.kv_heads //= tp
         elif tp_placement == "S(0)" and isinstance(parent, Attention):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
-    for fqn, mlp in modules.items():  # gate and up read one input: reduce its gradient once, as priced
+    for fqn, mlp in modules.items():  # gate and up read one input: gather it and reduce its gradient once
         if isinstance(mlp, MLP) and mlp.gated and f"{fqn}.gate" in styles and f"{fqn}.up" in styles:
             styles[fqn] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
             )
+            styles[f"{fqn}.gate"] = ColwiseParallel()
+            styles[f"{fqn}.up"] = ColwiseParallel()
+    if sp:
+        styles.update(_sequence_parallel(module, model, styles))
     parallelize_module(module, mesh, styles)
     return permutations
+
+
+def _sequence_parallel(module: nn.Module, model: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
+    """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards, the first layer
+    scatters the stream into them (its gradient is gathered back), and a head TP leaves whole gathers its input."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    from autopar.zoo.layers import RMSNorm
+
+    extra: dict[str, Any] = {}
+    for fqn, norm in module.named_modules():
+        if isinstance(norm, (nn.LayerNorm, RMSNorm)):
+            extra[fqn] = SequenceParallel()
+    layers = [fqn for fqn, m in module.named_modules() if fqn.startswith("layers.") and fqn.count(".") == 1]
+    if "layers.0" in layers:
+        arguments = 1 + (2 if "rotary" in dict(model.named_children()) else 0)  # LLaMA blocks take cos and sin
+        extra["layers.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),) + (None,) * (arguments - 1),
+            desired_input_layouts=(Shard(1),) + (None,) * (arguments - 1),
+            use_local_output=True,
+        )
+    head = dict(module.named_modules()).get("head")
+    if head is not None and "head" not in styles:  # kept whole (tied): gather the sequence first
+        extra["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True)
+    return extra
 
 
 def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:
