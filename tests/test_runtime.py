@@ -253,3 +253,27 @@ def test_dryrun_of_a_64_way_plan_for_a_billion_parameter_model(tmp_path, capsys,
     assert out["ok"] and out["world_size"] == 64
     tp_rows = [r for r in out["rows"] if r["axis"] == "tp"]
     assert tp_rows and tp_rows[0]["counted"] == 24 * 4 * 2  # 24 layers, 4 all-reduces each, 2 micro-batches
+
+
+HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pp", "tp", "dp", "zero", "sp", "schedule", "recompute"),
+    [
+        (1, 1, 2, 0, False, "1f1b", None),  # DDP
+        (1, 1, 2, 3, False, "1f1b", None),  # FSDP
+        (1, 2, 1, 0, False, "1f1b", {"model.layers.1": "full"}),  # TP (separate q, k, v) with recomputation
+        (1, 2, 1, 0, True, "1f1b", None),  # TP + SP
+        (1, 2, 2, 3, False, "1f1b", None),  # FSDP x TP
+        (2, 1, 1, 0, False, "gpipe", None),  # PP
+        (2, 2, 1, 0, False, "1f1b", None),  # PP x TP
+    ],
+)
+def test_hugging_face_llama_plans_match_one_process_and_the_predicted_collectives(
+    tmp_path, pp, tp, dp, zero, sp, schedule, recompute
+) -> None:
+    path = _pipeline_plan(tmp_path, "hf:llama-tiny", HF, tp=tp, dp=dp, zero=zero, recompute=recompute, pp=pp,
+                          schedule=schedule, sp=sp)
+    _run(path, pp * tp * dp)

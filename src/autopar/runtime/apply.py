@@ -238,23 +238,22 @@ def _tensor_parallel(
 ) -> dict[str, torch.Tensor]:
     """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
     stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
-    fused-QKV parameters."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    fused-QKV parameters.
 
-    from autopar.zoo.layers import MLP, Attention
+    A column-parallel linear whose block (its parent) also holds a row-parallel one feeds it shards; one with no
+    row partner (an LM head) gathers its output. Where a block has several column linears reading one input
+    (q, k and v; gate and up) the block's input becomes one replicated DTensor first, so its gradient is reduced
+    once, as the cost model prices it. Works for the zoo's models and for Hugging Face ones alike."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from autopar.zoo.layers import Attention
 
     model = module if model is None else model
     sp = bool(plan.get("sp"))
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
     tp = mesh.size()
-    styles: dict[str, Any] = {}
-    permutations: dict[str, torch.Tensor] = {}
+    placements: dict[str, str] = {}
     modules = dict(module.named_modules())
     for fqn, entry in plan["modules"].items():
         if fqn not in modules:  # another pipeline stage's
@@ -270,14 +269,26 @@ def _tensor_parallel(
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
         if not isinstance(linear, nn.Linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
-        parent = modules.get(fqn.rpartition(".")[0])
-        if tp_placement == "S(1)":
+        placements[fqn] = tp_placement
+    blocks = {fqn.rpartition(".")[0] for fqn, placement in placements.items() if placement == "S(1)"}
+    columns: dict[str, list[str]] = {}
+    for fqn, placement in placements.items():
+        if placement == "S(0)" and fqn.rpartition(".")[0] in blocks:
+            columns.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    styles: dict[str, Any] = {}
+    permutations: dict[str, torch.Tensor] = {}
+    for fqn, placement in placements.items():
+        parent_name = fqn.rpartition(".")[0]
+        if placement == "S(1)":
             styles[fqn] = RowwiseParallel(output_layouts=stream)
-        elif isinstance(parent, (Attention, MLP)):  # a row-parallel layer of the same block consumes the shards
-            styles[fqn] = ColwiseParallel(input_layouts=stream)
+        elif parent_name in blocks:  # a row-parallel linear of the same block consumes the shards
+            shared = len(columns[parent_name]) > 1  # its input arrives as a replicated DTensor (hook below)
+            styles[fqn] = ColwiseParallel() if shared else ColwiseParallel(input_layouts=stream)
         else:  # a column layer with no row partner (the LM head): gather its output for what follows
             styles[fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
-        if tp_placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
+        parent = modules.get(parent_name)
+        if placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
+            linear = modules[fqn]
             order = _qkv_rows(parent, tp)
             with torch.no_grad():
                 linear.weight.copy_(linear.weight[order])
@@ -286,46 +297,62 @@ def _tensor_parallel(
             permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if linear.bias is not None else {})})
             parent.heads //= tp
             parent.kv_heads //= tp
-        elif tp_placement == "S(0)" and isinstance(parent, Attention):
+        elif placement == "S(0)" and isinstance(parent, Attention):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
-    for fqn, mlp in modules.items():  # gate and up read one input: gather it and reduce its gradient once
-        if isinstance(mlp, MLP) and mlp.gated and f"{fqn}.gate" in styles and f"{fqn}.up" in styles:
-            styles[fqn] = PrepareModuleInput(
-                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
-            )
-            styles[f"{fqn}.gate"] = ColwiseParallel()
-            styles[f"{fqn}.up"] = ColwiseParallel()
+    for block, names in columns.items():
+        if len(names) > 1:
+            _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
     if sp:
-        styles.update(_sequence_parallel(module, model, styles))
+        _sequence_parallel(module, mesh, styles)
     parallelize_module(module, mesh, styles)
     return permutations
 
 
-def _sequence_parallel(module: nn.Module, model: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
+def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool) -> None:
+    """Before ``module`` runs, read its first input (positional, or the first keyword tensor) as a local tensor laid
+    out as ``source`` on ``mesh`` and redistribute it to ``target`` (a local tensor again with ``local``)."""
+    from torch.distributed.tensor import DTensor
+
+    def convert(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [source], run_check=False)
+        x = x.redistribute(mesh, [target])
+        return x.to_local() if local else x
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (convert(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: convert(kwargs[key])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
     """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards, the first layer
     scatters the stream into them (its gradient is gathered back), and a head TP leaves whole gathers its input."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel
 
-    from autopar.zoo.layers import RMSNorm
-
-    extra: dict[str, Any] = {}
     for fqn, norm in module.named_modules():
-        if isinstance(norm, (nn.LayerNorm, RMSNorm)):
-            extra[fqn] = SequenceParallel()
-    layers = [fqn for fqn, m in module.named_modules() if fqn.startswith("layers.") and fqn.count(".") == 1]
-    if "layers.0" in layers:
-        arguments = 1 + (2 if "rotary" in dict(model.named_children()) else 0)  # LLaMA blocks take cos and sin
-        extra["layers.0"] = PrepareModuleInput(
-            input_layouts=(Replicate(),) + (None,) * (arguments - 1),
-            desired_input_layouts=(Shard(1),) + (None,) * (arguments - 1),
-            use_local_output=True,
-        )
-    head = dict(module.named_modules()).get("head")
-    if head is not None and "head" not in styles:  # kept whole (tied): gather the sequence first
-        extra["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                           use_local_output=True)
-    return extra
+        if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")):
+            styles[fqn] = SequenceParallel()
+    stacks = [m for name, m in module.named_modules()
+              if name.rpartition(".")[2] == "layers" and isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    if stacks and len(stacks[0]) and _holds_first_layer(stacks[0]):
+        first = stacks[0][0] if isinstance(stacks[0], nn.ModuleList) else next(iter(stacks[0].values()))
+        _relayout_input(first, mesh, Replicate(), Shard(1), local=True)
+    for name in ("head", "lm_head"):
+        head = dict(module.named_children()).get(name)
+        if head is not None and name not in styles:  # kept whole (tied): gather the sequence first
+            _relayout_input(head, mesh, Shard(1), Replicate(), local=True)
+
+
+def _holds_first_layer(stack: nn.Module) -> bool:
+    """A pipeline stage's layers may start anywhere; the stream is scattered where layer 0 runs."""
+    return isinstance(stack, nn.ModuleList) or "0" in stack
 
 
 def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from autopar.runtime.apply import check_supported, parallelize
 from autopar.runtime.comm import CollectiveCounter, compare, stage_predictions
-from autopar.runtime.train import LEARNING_RATE, Workload, global_batch
+from autopar.runtime.train import LEARNING_RATE, Workload, global_batch, loss_of
 
 
 def dryrun(plan: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *
         for k in range(m):
             inputs = {key: value[k * work.micro_batch : k * work.micro_batch + share] for key, value in batch.items()}
             with parallel.micro_batch(k, m):
-                (parallel.module(**inputs) / m).backward()
+                (loss_of(parallel.module(**inputs)) / m).backward()
     parallel.finish_backward()
     if parallel.pipeline is not None:
         parallel.pipeline.sync_tied()

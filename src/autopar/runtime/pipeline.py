@@ -10,9 +10,9 @@ A weight tied across stages (GPT's head reads the embedding) is held by the firs
 backward their gradients are summed over the pair of ranks, as Megatron-LM does, and the cost model prices that
 all-reduce on the pp axis.
 
-The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models are
-supported (embedding, the repeated layers, final norm and head; the last stage returns logits and the schedule's
-loss function computes the loss).
+The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models and Hugging
+Face's LLaMA-style causal LMs are supported (embedding, the repeated layers, final norm and head; the last stage
+returns logits and the schedule's loss function computes the loss).
 """
 
 from __future__ import annotations
@@ -28,30 +28,42 @@ from autopar.zoo.layers import lm_loss
 
 
 class StageModule(nn.Module):
-    """The modules of one pipeline stage of a zoo language model, under their names in the whole model."""
+    """The modules of one pipeline stage of a language model, under their names in the whole model.
+
+    Knows the zoo's GPT-style and LLaMA-style models and Hugging Face's LLaMA-style causal LMs (``model.model``
+    holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        from autopar.zoo.gpt import GPT
-        from autopar.zoo.llama import Llama
-
-        if not isinstance(model, (GPT, Llama)):
-            raise NotImplementedError(
-                f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models can)"
-            )
-        self.kind = "gpt" if isinstance(model, GPT) else "llama"
+        self.kind = chain_kind(model)
         self.first, self.last = first, last
+        stack = _layers(model)
+        chosen = nn.ModuleDict({str(i): stack[i] for i in layers})
+        if self.kind == "hf":
+            inner = nn.Module()  # `model.` prefix kept, so parameter names match the whole model's
+            inner.layers = chosen
+            inner.rotary_emb = model.model.rotary_emb
+            if first:
+                inner.embed_tokens = model.model.embed_tokens
+            if last:
+                inner.norm = model.model.norm
+            self.model = inner
+            if last:
+                self.lm_head = model.lm_head
+            return
         if first:
             self.embed = model.embed
             if self.kind == "gpt":
                 self.pos, self.drop = model.pos, model.drop
         if self.kind == "llama":
             self.rotary = model.rotary
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.layers = chosen
         if last:
             self.norm, self.head = model.norm, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "hf":
+            return self._forward_hf(x)
         if self.first:
             ids = x
             x = self.embed(ids)
@@ -64,18 +76,57 @@ class StageModule(nn.Module):
             return self.head(self.norm(x))
         return x
 
+    def _forward_hf(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.model
+        if self.first:
+            x = inner.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rotary = inner.rotary_emb(x, position_ids=positions)
+        for layer in inner.layers.values():  # no mask: SDPA runs causal, as the whole model does
+            x = layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        if self.last:
+            return self.lm_head(inner.norm(x))
+        return x
+
+
+def chain_kind(model: nn.Module) -> str:
+    from autopar.zoo.gpt import GPT
+    from autopar.zoo.llama import Llama
+
+    if isinstance(model, GPT):
+        return "gpt"
+    if isinstance(model, Llama):
+        return "llama"
+    inner = getattr(model, "model", None)
+    if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "hf"
+    raise NotImplementedError(
+        f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models and Hugging Face "
+        "LLaMA-style causal LMs can)"
+    )
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers if chain_kind(model) == "hf" else model.layers
+
+
+def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss: position t predicts label t + 1."""
+    return lm_loss(logits[:, :-1], labels[:, 1:])
+
 
 def stage_layers(model: nn.Module, plan: dict[str, Any]) -> list[list[int]]:
     """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
     the first or the last stage; a plan that puts one elsewhere is refused by name."""
     stages = plan["stages"]
-    count = len(model.layers)
+    prefix = "model.layers" if chain_kind(model) == "hf" else "layers"
+    count = len(_layers(model))
     result = []
     for number, stage in enumerate(stages):
         indices = []
         for name in stage["layers"]:
             head, _, index = name.rpartition(".")
-            if head == "layers" and index.isdigit() and int(index) < count:
+            if head == prefix and index.isdigit() and int(index) < count:
                 indices.append(int(index))
             elif 0 < number < len(stages) - 1:
                 raise NotImplementedError(f"stage {number} holds {name!r}; only repeated layers can sit in a middle "
@@ -141,7 +192,8 @@ def build(
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     stage = PipelineStage(wrapped, index, pp, device, group=mesh.get_group("pp"))
     schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
-    schedule = schedule_class(stage, n_microbatches=micro_batches, loss_fn=lm_loss, scale_grads=True)
+    loss = shifted_lm_loss if part.kind == "hf" else lm_loss
+    schedule = schedule_class(stage, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     return part, wrapped, Pipeline(index, pp, schedule, tied), groups
 
 

@@ -96,7 +96,7 @@ def train(
                     first = k * work.micro_batch + rank * share
                     inputs = {key: value[first : first + share] for key, value in batch.items()}
                     with parallel.micro_batch(k, m):
-                        loss = parallel.module(**inputs) / m
+                        loss = loss_of(parallel.module(**inputs)) / m
                         loss.backward()
                     total += float(loss.detach())
             parallel.finish_backward()
@@ -107,6 +107,11 @@ def train(
         log.losses.append(reduce_loss(total) if reduce_loss is not None else total)
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
+
+
+def loss_of(output) -> torch.Tensor:  # noqa: ANN001
+    """The training loss a forward returned: the zoo's models return it, Hugging Face ones carry it as ``.loss``."""
+    return output if isinstance(output, torch.Tensor) else output.loss
 
 
 def _pipeline_step(pipeline, batch: dict[str, torch.Tensor], work: Workload, *, rank: int, dp: int) -> float:  # noqa: ANN001
