@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (3 = FSDP)")
     parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--out", metavar="PLAN.json",
+                        help="also write this configuration as a plan, runnable with autopar run and dryrun")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -59,6 +61,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
     result = estimate(graph, cluster, config, global_batch=global_batch, dtype=args.dtype)
+    if args.out:
+        _write_plan(args, zoo, graph, cluster, config, global_batch)
     data = {
         "model": zoo.config.name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": global_batch},
@@ -72,6 +76,23 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "estimate": result.to_dict(),
     }
     return data if args.json else render(data)
+
+
+def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, config: ParallelConfig,
+                global_batch: int) -> None:
+    """The configuration as a plan file, in the form the planner writes (even stages, its layouts)."""
+    from autopar.cli.plan import workload
+    from autopar.cost.megatron import pipeline_config
+    from autopar.cost.pipeline import PipelineModel
+    from autopar.plan import save_plan
+    from autopar.search.pipeline import Found, plan_dict
+
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
+    pipeline = pipeline_config(model, config)
+    result = model.estimate(pipeline, global_batch=global_batch)
+    plan = plan_dict(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
+                     global_batch=global_batch)
+    save_plan(args.out, {**plan, "workload": workload(args, zoo)}, result.estimate.to_dict())
 
 
 def render(data: dict[str, Any]) -> str:

@@ -103,7 +103,7 @@ def _result(
     baselines: dict[str, Any], seconds: float,
 ) -> dict[str, Any]:
     """The fields every search reports (CLI.md), with the plan's workload; writes ``--out``."""
-    plan = {**plan, "workload": _workload(args, zoo)}
+    plan = {**plan, "workload": workload(args, zoo)}
     if args.out:
         save_plan(args.out, plan, estimate)
     return {
@@ -130,7 +130,7 @@ def _progress(show: bool, start: float):  # noqa: ANN202
     return progress
 
 
-def _workload(args: argparse.Namespace, zoo: Any) -> dict[str, Any]:
+def workload(args: argparse.Namespace, zoo: Any) -> dict[str, Any]:
     """What `autopar run` needs to rebuild the model and its batches."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
     return {"model": args.model, "overrides": overrides, "seq": zoo.seq, "batch": args.batch, "dtype": args.dtype}

@@ -29,11 +29,15 @@ def estimate(
             f"--batch {global_batch} is not a multiple of dp x mbs = {config.dp} x {config.mbs}"
         )
     model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=dtype)
-    pipeline = PipelineConfig(
+    return model.estimate(pipeline_config(model, config), global_batch=global_batch).estimate
+
+
+def pipeline_config(model: PipelineModel, config: ParallelConfig) -> PipelineConfig:
+    """The Megatron-LM configuration as a pipeline one: even stages, one dp x tp grid, one recomputation level."""
+    return PipelineConfig(
         stages=even_stages(model, config.pp, tp=config.tp, dp=config.dp, recompute=config.recompute),
         micro_batch=config.mbs * config.dp,
         zero=config.zero,
         sp=config.sp,
         schedule=config.schedule,
     )
-    return model.estimate(pipeline, global_batch=global_batch).estimate

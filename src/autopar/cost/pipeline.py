@@ -24,6 +24,7 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -171,7 +172,12 @@ class StageReport:
     comm: float  # per micro-batch: TP collectives and point-to-point sends
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
-    collectives: tuple[CollectiveUse, ...] = ()  # per iteration on each device of the stage
+    counted: Counter = field(default_factory=Counter)  # (kind, axis, bytes) -> calls per iteration on each device
+
+    @property
+    def collectives(self) -> tuple[CollectiveUse, ...]:
+        """What one device of the stage issues in an iteration."""
+        return _uses(self.counted)
 
     @property
     def seconds(self) -> float:
@@ -196,6 +202,11 @@ class PipelineModel:
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
+        self._meshes: dict[tuple[int, int, int], object] = {}
+        self._syncs: dict[tuple, tuple[float, Counter]] = {}  # a stage's gradient synchronisation, by its shape
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
+                      for owner, size in layer.tied if owner in index]
 
     @cached_property
     def split_widths(self) -> frozenset[int]:
@@ -253,7 +264,7 @@ class PipelineModel:
         uses: Counter[tuple[str, str, float]] = Counter()
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
-            mesh = build_mesh(self.cluster, {"pp": pp, "dp": stage.dp, "tp": stage.tp})
+            mesh = self._mesh(pp, stage.dp, stage.tp)
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
             stage_uses: Counter[tuple[str, str, float]] = Counter()
@@ -291,8 +302,7 @@ class PipelineModel:
                 parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
                 other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
             )
-            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
-                                       collectives=_uses(stage_uses)))
+            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses))
         times = [r.seconds for r in reports]
         slowest = max(range(pp), key=lambda i: times[i])
         pipeline = sum(times) + (m - 1) * times[slowest]
@@ -318,21 +328,25 @@ class PipelineModel:
         )
         return PipelineEstimate(estimate=estimate, stages=reports)
 
+    def _mesh(self, pp: int, dp: int, tp: int):  # noqa: ANN202
+        key = (pp, dp, tp)
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            mesh = self._meshes[key] = build_mesh(self.cluster, {"pp": pp, "dp": dp, "tp": tp})
+        return mesh
+
     def _tied_copies(self, config: PipelineConfig) -> dict[int, list[tuple[int, bool]]]:
         """Per stage, weights it shares with another stage (a head tied to the embedding): (size, whether this
         stage holds the extra copy). TP does not split them (the runtime keeps tied weights whole)."""
-        stage_of = {}
-        for index, stage in enumerate(config.stages):
-            for row in range(stage.start, stage.end):
-                stage_of[self.layers[row].name] = index
         copies: dict[int, list[tuple[int, bool]]] = {}
-        for index, stage in enumerate(config.stages):
-            for row in range(stage.start, stage.end):
-                for owner, size in self.layers[row].tied:
-                    other = stage_of.get(owner, index)
-                    if other != index:
-                        copies.setdefault(index, []).append((size, True))
-                        copies.setdefault(other, []).append((size, False))
+        if not self._tied:
+            return copies
+        starts = [stage.start for stage in config.stages]
+        for row, owner, size in self._tied:
+            index, other = bisect_right(starts, row) - 1, bisect_right(starts, owner) - 1
+            if other != index:
+                copies.setdefault(index, []).append((size, True))
+                copies.setdefault(other, []).append((size, False))
         return copies
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
@@ -347,6 +361,16 @@ class PipelineModel:
         copy); ZeRO 0 all-reduces DDP buckets."""
         if stage.dp == 1:
             return 0.0
+        key = (stage.start, stage.end, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"))
+        cached = self._syncs.get(key)
+        if cached is None:
+            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra)
+        total, counted = cached
+        uses.update(counted)
+        return total
+
+    def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float) -> tuple[float, Counter]:  # noqa: ANN001
+        uses: Counter[tuple[str, str, float]] = Counter()
         itemsize = gradient_itemsize(self.dtype)
         rows = [self.layers[r] for r in range(stage.start, stage.end)]
         units = [(device_params(layer, stage.tp) * itemsize, False) for layer in rows if layer.repeated]
@@ -357,11 +381,11 @@ class PipelineModel:
             units = [(nbytes, True) for nbytes in ddp_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")
         total = 0.0
-        for nbytes, root in units:
+        for (nbytes, root), same in Counter(units).items():  # repeated layers are alike: price each size once
             for kind, count in gradient_sync(zero, m, root=root):
-                total += count * collective_seconds(kind, nbytes, axis, self.cluster)
-                uses[(kind.value, "dp", nbytes)] += count
-        return total
+                total += same * count * collective_seconds(kind, nbytes, axis, self.cluster)
+                uses[(kind.value, "dp", nbytes)] += same * count
+        return total, uses
 
 
 def _uses(counted: Counter) -> tuple[CollectiveUse, ...]:
