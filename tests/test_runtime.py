@@ -96,6 +96,7 @@ def test_sequence_parallel_plans_match_one_process_and_the_predicted_collectives
     ("name", "overrides", "tp", "dp", "zero", "recompute"),
     [
         ("gpt3-125m", GPT, 1, 2, 0, None),  # DDP
+        ("llama-7b", LLAMA, 1, 2, 0, None),
         ("gpt3-125m", GPT, 1, 2, 1, None),  # FSDP2 keeping weights and whole gradients through the step
         ("llama-7b", LLAMA, 1, 2, 2, None),  # FSDP2 keeping weights, gradients reduce-scattered per micro-batch
         ("gpt3-125m", GPT, 2, 1, 0, None),  # fused QKV, tied head
@@ -167,6 +168,10 @@ def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) ->
     with pytest.raises(ValueError, match="'layers.7', which the model does not have"):
         check_matches(model, other)
     other = json.loads(json.dumps(plan))
+    other["modules"]["layers.0.attn.qkv"]["shapes"]["layers.0.attn.qkv.weight"] = [96, 32]  # planned at hidden 32
+    with pytest.raises(ValueError, match=r"'layers.0.attn.qkv.weight' of 'layers.0.attn.qkv' has shape \[192, 64\]"):
+        check_matches(model, other)
+    other = json.loads(json.dumps(plan))
     other["modules"]["layers.0.attn.qkv"]["params"]["layers.0.attn.qkv.scale"] = "[R, R]"
     with pytest.raises(ValueError, match="parameter 'layers.0.attn.qkv.scale' of 'layers.0.attn.qkv'"):
         check_matches(model, other)
@@ -174,6 +179,24 @@ def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) ->
     path.write_text(json.dumps(data))
     assert main(["run", str(path), "--nproc", "2", "--steps", "2", "--check-comm"]) == 2
     assert "--check-comm counts the last step and needs --steps 3 or more" in capsys.readouterr().err
+
+
+def test_estimate_writes_a_configuration_as_a_plan_the_runtime_reads(tmp_path, capsys) -> None:
+    from autopar.runtime.apply import check_matches
+    from autopar.runtime.comm import stage_predictions
+    from autopar.runtime.train import Workload, build_model
+
+    path = tmp_path / "pp.json"
+    assert main(["estimate", *TINY, "--layers", "4", "--cluster", "cpu", "--pp", "2", "--tp", "2", "--mbs", "2",
+                 "--batch", "8", "--schedule", "gpipe", "--out", str(path)]) == 0
+    capsys.readouterr()
+    plan = json.loads(path.read_text())["plan"]
+    assert plan["schedule"] == "gpipe" and [(s["dp"], s["tp"]) for s in plan["stages"]] == [(1, 2), (1, 2)]
+    assert plan["workload"]["overrides"]["layers"] == 4 and plan["micro_batches"] == 4
+    check_matches(build_model(Workload.of(plan)), plan)
+    first, last = stage_predictions(plan)  # the tied head's gradient is summed over the two ends
+    assert {(c["kind"], c["axis"]) for c in first} == {("all_reduce", "tp"), ("all_reduce", "pp"), ("send_recv", "pp")}
+    assert [c for c in first if c["axis"] == "pp" and c["kind"] == "all_reduce"][0]["count"] == 1
 
 
 def test_recomputation_keeps_fewer_tensors_and_the_same_gradients() -> None:

@@ -184,8 +184,21 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
     baselines = {k: (entry(k, f) if f is not None else None) for k, f in found.items() if k != args.search}
     data = _result(args, zoo, cluster, params=graph.num_params, plan=chosen_entry["plan"],
                    estimate=chosen_entry["estimate"], baselines=baselines, seconds=seconds)
-    data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set())
+    data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
+                runners_up=[_layout(f, chosen) for f in chosen.runners_up])
     return data if args.json else render_pipeline(data, out=args.out)
+
+
+def _layout(found: Any, chosen: Any) -> dict[str, Any]:
+    """A runner-up in a line: its layout and how it compares with the chosen plan."""
+    c, e = found.config, found.result.estimate
+    grids = sorted({(s.dp, s.tp) for s in c.stages})
+    return {
+        "pp": c.pp, "dp_x_tp": [list(g) for g in grids], "micro_batch_size": c.micro_batch, "zero": c.zero,
+        "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(r != "none" for s in c.stages for r in s.recompute),
+        "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
+        "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
+    }
 
 
 def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
@@ -213,6 +226,14 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         estimate_text(e),
         "",
     ]
+    if data.get("runners_up"):
+        rows = [[str(r["pp"]), ", ".join(f"{d} x {t}" for d, t in r["dp_x_tp"]), str(r["micro_batch_size"]),
+                 str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
+                 f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
+                for r in data["runners_up"]]
+        lines += ["the best of other layouts the search priced", table(
+            ["pp", "dp x tp", "micro-batch", "ZeRO", "schedule", "recomputed", "iteration", "vs plan"], rows,
+            align="rlrrlrrr"), ""]
     return "\n".join(lines + _comparison(data, out))
 
 
@@ -258,6 +279,14 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         estimate_text(e),
         "",
     ]
+    if data.get("runners_up"):
+        rows = [[str(r["pp"]), ", ".join(f"{d} x {t}" for d, t in r["dp_x_tp"]), str(r["micro_batch_size"]),
+                 str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
+                 f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
+                for r in data["runners_up"]]
+        lines += ["the best of other layouts the search priced", table(
+            ["pp", "dp x tp", "micro-batch", "ZeRO", "schedule", "recomputed", "iteration", "vs plan"], rows,
+            align="rlrrlrrr"), ""]
     return "\n".join(lines + _comparison(data, out))
 
 

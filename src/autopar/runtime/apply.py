@@ -130,13 +130,15 @@ def check_supported(plan: dict[str, Any]) -> None:
 
 
 def parallelize(
-    model: nn.Module, plan: dict[str, Any], *, units: Iterable[nn.Module] = (), ddp: bool = True
+    model: nn.Module, plan: dict[str, Any], *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True
 ) -> ParallelModel:
     """Wrap ``model`` (already on this rank's device, same initial weights on every rank) for ``plan``.
 
     ``units`` are the repeated layers FSDP shards one by one (default: the children of every ``nn.ModuleList``).
     With ``ddp=False``, ZeRO 0 all-reduces gradients by hand (`ParallelModel.finish_backward`, the same buckets)
-    instead of wrapping the model in DDP. Needs an initialised default process group of the plan's size."""
+    instead of wrapping the model in DDP. Needs an initialised default process group of the plan's size; ``mesh``
+    (a `DeviceMesh` with dims ``("dp", "tp")``, or ``("pp", "dp", "tp")`` for a pipeline, of the plan's sizes) is made
+    when not given."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -151,7 +153,12 @@ def parallelize(
         recompute(model, stage.get("recompute", {}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ("pp", "dp", "tp") if pp > 1 else ("dp", "tp")
-    mesh = init_device_mesh(device, (pp, dp, tp) if pp > 1 else (dp, tp), mesh_dim_names=names)  # tp innermost
+    shape = (pp, dp, tp) if pp > 1 else (dp, tp)
+    if mesh is None:
+        mesh = init_device_mesh(device, shape, mesh_dim_names=names)  # tp innermost, as priced
+    elif tuple(mesh.mesh_dim_names or ()) != names or tuple(mesh.shape) != shape:
+        raise ValueError(f"the plan needs a mesh of shape {shape} with dims {names}, got {tuple(mesh.shape)} with "
+                         f"dims {mesh.mesh_dim_names}")
     axes = {mesh.get_group(axis).group_name: axis for axis in names}
     sizes = dict(zip(names, mesh.shape))
     spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
@@ -227,6 +234,10 @@ def check_matches(model: nn.Module, plan: dict[str, Any]) -> None:
         for name in entry.get("params", {}):
             if name not in params:
                 raise ValueError(f"the plan lays out parameter {name!r} of {fqn!r}, which the model does not have")
+            planned = entry.get("shapes", {}).get(name)
+            if planned is not None and list(params[name].shape) != list(planned):
+                raise ValueError(f"parameter {name!r} of {fqn!r} has shape {list(params[name].shape)}, the plan was "
+                                 f"made for {list(planned)}: was it planned with other --hidden/--heads/--vocab?")
     for number, stage in enumerate(plan.get("stages", [])):
         for name in stage.get("layers", []):
             if name and name not in modules:

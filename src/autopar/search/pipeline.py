@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.cluster import build_mesh
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
@@ -46,6 +46,7 @@ class Found:
     config: PipelineConfig
     result: PipelineEstimate
     evaluated: int  # configurations priced by the search that found it
+    runners_up: list[Found] = field(default_factory=list)  # the best of other shapes the search priced
 
     @property
     def score(self) -> Score:
@@ -73,6 +74,27 @@ class Evaluator:
         if found is None:
             found = self.cache[config] = self.model.estimate(config, global_batch=self.global_batch)
         return found
+
+    def top(self, k: int, *, besides: PipelineConfig | None = None) -> list[Found]:
+        """The ``k`` best configurations priced so far, one per shape (depth, dp x tp per stage, micro-batch, ZeRO,
+        schedule), the shape of ``besides`` left out: what the chosen plan beat, by how much."""
+        seen = {shape(besides)} if besides is not None else set()
+        best: list[Found] = []
+        for config, result in sorted(self.cache.items(), key=lambda item: score(item[1])):
+            key = shape(config)
+            if key in seen:
+                continue
+            seen.add(key)
+            best.append(Found(config, result, len(self.cache)))
+            if len(best) == k:
+                break
+        return best
+
+
+def shape(config: PipelineConfig) -> tuple:
+    """A configuration without its cut points and recomputation: what a user would call its layout."""
+    return (config.pp, tuple((s.dp, s.tp) for s in config.stages), config.micro_batch, config.zero, config.sp,
+            config.schedule)
 
 
 # ---- the space ------------------------------------------------------------------------------------------------
@@ -411,6 +433,7 @@ def auto(
     best = min((f for f in (found, grid) if f is not None), key=lambda f: f.score, default=None)
     if best is not None:
         best.evaluated = len(evaluate.cache)
+        best.runners_up = evaluate.top(3, besides=best.config)
     return {
         "auto": best,
         "megatron": grid,
@@ -475,7 +498,9 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
                             tp_placement = "S(1)"
                     owner = fqn.rpartition(".")[0]
-                    modules.setdefault(owner, {"params": {}})["params"][fqn] = f"[{dp_placement}, {tp_placement}]"
+                    entry = modules.setdefault(owner, {"params": {}, "shapes": {}})
+                    entry["params"][fqn] = f"[{dp_placement}, {tp_placement}]"
+                    entry["shapes"][fqn] = list(info.tensor.shape)
     return {
         "schema": 1,
         "model": name,
@@ -528,6 +553,8 @@ def pipeline_searches(
     if kind == "aceso":
         found["aceso"] = aceso(model, global_batch=global_batch, time_limit=time_limit, evaluate=evaluate,
                                progress=progress, should_stop=should_stop)
+        if found["aceso"] is not None:
+            found["aceso"].runners_up = evaluate.top(3, besides=found["aceso"].config)
     elif kind == "exhaustive":
         found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline)
     found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=evaluate)
