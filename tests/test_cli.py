@@ -201,6 +201,14 @@ def test_plan_auto_json_fields_and_plan_file(capsys: pytest.CaptureFixture[str],
         if other and other["estimate"]["memory"]["fits"]:
             assert data["estimate"]["iteration_seconds"] <= other["estimate"]["iteration_seconds"] * (1 + 1e-9)
     assert load_plan(out_file)["plan"] == plan
+    runners = data["runners_up"]  # the best of other layouts, best first, none the plan's own layout
+    assert 1 <= len(runners) <= 3
+    layouts = [(r["pp"], r["dp_x_tp"], r["zero"], r["sp"]) for r in runners]
+    assert len(set(map(str, layouts))) == len(layouts)
+    own = [[s["dp"], s["tp"]] for s in plan["stages"]]
+    assert (len(plan["stages"]), own, plan["zero"], plan["sp"]) not in layouts
+    fitting = [r["iteration_seconds"] for r in runners if r["fits"]]
+    assert fitting == sorted(fitting) and all(r["vs_plan"] >= 1 - 1e-9 for r in runners if r["fits"])
 
 
 def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -208,5 +216,6 @@ def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
                              "--budget-s", "5")
     assert code == 0, err
     assert "pipeline stage" in out and "dp x tp" in out and "against the baselines" in out
+    assert "the best of other layouts the search priced" in out
     code, _, err = run_cli(capsys, "plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x4")
     assert code == 2 and "--mesh applies to --search ilp" in err

@@ -192,9 +192,8 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
 def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     """A runner-up in a line: its layout and how it compares with the chosen plan."""
     c, e = found.config, found.result.estimate
-    grids = sorted({(s.dp, s.tp) for s in c.stages})
     return {
-        "pp": c.pp, "dp_x_tp": [list(g) for g in grids], "micro_batch_size": c.micro_batch, "zero": c.zero,
+        "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage "micro_batch_size": c.micro_batch, "zero": c.zero,
         "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(r != "none" for s in c.stages for r in s.recompute),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
         "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
@@ -227,7 +226,7 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
     ]
     if data.get("runners_up"):
-        rows = [[str(r["pp"]), ", ".join(f"{d} x {t}" for d, t in r["dp_x_tp"]), str(r["micro_batch_size"]),
+        rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
                  str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
                  f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
                 for r in data["runners_up"]]
@@ -280,7 +279,7 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
     ]
     if data.get("runners_up"):
-        rows = [[str(r["pp"]), ", ".join(f"{d} x {t}" for d, t in r["dp_x_tp"]), str(r["micro_batch_size"]),
+        rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
                  str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
                  f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
                 for r in data["runners_up"]]

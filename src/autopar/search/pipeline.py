@@ -76,8 +76,8 @@ class Evaluator:
         return found
 
     def top(self, k: int, *, besides: PipelineConfig | None = None) -> list[Found]:
-        """The ``k`` best configurations priced so far, one per shape (depth, dp x tp per stage, micro-batch, ZeRO,
-        schedule), the shape of ``besides`` left out: what the chosen plan beat, by how much."""
+        """The ``k`` best configurations priced so far, one per shape (depth, dp x tp per stage, ZeRO, sequence
+        parallelism), the shape of ``besides`` left out: what the chosen plan beat, by how much."""
         seen = {shape(besides)} if besides is not None else set()
         best: list[Found] = []
         for config, result in sorted(self.cache.items(), key=lambda item: score(item[1])):
@@ -92,9 +92,8 @@ class Evaluator:
 
 
 def shape(config: PipelineConfig) -> tuple:
-    """A configuration without its cut points and recomputation: what a user would call its layout."""
-    return (config.pp, tuple((s.dp, s.tp) for s in config.stages), config.micro_batch, config.zero, config.sp,
-            config.schedule)
+    """A configuration without its cut points, micro-batch, schedule and recomputation: its layout."""
+    return (config.pp, tuple((s.dp, s.tp) for s in config.stages), config.zero, config.sp)
 
 
 # ---- the space ------------------------------------------------------------------------------------------------
