@@ -193,7 +193,8 @@ def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     """A runner-up in a line: its layout and how it compares with the chosen plan."""
     c, e = found.config, found.result.estimate
     return {
-        "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage "micro_batch_size": c.micro_batch, "zero": c.zero,
+        "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage
+        "micro_batch_size": c.micro_batch, "zero": c.zero,
         "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(r != "none" for s in c.stages for r in s.recompute),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
         "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
