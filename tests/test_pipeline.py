@@ -65,6 +65,26 @@ def test_uneven_stages_and_bubble() -> None:
         PipelineConfig(stages=(Stage(start=0, end=3), Stage(start=4, end=rows)), micro_batch=2)
 
 
+def test_interleaving_cuts_the_bubble_by_the_chunk_count_and_sends_more() -> None:
+    model = _model("gpt3-350m", gpus=4, layers=8)
+    plain = PipelineConfig(stages=even_stages(model, 4, tp=1, dp=1), micro_batch=2)
+    woven = PipelineConfig(stages=even_stages(model, 8, tp=1, dp=1), micro_batch=2, schedule="interleaved", chunks=2)
+    assert woven.pp == 4 and woven.devices == 4
+    p, w = model.estimate(plain, global_batch=16), model.estimate(woven, global_batch=16)
+    device_times = [w.stages[d].seconds + w.stages[d + 4].seconds for d in range(4)]
+    assert w.estimate.bubble_seconds == pytest.approx((sum(device_times) - max(device_times)) / 2)
+    assert w.estimate.bubble_seconds < p.estimate.bubble_seconds
+
+    def sends(result) -> int:  # noqa: ANN001
+        return sum(c.count for c in result.estimate.collectives if c.kind == "send_recv")
+
+    assert sends(w) == 2 * (8 - 1) * 8 and sends(p) == 2 * (4 - 1) * 8  # 8 micro-batches, both ways per boundary
+    with pytest.raises(ValueError, match="interleaved schedule needs 2 or more chunks"):
+        PipelineConfig(stages=woven.stages, micro_batch=2, chunks=2)
+    with pytest.raises(ValueError, match="--chunks 2 applies to --schedule interleaved only"):
+        ParallelConfig(pp=2, chunks=2)
+
+
 @pytest.mark.parametrize(
     ("name", "gpus", "memory_gib", "overrides"),
     [

@@ -43,7 +43,7 @@ def _run(path, nproc: int) -> dict:
 
 def _pipeline_plan(
     tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None,
-    pp: int = 1, schedule: str = "1f1b", sp: bool = False,
+    pp: int = 1, schedule: str = "1f1b", sp: bool = False, chunks: int = 1,
 ) -> str:
     """A plan with chosen pp x dp x tp (even stages), built with the planner's own functions."""
     from autopar.capture import trace
@@ -56,8 +56,8 @@ def _pipeline_plan(
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs),
                           load_cluster("cpu").with_devices(pp * tp * dp), traced_batch=1)
     micro, batch = (4, 8) if pp == 1 else (2 * dp, 8 * dp)  # pipelines get 4 micro-batches
-    config = PipelineConfig(stages=even_stages(model, pp, tp=tp, dp=dp), micro_batch=micro, zero=zero,
-                            schedule=schedule, sp=sp)
+    config = PipelineConfig(stages=even_stages(model, pp * chunks, tp=tp, dp=dp), micro_batch=micro, zero=zero,
+                            schedule="interleaved" if chunks > 1 else schedule, sp=sp, chunks=chunks)
     found = Found(config, model.estimate(config, global_batch=batch), 1)
     plan = plan_dict(model, found, name=name, kind="test", global_batch=batch)
     plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": batch, "dtype": "fp32"}
@@ -142,12 +142,16 @@ LLAMA4 = dict(LLAMA, layers=4)
         ("gpt3-125m", GPT4, 2, 2, 1, "gpipe", None),  # PP x TP
         ("llama-7b", LLAMA4, 2, 2, 1, "1f1b", {"layers.0": "full", "layers.3": "full"}),
         ("gpt3-125m", GPT4, 2, 1, 2, "gpipe", None),  # PP x DP
+        ("gpt3-125m", GPT4, 2, 1, 1, "interleaved", None),  # 2 chunks per device, the tied head on the last
+        ("llama-7b", LLAMA4, 2, 1, 2, "interleaved", {"layers.2": "full"}),  # interleaved x DP, chunks synced apart
     ],
 )
 def test_pipelines_match_one_process_and_the_predicted_collectives(
     tmp_path, name, overrides, pp, tp, dp, schedule, recompute
 ) -> None:
-    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, pp=pp, schedule=schedule, recompute=recompute)
+    chunks = 2 if schedule == "interleaved" else 1
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, pp=pp, schedule=schedule, recompute=recompute,
+                          chunks=chunks)
     data = _run(path, pp * tp * dp)
     assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp"}
 

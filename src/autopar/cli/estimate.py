@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (3 = FSDP)")
     parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="model chunks per device under --schedule interleaved (default 1)")
     parser.add_argument("--out", metavar="PLAN.json",
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -48,7 +50,7 @@ def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
         raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {dp} = {args.tp * args.pp * dp} != --gpus {gpus}")
     config = ParallelConfig(
         tp=args.tp, pp=args.pp, dp=dp, mbs=args.mbs, recompute=args.recompute, zero=args.zero, sp=args.sp,
-        schedule=args.schedule,
+        schedule=args.schedule, chunks=args.chunks,
     )
     return config, gpus
 
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "gpus": gpus,
         "parallel": {
             "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs, "recompute": config.recompute,
-            "zero": config.zero, "sp": config.sp, "schedule": config.schedule,
+            "zero": config.zero, "sp": config.sp, "schedule": config.schedule, "chunks": config.chunks,
         },
         "params": graph.num_params,
         "estimate": result.to_dict(),
@@ -100,6 +102,7 @@ def render(data: dict[str, Any]) -> str:
     head = (
         f"{data['model']} on {data['gpus']} x {data['cluster']}: tp {p['tp']} x pp {p['pp']} x dp {p['dp']}, "
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
+        + (f", interleaved x{p['chunks']}" if p.get("chunks", 1) > 1 else "")
         + (", SP" if p["sp"] else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )

@@ -35,9 +35,10 @@ def estimate(
 def pipeline_config(model: PipelineModel, config: ParallelConfig) -> PipelineConfig:
     """The Megatron-LM configuration as a pipeline one: even stages, one dp x tp grid, one recomputation level."""
     return PipelineConfig(
-        stages=even_stages(model, config.pp, tp=config.tp, dp=config.dp, recompute=config.recompute),
+        stages=even_stages(model, config.pp * config.chunks, tp=config.tp, dp=config.dp, recompute=config.recompute),
         micro_batch=config.mbs * config.dp,
         zero=config.zero,
         sp=config.sp,
         schedule=config.schedule,
+        chunks=config.chunks,
     )

@@ -140,10 +140,18 @@ class PipelineConfig:
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
+    chunks: int = 1  # interleaved 1F1B: stages per device, stage v on device v % pp
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage")
+        if (self.schedule == "interleaved") != (self.chunks > 1):
+            raise ValueError(f"the interleaved schedule needs 2 or more chunks per device and only it does, got "
+                             f"schedule {self.schedule!r} with {self.chunks} chunks")
+        if len(self.stages) % self.chunks or (self.chunks > 1 and len(self.stages) // self.chunks < 2):
+            raise ValueError(f"{len(self.stages)} stages do not make {self.chunks} chunks on each of 2 or more devices")
+        if self.chunks > 1 and len({(s.dp, s.tp) for s in self.stages}) > 1:
+            raise ValueError("an interleaved pipeline needs one dp x tp grid for all its stages")
         for a, b in zip(self.stages, self.stages[1:]):
             if a.end != b.start:
                 raise ValueError(f"stages must be contiguous: one ends at row {a.end}, the next starts at {b.start}")
@@ -157,7 +165,8 @@ class PipelineConfig:
 
     @property
     def pp(self) -> int:
-        return len(self.stages)
+        """Pipeline depth in devices (stages over chunks)."""
+        return len(self.stages) // self.chunks
 
     @property
     def devices(self) -> int:
@@ -259,7 +268,7 @@ class PipelineModel:
             if config.micro_batch % s.dp:
                 raise ValueError(f"micro-batch {config.micro_batch} does not split over dp {s.dp}")
         m = global_batch // config.micro_batch
-        pp = config.pp
+        pp, chunks, virtual = config.pp, config.chunks, len(config.stages)
         copies = self._tied_copies(config)
         uses: Counter[tuple[str, str, float]] = Counter()
         reports: list[StageReport] = []
@@ -278,9 +287,9 @@ class PipelineModel:
                 params += price.params
                 for kind, nbytes, calls in price.collectives:
                     stage_uses[(kind, "tp", nbytes)] += calls * m
-            if pp > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
+            if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
-                sends = (index > 0) + (index < pp - 1)
+                sends = (index > 0) + (index < virtual - 1)
                 comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
             partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end))
@@ -296,22 +305,25 @@ class PipelineModel:
                 sync += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
             uses.update(stage_uses)
-            in_flight = m if config.schedule == "gpipe" else min(pp - index, m)
+            in_flight = _in_flight(config.schedule, index, pp, chunks, m)
             weights, grads, optim = model_states(params, dtype=self.dtype, zero=config.zero, dp=stage.dp)
             memory = MemoryBreakdown(
                 parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
                 other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
             )
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses))
-        times = [r.seconds for r in reports]
+        devices = _per_device(reports, pp) if chunks > 1 else reports
+        times = [r.seconds for r in devices]
         slowest = max(range(pp), key=lambda i: times[i])
-        pipeline = sum(times) + (m - 1) * times[slowest]
-        bubble = sum(times) - times[slowest]
-        sync = max(r.sync for r in reports)
+        # the first micro-batch crosses every device, the rest stream at the slowest device's pace; interleaving
+        # cuts the fill and drain by the chunk count (Narayanan et al. 2021)
+        bubble = (sum(times) - times[slowest]) / chunks
+        pipeline = m * times[slowest] + bubble
+        sync = max(r.sync for r in devices)
         iteration = pipeline + sync
-        compute = m * reports[slowest].compute
+        compute = m * devices[slowest].compute
         exposed = iteration - compute - bubble
-        worst = max(reports, key=lambda r: r.memory.total / r.memory.budget)
+        worst = max(devices, key=lambda r: r.memory.total / r.memory.budget)
         model_flops = (self.graph.flops_forward + self.graph.flops_backward) * m * config.micro_batch / self.traced_batch
         per_device = model_flops / iteration / self.cluster.num_devices
         estimate = Estimate(
@@ -386,6 +398,36 @@ class PipelineModel:
                 total += same * count * collective_seconds(kind, nbytes, axis, self.cluster)
                 uses[(kind.value, "dp", nbytes)] += same * count
         return total, uses
+
+
+def _in_flight(schedule: str, index: int, pp: int, chunks: int, m: int) -> float:
+    """Micro-batches whose activations stage ``index`` holds at its peak: all of them under GPipe, the ones the
+    1F1B warm-up starts before the first backward otherwise (Megatron-LM's counts, interleaved: per chunk)."""
+    if schedule == "gpipe":
+        return m
+    if chunks == 1:
+        return min(pp - index, m)
+    device = index % pp
+    warmup = (pp - device - 1) * 2 + (chunks - 1) * pp + 1
+    return min(warmup, m * chunks) / chunks
+
+
+def _per_device(reports: list[StageReport], pp: int) -> list[StageReport]:
+    """Interleaved chunks summed onto their devices (stage v runs on device v % pp)."""
+    devices = []
+    for device in range(pp):
+        mine = reports[device::pp]
+        memory = MemoryBreakdown(
+            parameters=sum(r.memory.parameters for r in mine), gradients=sum(r.memory.gradients for r in mine),
+            optimizer=sum(r.memory.optimizer for r in mine), activations=sum(r.memory.activations for r in mine),
+            other=max(r.memory.other for r in mine), budget=mine[0].memory.budget,
+        )
+        counted: Counter = Counter()
+        for r in mine:
+            counted.update(r.counted)
+        devices.append(StageReport(compute=sum(r.compute for r in mine), comm=sum(r.comm for r in mine),
+                                   sync=sum(r.sync for r in mine), memory=memory, counted=counted))
+    return devices
 
 
 def _uses(counted: Counter) -> tuple[CollectiveUse, ...]:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,9 +21,10 @@ class ParallelConfig:
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per device under the interleaved schedule
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs"):
+        for name in ("tp", "pp", "dp", "mbs", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {value!r}")
@@ -35,6 +36,11 @@ class ParallelConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.sp and self.tp == 1:
             raise ValueError("--sp (sequence parallelism) needs --tp > 1")
+        if self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):
+            raise ValueError(f"--schedule interleaved needs --chunks 2 or more and --pp 2 or more, got --chunks "
+                             f"{self.chunks} and --pp {self.pp}")
+        if self.schedule != "interleaved" and self.chunks != 1:
+            raise ValueError(f"--chunks {self.chunks} applies to --schedule interleaved only")
 
     @property
     def devices(self) -> int:

@@ -74,8 +74,12 @@ def validate(plan: dict[str, Any], *, source: str = "plan") -> None:
 def _check_stages(plan: dict[str, Any], source: str) -> None:
     stages = plan["stages"]
     pp, per_stage = plan["mesh"]["shape"][0], plan["mesh"]["shape"][-1]
-    if not isinstance(stages, list) or len(stages) != pp:
-        raise ValueError(f"{source}: {pp} pipeline stages in the mesh but {len(stages)} in 'stages'")
+    chunks = plan.get("chunks", 1)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{source}: 'chunks' must be a positive integer, got {chunks!r}")
+    if not isinstance(stages, list) or len(stages) != pp * chunks:
+        raise ValueError(f"{source}: {pp} pipeline stages in the mesh (x {chunks} chunks) but {len(stages)} in "
+                         "'stages'")
     for k, stage in enumerate(stages):
         for key in ("layers", "dp", "tp"):
             if key not in stage:

@@ -43,6 +43,7 @@ class ParallelModel:
     dp_group: Any = None  # set where gradients are all-reduced by hand (ZeRO 0 under tensor parallelism)
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
     names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
+    chunks: list[nn.Module] = field(default_factory=list)  # an interleaved stage's chunks, synchronised one by one
 
     def micro_batch(self, k: int, m: int) -> contextlib.AbstractContextManager:
         """Enter around micro-batch ``k`` of ``m``: gradients synchronise once per step, as the plan priced.
@@ -80,10 +81,17 @@ class ParallelModel:
                 offset += p.grad.numel()
         if self.dp_group is None:
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
+            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None], DDP_BUCKET_BYTES)
+
+    def _all_reduce_dp(self, grads: list[torch.Tensor], bucket: int) -> None:
+        import torch.distributed as dist
+
+        if not grads:
+            return
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
-        step = max(1, DDP_BUCKET_BYTES // flat.element_size())
+        step = max(1, bucket // flat.element_size())
         for start in range(0, flat.numel(), step):
             dist.all_reduce(flat[start : start + step], group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)
@@ -103,7 +111,7 @@ class ParallelModel:
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
             grad = grad.detach().clone()
-            order = self.permutations.get(name)
+            order = self.permutations.get(self.names.get(name, name))
             if order is not None:  # back to the model's own row order
                 restored = torch.empty_like(grad)
                 restored[order] = grad
@@ -145,7 +153,7 @@ def parallelize(
     check_supported(plan)
     check_matches(model, plan)
     stages = plan["stages"]
-    pp, dp, tp = len(stages), stages[0]["dp"], stages[0]["tp"]
+    pp, dp, tp = len(stages) // plan.get("chunks", 1), stages[0]["dp"], stages[0]["tp"]
     if dist.get_world_size() != pp * dp * tp:
         raise ValueError(f"the plan needs {pp * dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan["zero"]
@@ -211,12 +219,14 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
             permutations.update(_tensor_parallel(part, plan, mesh["tp"], model=model))
         return part
 
-    part, wrapped, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap, micro_batches=plan["micro_batches"])
+    parts, wrapped, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap, micro_batches=plan["micro_batches"])
+    # one chunk: the stage itself; interleaved: the chunks side by side (parameter names gain "k.")
+    module = wrapped[0] if len(wrapped) == 1 else nn.ModuleDict({str(k): w for k, w in enumerate(wrapped)})
     canonical = {id(p): name for name, p in model.named_parameters()}
-    names = {name: canonical[id(p)] for name, p in part.named_parameters()}
+    names = {name: canonical[id(p)] for name, p in module.named_parameters()}
     return ParallelModel(
-        wrapped, plan["zero"], lambda cls, **kw: cls(part.parameters(), **kw), permutations, {**axes, **groups},
-        dp_group=dp_group, pipeline=pipe, names=names,
+        module, plan["zero"], lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
+        dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped,
     )
 
 

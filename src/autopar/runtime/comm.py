@@ -80,21 +80,22 @@ class CollectiveCounter(TorchDispatchMode):
 
     def summary(self) -> list[dict[str, Any]]:
         """Calls and bytes per (kind, axis)."""
-        return _summary((kind, axis, nbytes, 1) for kind, axis, nbytes in self.calls)
+        return _summary((kind, axis, 1, nbytes) for kind, axis, nbytes in self.calls)
 
 
-def _summary(rows: Iterable[tuple[str, str, float, int]]) -> list[dict[str, Any]]:
+def _summary(rows: Iterable[tuple[str, str, int, float]]) -> list[dict[str, Any]]:
+    """(kind, axis, calls, bytes of those calls) rows added up per (kind, axis)."""
     count: Counter[tuple[str, str]] = Counter()
     total: Counter[tuple[str, str]] = Counter()
-    for kind, axis, nbytes, calls in rows:
+    for kind, axis, calls, nbytes in rows:
         count[(kind, axis)] += calls
-        total[(kind, axis)] += nbytes * calls
+        total[(kind, axis)] += nbytes
     return [{"kind": k, "axis": a, "count": count[(k, a)], "bytes": total[(k, a)]} for k, a in sorted(count)]
 
 
 def predicted(collectives: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cost model's per-device list (``CollectiveUse`` dicts, bytes per call) in the counter's form."""
-    return _summary((c["kind"], c["axis"], c["bytes"], c["count"]) for c in collectives)
+    return _summary((c["kind"], c["axis"], c["count"], c["bytes"] * c["count"]) for c in collectives)
 
 
 def compare(counted: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,7 +132,7 @@ def stage_predictions(plan: dict[str, Any]) -> list[list[dict[str, Any]]]:
 
     work = Workload.of(plan)
     zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
-    devices = sum(stage["dp"] * stage["tp"] for stage in plan["stages"])
+    devices = sum(stage["dp"] * stage["tp"] for stage in plan["stages"]) // plan.get("chunks", 1)
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
                           traced_batch=1, dtype="fp32")
     result = model.estimate(config_of(model, plan), global_batch=work.batch)
@@ -139,10 +140,12 @@ def stage_predictions(plan: dict[str, Any]) -> list[list[dict[str, Any]]]:
             for report in result.stages]
 
 
-def stage_of_rank(plan: dict[str, Any], rank: int) -> int:
-    """Ranks fill stage 0's dp x tp grid first, then stage 1's, and so on."""
+def stages_of_rank(plan: dict[str, Any], rank: int) -> list[int]:
+    """Ranks fill device 0's dp x tp grid first, then device 1's, and so on; device ``d`` of ``pp`` runs stage ``d``
+    (and, interleaved, stages ``d + pp``, ``d + 2 pp``, ...)."""
     per_stage = plan["stages"][0]["dp"] * plan["stages"][0]["tp"]
-    return rank // per_stage
+    pp = len(plan["stages"]) // plan.get("chunks", 1)
+    return list(range(rank // per_stage, len(plan["stages"]), pp))
 
 
 def check_ranks(plan: dict[str, Any], counted: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -150,7 +153,8 @@ def check_ranks(plan: dict[str, Any], counted: list[list[dict[str, Any]]]) -> di
     expected = stage_predictions(plan)
     results = []
     for rank, summary in enumerate(counted):
-        result = compare(summary, expected[stage_of_rank(plan, rank)])
+        mine = (row for stage in stages_of_rank(plan, rank) for row in expected[stage])  # interleaved: chunks added
+        result = compare(summary, _summary((r["kind"], r["axis"], r["count"], r["bytes"]) for r in mine))
         results.append({"rank": rank, **result})
         if not result["ok"]:
             return {"ok": False, "message": f"rank {rank}: {result['message']}", "ranks": results}

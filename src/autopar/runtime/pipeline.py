@@ -165,18 +165,20 @@ class Pipeline:
 
 def build(
     model: nn.Module, plan: dict[str, Any], mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
-) -> tuple[StageModule, nn.Module, Pipeline, dict[str, str]]:
-    """This rank's stage module (before and after ``wrap``, which applies TP and DDP), its pipeline and the
-    process-group names of the groups it made (for counting)."""
+) -> tuple[list[StageModule], list[nn.Module], Pipeline, dict[str, str]]:
+    """This rank's stage modules (one, or one per chunk when interleaved; before and after ``wrap``, which applies
+    TP), its pipeline and the process-group names of the groups it made (for counting)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    pp = len(plan["stages"])
+    virtual = len(plan["stages"])
+    chunks = plan.get("chunks", 1)
+    pp = virtual // chunks
     index = mesh.get_local_rank("pp")
+    mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
     layers = stage_layers(model, plan)
-    part = StageModule(model, layers[index], first=index == 0, last=index == pp - 1)
+    parts = [StageModule(model, layers[v], first=v == 0, last=v == virtual - 1) for v in mine]
     # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
-    shared = _tied_names(model, part) if index in (0, pp - 1) else []
     groups: dict[str, str] = {}
     tied = []
     per_stage = mesh.size() // pp
@@ -186,15 +188,19 @@ def build(
             group = dist.new_group([offset, (pp - 1) * per_stage + offset])  # every rank takes part in creating it
             if rank % per_stage == offset and index in (0, pp - 1):
                 groups[group.group_name] = "pp"
-                params = dict(part.named_parameters())
-                tied += [(params[name], group) for name in shared if name in params]
-    wrapped = wrap(part)
+                for part in parts:
+                    params = dict(part.named_parameters())
+                    tied += [(params[name], group) for name in _tied_names(model, part) if name in params]
+    wrapped = [wrap(part) for part in parts]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    stage = PipelineStage(wrapped, index, pp, device, group=mesh.get_group("pp"))
-    schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
-    loss = shifted_lm_loss if part.kind == "hf" else lm_loss
-    schedule = schedule_class(stage, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
-    return part, wrapped, Pipeline(index, pp, schedule, tied), groups
+    stages = [PipelineStage(w, v, virtual, device, group=mesh.get_group("pp")) for w, v in zip(wrapped, mine)]
+    loss = shifted_lm_loss if parts[0].kind == "hf" else lm_loss
+    if chunks > 1:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
+    else:
+        schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
+        schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
+    return parts, wrapped, Pipeline(index, pp, schedule, tied), groups
 
 
 def _tied_names(model: nn.Module, part: nn.Module | None) -> list[str]:

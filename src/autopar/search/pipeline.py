@@ -506,6 +506,7 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
         "kind": kind,
         "mesh": {"shape": [config.pp, devices // config.pp], "axes": ["pp", "dp_tp"]},
         "schedule": config.schedule,
+        "chunks": config.chunks,
         "micro_batch_size": config.micro_batch,
         "micro_batches": global_batch // config.micro_batch,
         "zero": config.zero,
@@ -531,7 +532,8 @@ def config_of(model: PipelineModel, plan: dict) -> PipelineConfig:
         levels = tuple(entry.get("recompute", {}).get(model.layers[r].name, "none") for r in range(start, end))
         stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels))
     return PipelineConfig(stages=tuple(stages), micro_batch=plan["micro_batch_size"], zero=plan["zero"],
-                          sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"))
+                          sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"),
+                          chunks=plan.get("chunks", 1))
 
 
 def pipeline_searches(
