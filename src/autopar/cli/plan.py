@@ -226,15 +226,20 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         estimate_text(e),
         "",
     ]
-    if data.get("runners_up"):
-        rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
-                 str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
-                 f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
-                for r in data["runners_up"]]
-        lines += ["the best of other layouts the search priced", table(
-            ["pp", "dp x tp", "micro-batch", "ZeRO", "schedule", "recomputed", "iteration", "vs plan"], rows,
-            align="rlrrlrrr"), ""]
-    return "\n".join(lines + _comparison(data, out))
+    return "\n".join(lines + _runners_up(data) + _comparison(data, out))
+
+
+def _runners_up(data: dict[str, Any]) -> list[str]:
+    """The best of the other layouts the search priced, a line each, with how much slower each is."""
+    if not data.get("runners_up"):
+        return []
+    rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
+             str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
+             f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
+            for r in data["runners_up"]]
+    return ["the best of other layouts the search priced",
+            table(["pp", "dp x tp", "micro-batch", "ZeRO", "schedule", "recomputed", "iteration", "vs plan"], rows,
+                  align="rlrrlrrr"), ""]
 
 
 def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
@@ -279,14 +284,6 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         estimate_text(e),
         "",
     ]
-    if data.get("runners_up"):
-        rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
-                 str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
-                 f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
-                for r in data["runners_up"]]
-        lines += ["the best of other layouts the search priced", table(
-            ["pp", "dp x tp", "micro-batch", "ZeRO", "schedule", "recomputed", "iteration", "vs plan"], rows,
-            align="rlrrlrrr"), ""]
     return "\n".join(lines + _comparison(data, out))
 
 
