@@ -130,6 +130,7 @@ def test_the_check_names_the_first_mismatch() -> None:
 
 GPT4 = dict(GPT, layers=4)
 LLAMA4 = dict(LLAMA, layers=4)
+HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers
 
 
 @pytest.mark.slow
@@ -154,6 +155,21 @@ def test_pipelines_match_one_process_and_the_predicted_collectives(
                           chunks=chunks)
     data = _run(path, pp * tp * dp)
     assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "schedule"),
+    [("gpt3-125m", GPT4, "1f1b"), ("llama-7b", LLAMA4, "gpipe"), ("hf:llama-tiny", HF, "1f1b")],
+)
+def test_pipelines_under_zero_1_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, schedule
+) -> None:
+    """2 stages x dp 2, FSDP2 over dp inside each stage; the schedule reduce-scatters once a step."""
+    path = _pipeline_plan(tmp_path, name, overrides, tp=1, dp=2, pp=2, zero=1, schedule=schedule)
+    data = _run(path, 4)
+    kinds = {(row["kind"], row["axis"]) for row in data["check_comm"]["ranks"][0]["rows"]}
+    assert {("all_gather", "dp"), ("reduce_scatter", "dp"), ("send_recv", "pp")} <= kinds
 
 
 def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) -> None:
@@ -281,8 +297,6 @@ def test_dryrun_of_a_64_way_plan_for_a_billion_parameter_model(tmp_path, capsys,
     tp_rows = [r for r in out["rows"] if r["axis"] == "tp"]
     assert tp_rows and tp_rows[0]["counted"] == 24 * 4 * 2  # 24 layers, 4 all-reduces each, 2 micro-batches
 
-
-HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers
 
 
 @pytest.mark.slow

@@ -301,7 +301,8 @@ class PipelineModel:
             params += copy
             sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy)
             for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
-                nbytes = size * gradient_itemsize(self.dtype)
+                # (under ZeRO 1-3 each rank sums its own shard of them)
+                nbytes = size * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
                 sync += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
             uses.update(stage_uses)

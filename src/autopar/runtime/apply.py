@@ -125,9 +125,9 @@ def check_supported(plan: dict[str, Any]) -> None:
     if "stages" not in plan:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
     stages = plan["stages"]
-    if len(stages) > 1 and plan["zero"] != 0:
+    if len(stages) > 1 and plan["zero"] > 1:
         raise NotImplementedError(f"the plan pipelines over {len(stages)} stages under ZeRO {plan['zero']}; pipelines "
-                                  "run with ZeRO 0 only so far")
+                                  "run with ZeRO 0 and 1 so far (the schedule reduce-scatters once a step)")
     if plan.get("sp") and stages[0]["dp"] > 1 and plan["zero"] > 0:
         raise NotImplementedError(f"the plan combines sequence parallelism with ZeRO {plan['zero']}; it runs with "
                                   "ZeRO 0 only so far")
@@ -212,18 +212,28 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
 
     dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
     permutations: dict[str, torch.Tensor] = {}
-    dp_group = mesh.get_group("dp") if dp > 1 else None
+    sharded = plan["zero"] == 1 and dp > 1
+    dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
 
     def wrap(part: nn.Module) -> nn.Module:
         if tp > 1:
             permutations.update(_tensor_parallel(part, plan, mesh["tp"], model=model))
+        if sharded:  # ZeRO 1: FSDP2 keeping weights gathered; the schedule reduce-scatters after the last backward
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in part.layers.values() if hasattr(part, "layers") else part.model.layers.values():
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
         return part
 
-    parts, wrapped, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap, micro_batches=plan["micro_batches"])
+    wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,
+                                                       micro_batches=plan["micro_batches"])
     # one chunk: the stage itself; interleaved: the chunks side by side (parameter names gain "k.")
-    module = wrapped[0] if len(wrapped) == 1 else nn.ModuleDict({str(k): w for k, w in enumerate(wrapped)})
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    names = {name: canonical[id(p)] for name, p in module.named_parameters()}
+    if len(wrapped) == 1:
+        module, names = wrapped[0], part_names[0]
+    else:
+        module = nn.ModuleDict({str(k): w for k, w in enumerate(wrapped)})
+        names = {f"{k}.{name}": whole for k, chunk in enumerate(part_names) for name, whole in chunk.items()}
     return ParallelModel(
         module, plan["zero"], lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
         dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped,

@@ -159,15 +159,16 @@ class Pipeline:
         import torch.distributed as dist
 
         for param, group in self.tied:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+            if param.grad is not None:  # FSDP: each rank's shard, the same rows on both ends
+                grad = param.grad
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
 
 def build(
     model: nn.Module, plan: dict[str, Any], mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
-) -> tuple[list[StageModule], list[nn.Module], Pipeline, dict[str, str]]:
-    """This rank's stage modules (one, or one per chunk when interleaved; before and after ``wrap``, which applies
-    TP), its pipeline and the process-group names of the groups it made (for counting)."""
+) -> tuple[list[nn.Module], list[dict[str, str]], Pipeline, dict[str, str]]:
+    """This rank's stage modules (one, or one per chunk when interleaved) after ``wrap`` (TP, FSDP), each one's
+    parameter names in the whole model, its pipeline and the process-group names of the groups it made."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -181,6 +182,7 @@ def build(
     # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
     groups: dict[str, str] = {}
     tied = []
+    tied_group = None
     per_stage = mesh.size() // pp
     rank = dist.get_rank()
     if _tied_names(model, None):
@@ -188,10 +190,14 @@ def build(
             group = dist.new_group([offset, (pp - 1) * per_stage + offset])  # every rank takes part in creating it
             if rank % per_stage == offset and index in (0, pp - 1):
                 groups[group.group_name] = "pp"
-                for part in parts:
-                    params = dict(part.named_parameters())
-                    tied += [(params[name], group) for name in _tied_names(model, part) if name in params]
+                tied_group = group
+    shared = [(part, _tied_names(model, part)) for part in parts]
+    canonical = {id(p): name for name, p in model.named_parameters()}  # before wrapping replaces any parameter
+    names = [{name: canonical[id(p)] for name, p in part.named_parameters()} for part in parts]
     wrapped = [wrap(part) for part in parts]
+    for part, twins in shared:  # looked up after wrapping: FSDP replaces parameters with sharded ones
+        params = dict(part.named_parameters())
+        tied += [(params[name], tied_group) for name in twins if name in params]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     stages = [PipelineStage(w, v, virtual, device, group=mesh.get_group("pp")) for w, v in zip(wrapped, mine)]
     loss = shifted_lm_loss if parts[0].kind == "hf" else lm_loss
@@ -200,7 +206,7 @@ def build(
     else:
         schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
         schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
-    return parts, wrapped, Pipeline(index, pp, schedule, tied), groups
+    return wrapped, names, Pipeline(index, pp, schedule, tied), groups
 
 
 def _tied_names(model: nn.Module, part: nn.Module | None) -> list[str]:
