@@ -1,6 +1,6 @@
 """Apply a plan to a model with PyTorch's own distributed engine.
 
-Supported so far, for single-stage pipeline plans, on a (dp, tp) device mesh with tp innermost:
+On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
 
 - data parallelism: ZeRO 0 is `DistributedDataParallel` (25 MiB buckets, no buffer broadcasts, ``no_sync`` until
   the last micro-batch); ZeRO 1-3 are FSDP2 `fully_shard` on every repeated layer and then the root. ZeRO 1 and 2
@@ -9,14 +9,18 @@ Supported so far, for single-stage pipeline plans, on a (dp, tp) device mesh wit
 - Megatron tensor parallelism: `parallelize_module` with `ColwiseParallel` where the plan shards a weight's
   output features (``S(0)`` on tp) and `RowwiseParallel` where it shards input features (``S(1)``); attention runs on
   local tensors (CPU SDPA has no DTensor rule), so the zoo's fused QKV weight is permuted to hold each rank's
-  heads' q, k and v side by side and the module's head counts become per-rank counts;
+  heads' q, k and v side by side and the module's head counts become per-rank counts; with sequence parallelism
+  the norms run on sequence shards;
 - tp x dp: FSDP2 over dp for ZeRO 1-3; under ZeRO 0 (DDP does not take tensor-parallel parameters) the
   gradients are all-reduced over dp by hand after the last micro-batch, in DDP-sized buckets;
+- pipelines (`autopar.runtime.pipeline`): each rank keeps its stage's modules, TP inside, dp by hand (ZeRO 0) or
+  FSDP2 (ZeRO 1), GPipe, 1F1B or interleaved 1F1B;
 - recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
   ``selective``).
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Pipeline parallelism and intra-op (``ilp``) plans are refused with an error that says so.
+Intra-op (``ilp``) plans, pipelines under ZeRO 2-3 or with sequence parallelism are refused with an error that
+says so.
 """
 
 from __future__ import annotations
