@@ -97,6 +97,7 @@ def test_sequence_parallel_plans_match_one_process_and_the_predicted_collectives
     [
         ("gpt3-125m", GPT, 1, 2, 0, None),  # DDP
         ("llama-7b", LLAMA, 1, 2, 0, None),
+        ("llama-7b", LLAMA, 1, 2, 3, None),  # FSDP
         ("gpt3-125m", GPT, 1, 2, 1, None),  # FSDP2 keeping weights and whole gradients through the step
         ("llama-7b", LLAMA, 1, 2, 2, None),  # FSDP2 keeping weights, gradients reduce-scattered per micro-batch
         ("gpt3-125m", GPT, 2, 1, 0, None),  # fused QKV, tied head
