@@ -1,5 +1,6 @@
 """Pipeline planning (`autopar plan --search auto`): speed on the two large targets, and auto against the best
-Megatron-LM grid point under the same cost model across model families and cluster sizes.
+Megatron-LM grid point (interleaved points included) under the same cost model across model families and
+cluster sizes.
 
 Run: python bench/pipeline.py [--quick]. Each case runs in a fresh Python process: model build, one trace at batch 1,
 layer analysis, the Megatron grid, Aceso over every pipeline depth (30 s budget), and the DP/FSDP baselines.
@@ -37,6 +38,7 @@ print(json.dumps({
     "auto_fits": a.result.estimate.memory.fits, "grid_fits": g.result.estimate.memory.fits, "priced": a.evaluated,
     "pp": c.pp, "tps": sorted({s.tp for s in c.stages}), "uneven": len({s.end - s.start for s in c.stages}) > 1,
     "recomputed": sum(r != "none" for s in c.stages for r in s.recompute), "mfu": a.result.estimate.mfu,
+    "chunks": c.chunks,
 }))
 """
 
@@ -71,6 +73,7 @@ def main() -> None:
         label = name + (f" x{layers}" if layers else "")
         fits = "" if r["auto_fits"] else " n/fit"
         shape = (f"pp {r['pp']}, tp {'/'.join(map(str, r['tps']))}" + (", uneven stages" if r["uneven"] else "")
+                 + (f", interleaved x{r['chunks']}" if r["chunks"] > 1 else "")
                  + (f", {r['recomputed']} recomputed" if r["recomputed"] else "") + f", {r['priced']:,} priced")
         print(f"{label:16s} {gpus:5d} {batch:6d} {r['total_s']:7.1f} {r['auto_s']:10.3f} {r['grid_s']:10.3f} "
               f"{r['grid_s'] / r['auto_s']:9.3f} {r['mfu']:6.1%}  {shape}{fits}")

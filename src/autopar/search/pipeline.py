@@ -128,11 +128,13 @@ def megatron_grid(
     model: PipelineModel, *, global_batch: int, deadline: float = math.inf, evaluate: Evaluator | None = None
 ) -> Found | None:
     """The best Megatron-LM configuration: global tp x pp x dp, micro-batch per dp rank, uniform recomputation,
-    ZeRO 0 or 1 (the distributed optimizer), 1F1B, even stages."""
+    ZeRO 0 or 1 (the distributed optimizer), 1F1B, even stages; then each depth's best point interleaved (two
+    chunks per device), where the layers divide."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     devices = model.cluster.num_devices
     best: Found | None = None
     count = 0
+    per_depth: dict[int, PipelineConfig] = {}
     for pp in pipeline_depths(model, devices):
         for tp in tensor_parallel_sizes(model, devices // pp):
             dp = devices // pp // tp
@@ -150,9 +152,29 @@ def megatron_grid(
                     count += 1
                     if best is None or score(result) < best.score:
                         best = Found(config, result, count)
+                    if pp > 1 and (pp not in per_depth or score(result) < score(evaluate(per_depth[pp]))):
+                        per_depth[pp] = config
+    repeated = sum(1 for layer in model.layers if layer.repeated)
+    for pp, config in per_depth.items():
+        if repeated % (2 * pp) or time.perf_counter() > deadline:
+            continue
+        first = config.stages[0]
+        woven = PipelineConfig(
+            stages=even_stages(model, 2 * pp, tp=first.tp, dp=first.dp, recompute=_level(first)),
+            micro_batch=config.micro_batch, zero=config.zero, schedule="interleaved", chunks=2,
+        )
+        result = evaluate(woven)
+        count += 1
+        if best is None or score(result) < best.score:
+            best = Found(woven, result, count)
     if best is not None:
         best.evaluated = count
     return best
+
+
+def _level(stage: Stage) -> str:
+    """The uniform recomputation of a Megatron stage (its layers')."""
+    return next((level for level in stage.recompute if level != "none"), "none")
 
 
 # ---- Aceso -----------------------------------------------------------------------------------------------------
@@ -425,8 +447,11 @@ def auto(
     if progress and grid is not None:
         progress(f"Megatron grid: {grid.result.estimate.iteration_seconds:.3f} s per iteration")
     remaining = max(time_limit - (time.perf_counter() - start), 0.1)
+    # Aceso's primitives change one stage at a time: it climbs from the grid's best non-interleaved point
+    plain = [config for config in evaluate.cache if config.chunks == 1]
+    seed = min(plain, key=lambda config: score(evaluate.cache[config]), default=None)
     found = aceso(
-        model, global_batch=global_batch, time_limit=remaining, seeds=[grid.config] if grid else None,
+        model, global_batch=global_batch, time_limit=remaining, seeds=[seed] if seed is not None else None,
         evaluate=evaluate, progress=progress, should_stop=should_stop,
     )
     best = min((f for f in (found, grid) if f is not None), key=lambda f: f.score, default=None)
