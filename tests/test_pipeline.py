@@ -9,7 +9,7 @@ from autopar.cluster import load_cluster
 from autopar.cluster.spec import GIB
 from autopar.cost import ParallelConfig, estimate
 from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
-from autopar.search.pipeline import aceso, auto, even_stages, exhaustive, megatron_grid
+from autopar.search.pipeline import Evaluator, aceso, auto, even_stages, exhaustive, megatron_grid, score
 from autopar.zoo import load
 
 
@@ -63,6 +63,16 @@ def test_uneven_stages_and_bubble() -> None:
     assert u.estimate.bubble_seconds == pytest.approx(sum(times) - max(times))
     with pytest.raises(ValueError, match="contiguous"):
         PipelineConfig(stages=(Stage(start=0, end=3), Stage(start=4, end=rows)), micro_batch=2)
+
+
+def test_the_grid_prices_each_depths_best_point_interleaved() -> None:
+    model = _model("gpt3-350m", gpus=4, layers=8)
+    evaluate = Evaluator(model, global_batch=16)
+    best = megatron_grid(model, global_batch=16, evaluate=evaluate)
+    woven = [c for c in evaluate.cache if c.chunks == 2]
+    assert {c.pp for c in woven} == {2, 4}  # one per pipeline depth whose layers split into 2 x pp chunks
+    assert all(c.schedule == "interleaved" and len(c.stages) == 2 * c.pp for c in woven)
+    assert all(best.score <= score(evaluate(c)) for c in woven)  # the grid keeps the best of all it priced
 
 
 def test_interleaving_cuts_the_bubble_by_the_chunk_count_and_sends_more() -> None:
