@@ -97,7 +97,7 @@ def analyse(graph: Graph) -> list[LayerCost]:
         elif in_region:
             layer.sharded.add(node.id)
             open_region[node.id] = region
-    _gather_unclosed(graph, rows, open_region, closed)
+    _gather_unclosed(rows, open_region, closed)
     for layer in rows.values():
         split: set[str] = set()
         for node in layer.nodes:
@@ -155,9 +155,7 @@ def analyse(graph: Graph) -> list[LayerCost]:
     return list(rows.values())
 
 
-def _gather_unclosed(
-    graph: Graph, rows: dict[str, LayerCost], open_region: dict[int, frozenset[int]], closed: set[int]
-) -> None:
+def _gather_unclosed(rows: dict[str, LayerCost], open_region: dict[int, frozenset[int]], closed: set[int]) -> None:
     """Columns no row-parallel op consumed gather their output in the forward; what reads it runs replicated."""
     unclosed = {c for layer in rows.values() for c in layer.columns} - closed
     if not unclosed:

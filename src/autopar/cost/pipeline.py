@@ -9,14 +9,19 @@ linear in the batch, so a node costs its roofline time with its work scaled by `
 micro-batch, stage ``s`` takes ``t_s = f_s + b_s`` (compute, its TP communication, and the point-to-point sends to
 its neighbours); recomputation adds forward work to ``b_s``.
 
-    iteration = sum_s t_s + (m - 1) * max_s t_s + max_s sync_s
+    iteration = m * max_d T_d + (sum_d T_d - max_d T_d) / v + max_d sync_d
 
-for ``m`` micro-batches under 1F1B or GPipe: the first micro-batch crosses every stage (warm-up and cool-down), the
-rest stream at the pace of the slowest stage; ``bubble = sum_s t_s - max_s t_s``. Gradient synchronisation over each
-stage's dp axis (all-reduce, or reduce-scatter + all-gather under ZeRO 1-2, or per-micro-batch gathers under ZeRO 3)
-runs after the last backward, stages in parallel. Memory per stage: model states of its parameters split ``tp_s``
-ways (sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``, GPipe: ``m``),
-the largest temporary, the device reserve.
+for ``m`` micro-batches, ``T_d`` the time per micro-batch of device ``d`` (its stage's ``t_s``, or under
+interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise): the first
+micro-batch crosses every device (warm-up and cool-down, cut by ``v`` when interleaved), the rest stream at the
+pace of the slowest. Gradient synchronisation over each stage's dp axis runs after the last backward, stages in
+parallel, as `autopar.cost.memory.gradient_sync` counts it: DDP buckets under ZeRO 0, per FSDP unit (each repeated
+layer, and the stage's other parameters) under ZeRO 1-3. Memory per stage: model states of its parameters (what TP
+splits over ``tp_s``, sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``,
+GPipe: ``m``, interleaved: Megatron's warm-up count), the largest temporary, the device reserve.
+
+The collectives each stage's devices issue are counted per call (`StageReport.collectives`), the way the runtime
+issues them: ``autopar run --check-comm`` and ``autopar dryrun`` compare the two.
 
 Layer prices are cached by (layer signature, tp, samples per device, recompute, sp): repeated layers are priced
 once, so a configuration of a 1,000-layer model costs a sum over its layers, not a pass over its nodes.
@@ -236,11 +241,9 @@ class PipelineModel:
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
             layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, len(layer.nodes),
-            layer.saved_sharded,
-            layer.saved_replicated,
-            layer.attention_saved, layer.input_bytes, tuple(layer.row_outputs), tuple(layer.column_inputs),
-            tuple(layer.gathered_outputs), layer.sp_entry, tuple(layer.sp_gathers), layer.largest_output,
-            sum(n.flops_forward for n in layer.nodes),
+            layer.saved_sharded, layer.saved_replicated, layer.attention_saved, layer.input_bytes,
+            tuple(layer.row_outputs), tuple(layer.column_inputs), tuple(layer.gathered_outputs), layer.sp_entry,
+            tuple(layer.sp_gathers), layer.largest_output, sum(n.flops_forward for n in layer.nodes),
             sum(n.bytes_read + n.bytes_written for n in layer.nodes),
         )
 

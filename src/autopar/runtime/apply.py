@@ -44,7 +44,7 @@ class ParallelModel:
     make_optimizer: Callable[..., torch.optim.Optimizer]
     permutations: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> row order it is stored in
     axes: dict[str, str] = field(default_factory=dict)  # process-group name -> mesh axis, for counting
-    dp_group: Any = None  # set where gradients are all-reduced by hand (ZeRO 0 under tensor parallelism)
+    dp_group: Any = None  # set where gradients are all-reduced over dp by hand (`finish_backward`)
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
     names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
     chunks: list[nn.Module] = field(default_factory=list)  # an interleaved stage's chunks, synchronised one by one
@@ -68,8 +68,6 @@ class ParallelModel:
         in one all-reduce, then all-reduce gradients over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
         import torch.distributed as dist
 
-        from autopar.cost.memory import DDP_BUCKET_BYTES
-
         partial = [p for p in self.module.parameters() if p.grad is not None and hasattr(p.grad, "placements")
                    and any(pl.is_partial() for pl in p.grad.placements)]
         if partial:
@@ -86,16 +84,19 @@ class ParallelModel:
         if self.dp_group is None:
             return
         for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
-            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None], DDP_BUCKET_BYTES)
+            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
 
-    def _all_reduce_dp(self, grads: list[torch.Tensor], bucket: int) -> None:
+    def _all_reduce_dp(self, grads: list[torch.Tensor]) -> None:
+        """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices."""
         import torch.distributed as dist
+
+        from autopar.cost.memory import DDP_BUCKET_BYTES
 
         if not grads:
             return
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
-        step = max(1, bucket // flat.element_size())
+        step = max(1, DDP_BUCKET_BYTES // flat.element_size())
         for start in range(0, flat.numel(), step):
             dist.all_reduce(flat[start : start + step], group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)
@@ -115,12 +116,13 @@ class ParallelModel:
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
             grad = grad.detach().clone()
-            order = self.permutations.get(self.names.get(name, name))
+            whole = self.names.get(name, name)  # its name in the whole model
+            order = self.permutations.get(whole)
             if order is not None:  # back to the model's own row order
                 restored = torch.empty_like(grad)
                 restored[order] = grad
                 grad = restored
-            grads.setdefault(self.names.get(name, name), grad)
+            grads.setdefault(whole, grad)
         return grads
 
 
@@ -374,20 +376,14 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any]) -> 
     for fqn, norm in module.named_modules():
         if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")):
             styles[fqn] = SequenceParallel()
-    stacks = [m for name, m in module.named_modules()
-              if name.rpartition(".")[2] == "layers" and isinstance(m, (nn.ModuleList, nn.ModuleDict))]
-    if stacks and len(stacks[0]) and _holds_first_layer(stacks[0]):
-        first = stacks[0][0] if isinstance(stacks[0], nn.ModuleList) else next(iter(stacks[0].values()))
-        _relayout_input(first, mesh, Replicate(), Shard(1), local=True)
+    stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] == "layers"
+              and isinstance(m, nn.ModuleList)]  # pipelines (whose stages hold a ModuleDict) run without SP
+    if stacks and len(stacks[0]):
+        _relayout_input(stacks[0][0], mesh, Replicate(), Shard(1), local=True)
     for name in ("head", "lm_head"):
         head = dict(module.named_children()).get(name)
         if head is not None and name not in styles:  # kept whole (tied): gather the sequence first
             _relayout_input(head, mesh, Shard(1), Replicate(), local=True)
-
-
-def _holds_first_layer(stack: nn.Module) -> bool:
-    """A pipeline stage's layers may start anywhere; the stream is scattered where layer 0 runs."""
-    return isinstance(stack, nn.ModuleList) or "0" in stack
 
 
 def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:

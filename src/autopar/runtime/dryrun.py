@@ -71,18 +71,13 @@ def _materialise(module: torch.nn.Module) -> None:
 
 
 def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *, dp: int) -> None:  # noqa: ANN001
-    """One training step of rank 0 (data-parallel coordinate 0), losses left unread (they are fake)."""
+    """One training step of rank 0 (data-parallel coordinate 0) of a single-stage plan, losses left unread (they
+    are fake)."""
     share = work.micro_batch // dp
     m = work.micro_batches
-    if parallel.pipeline is not None:
-        rows = torch.cat([torch.arange(share) + k * work.micro_batch for k in range(m)])
-        parallel.pipeline.schedule.step(batch["input_ids"][rows])
-    else:
-        for k in range(m):
-            inputs = {key: value[k * work.micro_batch : k * work.micro_batch + share] for key, value in batch.items()}
-            with parallel.micro_batch(k, m):
-                (loss_of(parallel.module(**inputs)) / m).backward()
+    for k in range(m):
+        inputs = {key: value[k * work.micro_batch : k * work.micro_batch + share] for key, value in batch.items()}
+        with parallel.micro_batch(k, m):
+            (loss_of(parallel.module(**inputs)) / m).backward()
     parallel.finish_backward()
-    if parallel.pipeline is not None:
-        parallel.pipeline.sync_tied()
     optimizer.step()
