@@ -37,7 +37,9 @@ print(json.dumps({
     "total_s": total, "build_s": build, "auto_s": a.result.estimate.iteration_seconds, "grid_s": g.result.estimate.iteration_seconds,
     "auto_fits": a.result.estimate.memory.fits, "grid_fits": g.result.estimate.memory.fits, "priced": a.evaluated,
     "pp": c.pp, "tps": sorted({s.tp for s in c.stages}), "uneven": len({s.end - s.start for s in c.stages}) > 1,
-    "recomputed": sum(r != "none" for s in c.stages for r in s.recompute), "mfu": a.result.estimate.mfu,
+    "recomputed": sum(len({r for r in range(s.start, s.end) if s.recompute_of(r) != "none"}.union(
+        *(range(x, y) for x, y in s.segments))) for s in c.stages),
+    "runs": sum(len(s.segments) for s in c.stages), "mfu": a.result.estimate.mfu,
     "chunks": c.chunks,
 }))
 """
@@ -74,7 +76,8 @@ def main() -> None:
         fits = "" if r["auto_fits"] else " n/fit"
         shape = (f"pp {r['pp']}, tp {'/'.join(map(str, r['tps']))}" + (", uneven stages" if r["uneven"] else "")
                  + (f", interleaved x{r['chunks']}" if r["chunks"] > 1 else "")
-                 + (f", {r['recomputed']} recomputed" if r["recomputed"] else "") + f", {r['priced']:,} priced")
+                 + (f", {r['recomputed']} recomputed" if r["recomputed"] else "")
+                 + (f" ({r['runs']} checkpointed runs)" if r["runs"] else "") + f", {r['priced']:,} priced")
         print(f"{label:16s} {gpus:5d} {batch:6d} {r['total_s']:7.1f} {r['auto_s']:10.3f} {r['grid_s']:10.3f} "
               f"{r['grid_s'] / r['auto_s']:9.3f} {r['mfu']:6.1%}  {shape}{fits}")
 

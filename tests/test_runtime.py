@@ -43,7 +43,7 @@ def _run(path, nproc: int) -> dict:
 
 def _pipeline_plan(
     tmp_path, name: str, overrides: dict, *, tp: int, dp: int, zero: int = 0, recompute: dict | None = None,
-    pp: int = 1, schedule: str = "1f1b", sp: bool = False, chunks: int = 1,
+    pp: int = 1, schedule: str = "1f1b", sp: bool = False, chunks: int = 1, segments: list | None = None,
 ) -> str:
     """A plan with chosen pp x dp x tp (even stages), built with the planner's own functions."""
     from autopar.capture import trace
@@ -63,6 +63,7 @@ def _pipeline_plan(
     plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": batch, "dtype": "fp32"}
     for stage in plan["stages"]:
         stage["recompute"] = {k: v for k, v in (recompute or {}).items() if k in stage["layers"]}
+        stage["segments"] = [s for s in segments or () if s[0] in stage["layers"]]
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"plan": plan, "estimate": found.result.estimate.to_dict()}))
     return str(path)
@@ -132,6 +133,31 @@ def test_the_check_names_the_first_mismatch() -> None:
 GPT4 = dict(GPT, layers=4)
 LLAMA4 = dict(LLAMA, layers=4)
 HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers
+
+
+NESTED = [["layers.0", "layers.3"], ["layers.0", "layers.1"]]  # a run inside a run; layer 3 replays last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "pp", "tp", "dp", "zero", "recompute", "segments"),
+    [
+        ("gpt3-125m", GPT4, 1, 2, 1, 0, {"layers.2": "full"}, NESTED),
+        ("llama-7b", LLAMA4, 1, 2, 1, 0, {"layers.3": "full"}, [["layers.1", "layers.3"]]),  # ends in a checkpoint
+        ("gpt3-125m", GPT4, 1, 1, 2, 3, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # FSDP
+        ("llama-7b", LLAMA4, 1, 2, 2, 1, None, NESTED),  # TP x FSDP2
+        ("hf:llama-tiny", HF, 1, 2, 1, 0, None, [["model.layers.0", "model.layers.2"]]),
+        ("gpt3-125m", GPT4, 2, 2, 1, 0, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # per stage
+    ],
+)
+def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, pp, tp, dp, zero, recompute, segments
+) -> None:
+    """Runs of layers checkpointed together, nested or not (the rotor programme's plans): the replayed collectives
+    are the ones the cost model predicts."""
+    path = _pipeline_plan(tmp_path, name, overrides, pp=pp, tp=tp, dp=dp, zero=zero, recompute=recompute,
+                          segments=segments, schedule="gpipe")
+    _run(path, pp * tp * dp)
 
 
 @pytest.mark.slow

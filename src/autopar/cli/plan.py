@@ -195,7 +195,7 @@ def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     return {
         "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage
         "micro_batch_size": c.micro_batch, "zero": c.zero,
-        "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(r != "none" for s in c.stages for r in s.recompute),
+        "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(_recomputed(s) for s in c.stages),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
         "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
     }
@@ -210,6 +210,9 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         recompute = ", ".join(f"{n}:{v[0]}" for n, v in list(stage["recompute"].items())[:3])
         if len(stage["recompute"]) > 3:
             recompute += f" (+{len(stage['recompute']) - 3} more)"
+        segments = stage.get("segments", [])
+        if segments:  # runs checkpointed together: the outermost spans
+            recompute = ", ".join(filter(None, [recompute, _count(len(segments), "checkpointed run")]))
         rows.append([str(k), span, f"{stage['dp']} x {stage['tp']}", f"{stage['seconds_per_micro_batch'] * 1e3:.1f} ms",
                      binary_bytes(stage["memory"]["total"]), recompute or "-"])
     lines = [
@@ -285,6 +288,12 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
     ]
     return "\n".join(lines + _comparison(data, out))
+
+
+def _recomputed(stage: Any) -> int:
+    """Rows of a stage recomputed in any way: a level other than none, or inside a checkpointed run."""
+    rows = {r for r in range(stage.start, stage.end) if stage.recompute_of(r) != "none"}
+    return len(rows.union(*(range(a, b) for a, b in stage.segments)))
 
 
 def _count(n: int, noun: str) -> str:

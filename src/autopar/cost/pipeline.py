@@ -36,6 +36,7 @@ from functools import cached_property
 
 from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
+from autopar.cost.checkpoint import check_segments, segment_costs
 from autopar.cost.compute import node_seconds
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import ddp_buckets, gradient_itemsize, gradient_sync, model_states
@@ -54,6 +55,10 @@ class LayerPrice:
     temporary: float
     params: float  # parameters on one device: what TP splits divided by tp, the rest whole
     collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes, calls) on the tp axis per micro-batch
+    # the forward's collectives alone (what a recomputing segment replays), and its last one, which a segment
+    # ending in this layer does not replay (checkpointing stops once it has every saved tensor)
+    forward_collectives: tuple[tuple[str, float, int], ...] = ()
+    tail: tuple[str, float, float] | None = None  # (kind, bytes, seconds)
 
 
 def price_layer(
@@ -67,6 +72,7 @@ def price_layer(
         forward += node_seconds(node, device, backward=False, shard=shard)
         backward += node_seconds(node, device, backward=True, shard=shard)
     calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
+    tail = None
     if tp > 1:
         for nbytes in layer.row_outputs:
             calls += [(Collective.REDUCE_SCATTER, nbytes * scale, "f"), (Collective.ALL_GATHER, nbytes * scale, "b")] \
@@ -80,6 +86,9 @@ def price_layer(
                 calls.append((Collective.ALL_GATHER, layer.sp_entry * scale, "b"))
             # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
             calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.sp_gathers]
+        if layer.row_outputs:
+            tail = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "f")
+    forward_calls = Counter((kind.value, nbytes) for kind, nbytes, phase in calls if phase == "f")
     saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
     temporary = layer.largest_output / tp * scale
     if layer.repeated and recompute == "full":
@@ -88,9 +97,8 @@ def price_layer(
         # stops recomputing once it has every saved tensor, and the layer's output (the final row-parallel
         # reduction, read by the residual add only) is not one of them
         replay = [(kind, nbytes, "b") for kind, nbytes, phase in calls if phase == "f"]
-        if tp > 1 and layer.row_outputs:
-            last = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "b")
-            replay.remove(last)
+        if tail is not None:
+            replay.remove((tail[0], tail[1], "b"))
         calls += replay
         temporary = max(temporary, saved)  # one layer's activations live again during its recompute
         saved = layer.input_bytes / (tp if sp else 1) * scale
@@ -107,6 +115,8 @@ def price_layer(
         forward=forward, backward=backward, comm_forward=comm["f"], comm_backward=comm["b"], activations=saved,
         temporary=temporary, params=device_params(layer, tp),
         collectives=tuple((k, b, c) for (k, b), c in counted.items()),
+        forward_collectives=tuple((k, b, c) for (k, b), c in forward_calls.items()),
+        tail=None if tail is None else (tail[0].value, tail[1], tp_seconds(tail[0], tail[1])),
     )
 
 
@@ -122,6 +132,9 @@ class Stage:
     tp: int = 1
     dp: int = 1
     recompute: tuple[str, ...] = ()  # per row of the stage; empty: "none" everywhere
+    # checkpointed runs of two or more rows, [start, end) each, nested or disjoint (`cost.checkpoint`); a run keeps
+    # only its input and replays its forward in the backward. Rows inside one are "none" or "full" (a one-row run)
+    segments: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -133,6 +146,8 @@ class Stage:
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
+        if self.segments:
+            check_segments(self.segments, self.start, self.end, self.recompute_of)
 
     def recompute_of(self, row: int) -> str:
         return self.recompute[row - self.start] if self.recompute else "none"
@@ -280,15 +295,24 @@ class PipelineModel:
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
             stage_uses: Counter[tuple[str, str, float]] = Counter()
+            samples = config.micro_batch / stage.dp
             for row in range(stage.start, stage.end):
-                price = self.price(row, tp=stage.tp, samples=config.micro_batch / stage.dp,
-                                   recompute=stage.recompute_of(row), sp=config.sp, mesh=mesh)
+                price = self.price(row, tp=stage.tp, samples=samples, recompute=stage.recompute_of(row),
+                                   sp=config.sp, mesh=mesh)
                 fwd, bwd = fwd + price.forward, bwd + price.backward
                 comm += price.comm_forward + price.comm_backward
                 saved += price.activations
                 temp = max(temp, price.temporary)
                 params += price.params
                 for kind, nbytes, calls in price.collectives:
+                    stage_uses[(kind, "tp", nbytes)] += calls * m
+            if stage.segments:
+                extra = segment_costs(stage, lambda row, level: self.price(
+                    row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh))
+                bwd, comm = bwd + extra.backward, comm + extra.comm
+                saved += extra.kept
+                temp = max(temp, extra.transient)
+                for (kind, nbytes), calls in extra.collectives.items():
                     stage_uses[(kind, "tp", nbytes)] += calls * m
             if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch

@@ -165,6 +165,7 @@ def parallelize(
     zero = plan["zero"]
     for stage in stages:
         recompute(model, stage.get("recompute", {}))
+    checkpoint_segments(model, [segment for stage in stages for segment in stage.get("segments", [])])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ("pp", "dp", "tp") if pp > 1 else ("dp", "tp")
     shape = (pp, dp, tp) if pp > 1 else (dp, tp)
@@ -189,7 +190,7 @@ def parallelize(
     if zero > 0:  # FSDP2 per repeated layer, then the rest; ZeRO 1-2 keep weights gathered through the step
         from torch.distributed.fsdp import fully_shard
 
-        layers = list(units) or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        layers = list(units) or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()]
         for layer in layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=zero == 3)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False if zero < 3 else None)
@@ -227,7 +228,7 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
         if sharded:  # ZeRO 1: FSDP2 keeping weights gathered; the schedule reduce-scatters after the last backward
             from torch.distributed.fsdp import fully_shard
 
-            for layer in part.layers.values() if hasattr(part, "layers") else part.model.layers.values():
+            for layer in (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values():
                 fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
             fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
         return part
@@ -426,6 +427,86 @@ def recompute(model: nn.Module, levels: dict[str, str]) -> None:
                 core.recompute_core = True
         else:
             raise ValueError(f"unknown recomputation {level!r} for {name!r}")
+
+
+def checkpoint_segments(model: nn.Module, segments: list[list[str]]) -> None:
+    """Apply the plan's checkpointed segments: each ``[first, last]`` run of layers of one ``nn.ModuleList`` runs
+    as one checkpoint, keeping only its input; runs may nest (`autopar.cost.checkpoint`). The model's own loop over
+    the list then meets a run as one callable. Parameter names do not change."""
+    modules = dict(model.named_modules())
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for first, last in segments:
+        (head, _, a), (other, _, b) = first.rpartition("."), last.rpartition(".")
+        container = modules.get(head)
+        if head != other or not isinstance(container, nn.ModuleList) or not (a.isdigit() and b.isdigit()) \
+                or not int(a) < int(b) < len(container):
+            raise ValueError(f"the plan checkpoints {first!r}..{last!r} together: a segment must be two or more "
+                             "layers of one nn.ModuleList of the model, first to last")
+        spans.setdefault(head, []).append((int(a), int(b) + 1))
+    for head, found in spans.items():
+        segment_layers(modules[head], found)
+
+
+class _Run:
+    """Layers called one after another as one checkpoint (only the input kept; the forward replays in the
+    backward); an item may be a nested run. Attributes the model's loop reads come from the first layer."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __call__(self, x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._run, x, *args, use_reentrant=False, **kwargs)
+
+    def _run(self, x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        for item in self.items:
+            x = item(x, *args, **kwargs)
+        return x
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if name == "items":
+            raise AttributeError(name)
+        return getattr(self.items[0], name)
+
+
+class _SegmentedList(nn.ModuleList):
+    """A ModuleList that iterates its layers with checkpointed runs in place of their layers."""
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self._autopar_runs)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204
+        if isinstance(index, slice) and range(len(self))[index] == range(len(self)):
+            return self  # a model that loops over layers[: n] with n all of them
+        if isinstance(index, slice):
+            raise NotImplementedError("a model slicing its checkpointed layer list cannot run segments")
+        return super().__getitem__(index)
+
+
+class _SegmentedDict(nn.ModuleDict):
+    """A ModuleDict (a pipeline stage's layers, keyed by their index in the model) iterated the same way."""
+
+    def values(self):  # noqa: ANN201
+        return iter(self._autopar_runs)
+
+
+def segment_layers(container: nn.Module, spans: list[tuple[int, int]]) -> None:
+    """Make ``container`` (a ModuleList, or a ModuleDict keyed by layer index) iterate with the runs ``spans``
+    (``[start, end)`` layer indices, nested or disjoint) checkpointed."""
+    from autopar.cost.checkpoint import Segment, nest
+
+    keys = {int(k): layer for k, layer in container._modules.items()}
+    start, end = min(keys), max(keys) + 1
+
+    def items(children) -> list:  # noqa: ANN001
+        return [keys[c] if isinstance(c, int) else _Run(items(c.children)) for c in children]
+
+    children = nest(start, end, [(a, b) for a, b in spans if start <= a and b <= end])
+    if any(isinstance(c, Segment) for c in children):
+        container.__class__ = _SegmentedDict if isinstance(container, nn.ModuleDict) else _SegmentedList
+        container._autopar_runs = items(children)
+        container._autopar_spans = list(spans)
 
 
 def _checkpointed(checkpoint, forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202

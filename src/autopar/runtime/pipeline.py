@@ -39,6 +39,10 @@ class StageModule(nn.Module):
         self.first, self.last = first, last
         stack = _layers(model)
         chosen = nn.ModuleDict({str(i): stack[i] for i in layers})
+        if getattr(stack, "_autopar_spans", None):  # the plan's checkpointed runs, those inside this stage
+            from autopar.runtime.apply import segment_layers
+
+            segment_layers(chosen, stack._autopar_spans)
         if self.kind == "hf":
             inner = nn.Module()  # `model.` prefix kept, so parameter names match the whole model's
             inner.layers = chosen

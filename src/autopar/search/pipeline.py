@@ -16,8 +16,12 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
    can open a better one); the first configuration better than the current one becomes current, and the search
    repeats from step 2; visited configurations are never priced twice;
 5. stop when no configuration within ``max_hops`` improves, or the time budget ends (the best so far is kept);
-6. choose every stage's recomputation exactly for the configuration found (`search.recompute`: a knapsack per
-   stage over none / selective / full per layer) and keep it if it is faster.
+   with the depth's time left, climb again from its best, and where relieving the bottleneck does not pay, try
+   the next worst stages in turn (Aceso's secondary bottlenecks, up to ``secondary`` of them): this only ever
+   improves on the plain climb, which keeps its whole share of the time;
+6. choose every stage's recomputation exactly for the configuration found and keep it if it is faster: per stage
+   the faster of a knapsack over none / selective / full per layer (`search.recompute`) and the rotor programme
+   with communication terms, which also checkpoints runs of layers together (`search.rotor`, MAP §5.2).
 
 Depths are searched one after another, each with an equal share of the budget; the best over depths wins.
 """
@@ -222,16 +226,19 @@ def _balance(model: PipelineModel, stages: tuple[Stage, ...], micro: int) -> tup
     return tuple(Stage(start=a, end=b, tp=tp, dp=dp, recompute=("none",) * (b - a)) for a, b in zip(cuts, cuts[1:]))
 
 
-def _bottleneck(result: PipelineEstimate) -> int:
+def _bottlenecks(result: PipelineEstimate) -> list[int]:
+    """Stages worst first: those over their memory (most over first), then the rest slowest first. The first is
+    the bottleneck; the others are the secondary bottlenecks tried when relieving it does not pay."""
     reports = result.stages
     over = [r.memory.total / r.memory.budget for r in reports]
-    if max(over) > 1:
-        return max(range(len(reports)), key=lambda i: over[i])
-    return max(range(len(reports)), key=lambda i: reports[i].seconds)
+    return sorted(range(len(reports)), key=lambda i: (over[i] <= 1, -over[i] if over[i] > 1 else -reports[i].seconds))
 
 
 def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_batch: int) -> Iterator[PipelineConfig]:
-    """Every single reconfiguration of ``stage`` (and the global micro-batch and ZeRO stage) that is valid."""
+    """Every single reconfiguration of ``stage`` (and the global micro-batch and ZeRO stage) that is valid.
+    Checkpointed runs are dropped: the rotor programme chooses them again for the configuration found."""
+    if any(s.segments for s in config.stages):
+        config = replace(config, stages=tuple(replace(s, segments=()) for s in config.stages))
     stages = list(config.stages)
     s = stages[stage]
     # op#: hand a row to a neighbour
@@ -299,6 +306,7 @@ def aceso(
     time_limit: float = 30.0,
     max_hops: int = 3,
     beam: int = 4,
+    secondary: int = 3,
     depths: list[int] | None = None,
     seeds: list[PipelineConfig] | None = None,
     evaluate: Evaluator | None = None,
@@ -325,7 +333,13 @@ def aceso(
             evaluated += count
             if found is None or climbed.score < found.score:
                 found = climbed
-        # the exact per-stage recomputation (a knapsack per stage) on the depth's best configuration
+        if time.perf_counter() < deadline and not should_stop():  # the depth's time left: secondary bottlenecks
+            climbed, count = _climb(model, found.config, evaluate, global_batch, deadline, max_hops, beam,
+                                    should_stop, secondary=secondary)
+            evaluated += count
+            if climbed.score < found.score:
+                found = climbed
+        # the exact per-stage recomputation on the depth's best configuration
         tuned = with_optimal_recompute(model, found.config, global_batch=global_batch)
         if tuned != found.config:
             result = evaluate(tuned)
@@ -346,41 +360,58 @@ def aceso(
 
 def _climb(
     model: PipelineModel, start: PipelineConfig, evaluate: Evaluator, global_batch: int, deadline: float,
-    max_hops: int, beam: int, should_stop: Callable[[], bool],
+    max_hops: int, beam: int, should_stop: Callable[[], bool], *, secondary: int = 0,
 ) -> tuple[Found, int]:
+    """Relieve the bottleneck until no sequence of up to ``max_hops`` primitives improves; with ``secondary`` > 0,
+    the next ``secondary`` bottlenecks are tried in turn before giving up (Aceso's secondary bottlenecks)."""
     current, current_score = start, score(evaluate(start))
     visited = {start}
     count = 1
     while time.perf_counter() < deadline and not should_stop():
-        frontier = [current]
-        improved = False
-        for _ in range(max_hops):
-            scored: list[tuple[Score, PipelineConfig]] = []
-            for config in frontier:
-                result = evaluate(config)
-                for candidate in primitives(model, config, _bottleneck(result), global_batch):
-                    if candidate in visited:
-                        continue
-                    visited.add(candidate)
-                    try:
-                        candidate_result = evaluate(candidate)
-                    except ValueError:  # e.g. a micro-batch that no longer splits: not a configuration
-                        continue
-                    count += 1
-                    scored.append((score(candidate_result), candidate))
-            if not scored:
-                break
-            scored.sort(key=lambda x: x[0])
-            if scored[0][0] < current_score:
-                current, current_score = scored[0][1], scored[0][0]
-                improved = True
-                break
-            frontier = [c for _, c in scored[:beam]]
-            if time.perf_counter() > deadline:
+        for rank in range(secondary + 1):
+            improved, current, current_score, tried = _hops(
+                model, current, current_score, rank, evaluate, global_batch, deadline, max_hops, beam, visited)
+            count += tried
+            if improved or time.perf_counter() > deadline:
                 break
         if not improved:
             break
     return Found(current, evaluate(current), count), count
+
+
+def _hops(
+    model: PipelineModel, current: PipelineConfig, current_score: Score, rank: int, evaluate: Evaluator,
+    global_batch: int, deadline: float, max_hops: int, beam: int, visited: set,
+) -> tuple[bool, PipelineConfig, Score, int]:
+    """One multi-hop search from ``current`` on each configuration's ``rank``-th bottleneck: the first
+    configuration better than ``current`` within ``max_hops`` primitives, keeping the ``beam`` best per hop."""
+    frontier = [current]
+    count = 0
+    for _ in range(max_hops):
+        scored: list[tuple[Score, PipelineConfig]] = []
+        for config in frontier:
+            ranked = _bottlenecks(evaluate(config))
+            if rank >= len(ranked):
+                continue
+            for candidate in primitives(model, config, ranked[rank], global_batch):
+                if candidate in visited:
+                    continue
+                visited.add(candidate)
+                try:
+                    candidate_result = evaluate(candidate)
+                except ValueError:  # e.g. a micro-batch that no longer splits: not a configuration
+                    continue
+                count += 1
+                scored.append((score(candidate_result), candidate))
+        if not scored:
+            break
+        scored.sort(key=lambda x: x[0])
+        if scored[0][0] < current_score:
+            return True, scored[0][1], scored[0][0], count
+        frontier = [c for _, c in scored[:beam]]
+        if time.perf_counter() > deadline:
+            break
+    return False, current, current_score, count
 
 
 # ---- exhaustive ------------------------------------------------------------------------------------------------
@@ -504,6 +535,8 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
                     for r, row in zip(range(stage.start, stage.end), rows)
                     if stage.recompute_of(r) != "none"
                 },
+                # runs of layers checkpointed together (first, last), nested or disjoint
+                "segments": [[model.layers[a].name, model.layers[b - 1].name] for a, b in stage.segments],
                 "seconds_per_micro_batch": report.seconds,
                 "memory": report.memory.to_dict(),
             }
@@ -555,7 +588,14 @@ def config_of(model: PipelineModel, plan: dict) -> PipelineConfig:
         if sorted(rows) != list(range(start, end)):
             raise ValueError(f"stage {number}'s layers are not contiguous in the model: {entry['layers']}")
         levels = tuple(entry.get("recompute", {}).get(model.layers[r].name, "none") for r in range(start, end))
-        stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels))
+        segments = []
+        for first, last in entry.get("segments", []):
+            if first not in index or last not in index:
+                raise ValueError(f"stage {number} of the plan checkpoints {first!r}..{last!r}, which the model does "
+                                 "not have")
+            segments.append((index[first], index[last] + 1))
+        stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels,
+                            segments=tuple(segments)))
     return PipelineConfig(stages=tuple(stages), micro_batch=plan["micro_batch_size"], zero=plan["zero"],
                           sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"),
                           chunks=plan.get("chunks", 1))

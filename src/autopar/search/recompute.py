@@ -84,14 +84,31 @@ def optimal_recompute(
         levels[row] = level
         b -= math.ceil(prices[(row, level)].activations / unit - 1e-9) if unit > 0 else 0
     recompute = tuple(levels.get(row, "none") for row in rows)
-    return replace(stage, recompute=recompute)
+    return replace(stage, recompute=recompute, segments=())
 
 
 def with_optimal_recompute(model: PipelineModel, config: PipelineConfig, *, global_batch: int) -> PipelineConfig:
-    """Every stage's recomputation chosen by `optimal_recompute` (stages where nothing fits are left as they are)."""
+    """Every stage's recomputation chosen by `optimal_recompute` and by the rotor programme
+    (`search.rotor`), whichever the cost model prices faster for the stage (stages where nothing fits are left as
+    they are). Rotor runs only where the knapsack recomputes something: with nothing recomputed a stage is as fast
+    as it can be."""
+    from autopar.search.rotor import rotor_recompute
+
     stages = list(config.stages)
     for index in range(len(stages)):
-        chosen = optimal_recompute(model, replace(config, stages=tuple(stages)), index, global_batch=global_batch)
+        current = replace(config, stages=tuple(stages))
+        chosen = optimal_recompute(model, current, index, global_batch=global_batch)
+        if chosen is None or any(level != "none" for level in chosen.recompute):
+            candidates = [s for s in (chosen, rotor_recompute(model, current, index, global_batch=global_batch))
+                          if s is not None]
+            chosen = min(candidates, key=lambda s: _stage_score(model, current, index, s, global_batch), default=None)
         if chosen is not None:
             stages[index] = chosen
     return replace(config, stages=tuple(stages))
+
+
+def _stage_score(model: PipelineModel, config: PipelineConfig, index: int, stage: Stage, global_batch: int):  # noqa: ANN202
+    stages = list(config.stages)
+    stages[index] = stage
+    report = model.estimate(replace(config, stages=tuple(stages)), global_batch=global_batch).stages[index]
+    return (not report.memory.fits, report.seconds if report.memory.fits else report.memory.total)
