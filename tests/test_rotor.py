@@ -118,12 +118,15 @@ def test_rotor_fits_where_per_layer_recomputation_cannot_and_is_never_slower() -
     assert result.estimate.memory.fits
     tuned = with_optimal_recompute(model, base, global_batch=32)
     assert tuned.stages[0].segments  # the planner keeps the plan that fits
-    roomy = _model("gpt3-350m", gpus=2, memory_gib=8, layers=8)
-    knapsack = optimal_recompute(roomy, base, 0, global_batch=32)
-    rotor = rotor_recompute(roomy, base, 0, global_batch=32)
-    seconds = [roomy.estimate(dataclasses.replace(base, stages=(s,)), global_batch=32).stages[0].seconds
-               for s in (knapsack, rotor)]
-    assert seconds[1] <= seconds[0] * 1.001
+    for gib in (6.5, 7, 8, 10):  # per layer, rotor can choose what the knapsack does: it is never slower
+        roomy = _model("gpt3-350m", gpus=2, memory_gib=gib, layers=8)
+        knapsack = optimal_recompute(roomy, base, 0, global_batch=32)
+        rotor = rotor_recompute(roomy, base, 0, global_batch=32)
+        assert rotor is not None
+        results = [roomy.estimate(dataclasses.replace(base, stages=(s,)), global_batch=32).stages[0]
+                   for s in (knapsack, rotor) if s is not None]
+        assert results[-1].memory.fits
+        assert results[-1].seconds <= results[0].seconds * 1.001
 
 
 def test_plans_carry_segments_to_the_runtime_and_back() -> None:

@@ -140,22 +140,23 @@ NESTED = [["layers.0", "layers.3"], ["layers.0", "layers.1"]]  # a run inside a 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "overrides", "pp", "tp", "dp", "zero", "recompute", "segments"),
+    ("name", "overrides", "pp", "tp", "dp", "zero", "sp", "recompute", "segments"),
     [
-        ("gpt3-125m", GPT4, 1, 2, 1, 0, {"layers.2": "full"}, NESTED),
-        ("llama-7b", LLAMA4, 1, 2, 1, 0, {"layers.3": "full"}, [["layers.1", "layers.3"]]),  # ends in a checkpoint
-        ("gpt3-125m", GPT4, 1, 1, 2, 3, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # FSDP
-        ("llama-7b", LLAMA4, 1, 2, 2, 1, None, NESTED),  # TP x FSDP2
-        ("hf:llama-tiny", HF, 1, 2, 1, 0, None, [["model.layers.0", "model.layers.2"]]),
-        ("gpt3-125m", GPT4, 2, 2, 1, 0, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # per stage
+        ("gpt3-125m", GPT4, 1, 2, 1, 0, False, {"layers.2": "full"}, NESTED),
+        ("llama-7b", LLAMA4, 1, 2, 1, 0, False, {"layers.3": "full"}, [["layers.1", "layers.3"]]),  # ends nested
+        ("gpt3-125m", GPT4, 1, 1, 2, 3, False, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # FSDP
+        ("llama-7b", LLAMA4, 1, 2, 2, 1, False, None, NESTED),  # TP x FSDP2
+        ("hf:llama-tiny", HF, 1, 2, 1, 0, False, None, [["model.layers.0", "model.layers.2"]]),
+        ("gpt3-125m", GPT4, 2, 2, 1, 0, False, None, [["layers.0", "layers.1"], ["layers.2", "layers.3"]]),  # pp
+        ("gpt3-125m", GPT4, 1, 2, 1, 0, True, {"layers.2": "full"}, NESTED),  # sequence parallelism
     ],
 )
 def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
-    tmp_path, name, overrides, pp, tp, dp, zero, recompute, segments
+    tmp_path, name, overrides, pp, tp, dp, zero, sp, recompute, segments
 ) -> None:
     """Runs of layers checkpointed together, nested or not (the rotor programme's plans): the replayed collectives
     are the ones the cost model predicts."""
-    path = _pipeline_plan(tmp_path, name, overrides, pp=pp, tp=tp, dp=dp, zero=zero, recompute=recompute,
+    path = _pipeline_plan(tmp_path, name, overrides, pp=pp, tp=tp, dp=dp, zero=zero, sp=sp, recompute=recompute,
                           segments=segments, schedule="gpipe")
     _run(path, pp * tp * dp)
 

@@ -190,7 +190,9 @@ def parallelize(
     if zero > 0:  # FSDP2 per repeated layer, then the rest; ZeRO 1-2 keep weights gathered through the step
         from torch.distributed.fsdp import fully_shard
 
-        layers = list(units) or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()]
+        layers = list(units) or [
+            m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()
+        ]
         for layer in layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=zero == 3)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False if zero < 3 else None)

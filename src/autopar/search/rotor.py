@@ -27,10 +27,11 @@ In a pipeline a stage holds the kept bytes of every micro-batch in flight, and o
 
     in_flight * kept + max(largest temporary, largest checkpoint peak) <= budget
 
-So the top level is a knapsack over the stage's chain. Its items are kept layers (with or without the attention
-core) and checkpointed runs ``i..k``, which cost ``C(i, k, X)`` and keep ``x_i``. It is solved for a few peak
-bounds ``X``, and the fastest plan that fits wins. The planner prices the result with the cost model and keeps
-the faster of this and the per-layer knapsack (`search.recompute`).
+So the top level is a knapsack over the stage's layers. Each layer is kept, kept without its attention core, or
+checkpointed alone; each run over whole elements ``i..k`` costs its forwards plus ``C(i, k, X)`` and keeps
+``x_i``. The knapsack is solved for a few peak bounds ``X``: a grid, and each layer's activations. The fastest plan
+that fits wins. Per layer these are the options of `search.recompute`'s knapsack, so rotor is never slower than it
+but for rounding. The planner prices both with the cost model and keeps the faster.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Chain:
 
 def rotor_recompute(
     model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int, groups: int = 32,
-    slots: int = 200, key_slots: int = 256, peaks: int = 12,
+    slots: int = 200, key_slots: int = 2048, peaks: int = 12,
 ) -> Stage | None:
     """Stage ``index`` with rotor's checkpointing, or None when nothing fits."""
     stage = config.stages[index]
@@ -144,14 +145,17 @@ def rotor_recompute(
     if not chains:
         return stage
     unit = budget / slots
-    tables = [Chain(elements, unit, slots) for elements in chains]
+    tables = [Chain(grouped, unit, slots) for _, grouped in chains]
     best_time, best_plan = _INF, None
-    for peak in sorted({0, *np.linspace(0, slots, peaks).astype(int)[1:]}):
+    # peak bounds: a grid, and each layer's activations exactly (what checkpointing it alone needs)
+    alone = {math.ceil(e.kept / unit - 1e-9) for layers, _ in chains for e in layers}
+    for peak in sorted({0, *np.linspace(0, slots, peaks).astype(int)[1:], *(p for p in alone if p <= slots)}):
         transient = max(temporary, peak * unit)
         capacity = (budget - transient) / in_flight - fixed
         if capacity < 0:
             continue
-        found = _top_level(tables, peak, capacity, key_slots)
+        found = _top_level([(layers, table) for (layers, _), table in zip(chains, tables)], peak, unit, capacity,
+                           key_slots)
         if found is not None and found[0] < best_time:
             best_time, best_plan = found[0], (peak, found[1])
     if best_plan is None:
@@ -174,48 +178,61 @@ def _runs(model: PipelineModel, stage: Stage) -> list[list[int]]:
     return runs
 
 
-def _elements(model: PipelineModel, run: list[int], price, groups: int) -> list[Element]:  # noqa: ANN001
-    size = math.ceil(len(run) / groups)
-    elements = []
-    for a in range(0, len(run), size):
-        chunk = run[a:a + size]
-        none = [price(r, "none") for r in chunk]
-        selective = [price(r, "selective") for r in chunk]
-        elements.append(Element(
-            start=chunk[0], end=chunk[-1] + 1,
-            forward=sum(p.forward + p.comm_forward for p in none),
-            backward=sum(p.backward + p.comm_backward for p in none),
-            backward_selective=sum(p.backward + p.comm_backward for p in selective),
-            kept=sum(p.activations for p in none),
-            kept_selective=sum(p.activations for p in selective),
-            input=price(chunk[0], "full").activations,
+def _elements(model: PipelineModel, run: list[int], price, groups: int) -> tuple[list[Element], list[Element]]:  # noqa: ANN001
+    """The run's layers one by one, and grouped into at most ``groups`` elements for the rotor table."""
+    layers = []
+    for row in run:
+        none, selective = price(row, "none"), price(row, "selective")
+        layers.append(Element(
+            start=row, end=row + 1, forward=none.forward + none.comm_forward,
+            backward=none.backward + none.comm_backward,
+            backward_selective=selective.backward + selective.comm_backward,
+            kept=none.activations, kept_selective=selective.activations, input=price(row, "full").activations,
         ))
-    return elements
+    size = math.ceil(len(run) / groups)
+    grouped = []
+    for a in range(0, len(layers), size):
+        chunk = layers[a:a + size]
+        grouped.append(Element(
+            start=chunk[0].start, end=chunk[-1].end, forward=sum(e.forward for e in chunk),
+            backward=sum(e.backward for e in chunk), backward_selective=sum(e.backward_selective for e in chunk),
+            kept=sum(e.kept for e in chunk), kept_selective=sum(e.kept_selective for e in chunk),
+            input=chunk[0].input,
+        ))
+    return layers, grouped
 
 
-def _top_level(tables: list[Chain], peak: int, capacity: float, key_slots: int):  # noqa: ANN202
-    """The stage's fastest choice keeping at most ``capacity`` bytes per micro-batch, checkpoints peaking within
-    ``peak`` slots: (time, per chain the list of top-level items) or None."""
-    unit = capacity / key_slots if capacity > 0 else 1.0
+def _top_level(chains: list[tuple[list[Element], Chain]], peak: int, unit: float, capacity: float,
+               key_slots: int):  # noqa: ANN202
+    """The stage's fastest choice keeping at most ``capacity`` bytes per micro-batch, with every recomputation
+    peaking within ``peak`` slots of ``unit`` bytes: (time, per chain the list of top-level items) or None.
+
+    Items, per layer: keep it, keep it without the attention core, or checkpoint it alone; and checkpointed runs
+    over whole elements of the rotor table."""
+    key = capacity / key_slots if capacity > 0 else 1.0
 
     def weight(nbytes: float) -> int:
-        return math.ceil(nbytes / unit - 1e-9) if capacity > 0 else (0 if nbytes <= 0 else key_slots + 1)
+        return math.ceil(nbytes / key - 1e-9) if capacity > 0 else (0 if nbytes <= 0 else key_slots + 1)
 
     best = np.zeros(key_slots + 1)
     traces = []
-    for table in tables:
-        elements = table.elements
-        n = len(elements)
-        at = [best]  # at[j]: best over the chain's first j elements
+    for layers, table in chains:
+        ends = {e.end: j for j, e in enumerate(table.elements)}
+        first = layers[0].start
+        at = [best]  # at[p]: best over the run's first p layers
         back: list[list] = []
-        for j in range(n):
-            e = elements[j]
-            options = [(weight(e.kept), e.forward + e.backward, ("keep", j), j),
-                       (weight(e.kept_selective), e.forward + e.backward_selective, ("selective", j), j)]
-            for i in range(j + 1):
-                cost = table.node(i, j, peak)
-                if math.isfinite(cost):
-                    options.append((weight(elements[i].input), cost, ("checkpoint", i, j), i))
+        for p, e in enumerate(layers):
+            options = [(weight(e.kept), e.forward + e.backward, ("keep", e.start), p),
+                       (weight(e.kept_selective), e.forward + e.backward_selective, ("selective", e.start), p)]
+            if math.ceil(e.kept / unit - 1e-9) <= peak:  # alone: keeps its input, its activations live again
+                options.append((weight(e.input), 2 * e.forward + e.backward, ("full", e.start), p))
+            j = ends.get(e.end)
+            if j is not None:
+                for i in range(j + 1):
+                    cost = table.node(i, j, peak)
+                    if math.isfinite(cost) and e.end - table.elements[i].start > 1:  # one layer: "full" above
+                        options.append((weight(table.elements[i].input), cost, ("checkpoint", i, j),
+                                        table.elements[i].start - first))
             new = np.full(key_slots + 1, _INF)
             pick = np.full(key_slots + 1, -1, dtype=np.int32)
             for k, (w, cost, _, origin) in enumerate(options):
@@ -230,18 +247,18 @@ def _top_level(tables: list[Chain], peak: int, capacity: float, key_slots: int):
         best = at[-1]
     if not math.isfinite(best[key_slots]):
         return None
-    plan: list[list] = [[] for _ in tables]
+    plan: list[list] = [[] for _ in chains]
     w = key_slots
-    for t in range(len(tables) - 1, -1, -1):  # walk the choices back, chain by chain
+    for t in range(len(chains) - 1, -1, -1):  # walk the choices back, chain by chain
         at, back = traces[t]
-        j = len(back)
+        p = len(back)
         items = []
-        while j > 0:
-            options, pick = back[j - 1]
+        while p > 0:
+            options, pick = back[p - 1]
             weight_, _, item, origin = options[int(pick[w])]
             items.append(item)
             w -= weight_
-            j = origin
+            p = origin
         plan[t] = items[::-1]
     return float(best[key_slots]), plan
 
@@ -262,9 +279,8 @@ def _stage_of(stage: Stage, tables: list[Chain], peak: int, plan: list[list]) ->
 
     for table, items in zip(tables, plan):
         for item in items:
-            e = table.elements[item[1]]
-            if item[0] == "selective":
-                levels.update({r: "selective" for r in range(e.start, e.end)})
+            if item[0] in ("selective", "full"):
+                levels[item[1]] = item[0]
             elif item[0] == "checkpoint":
                 _, i, k = item
                 place(table, i, k, table.children(i, k, peak))
