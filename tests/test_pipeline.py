@@ -158,3 +158,32 @@ def test_exhaustive_refuses_a_large_space() -> None:
     model = _model("gpt3-350m", gpus=8, layers=12)
     with pytest.raises(ValueError, match="more than 1,000 configurations"):  # counted lazily, not enumerated whole
         exhaustive(model, global_batch=64, limit=1000)
+
+
+def test_runtime_limit_names_what_autopar_run_refuses() -> None:
+    from autopar.search.pipeline import runtime_limit
+
+    model = _model("gpt3-350m", gpus=8, layers=8)
+    ok = PipelineConfig(stages=even_stages(model, 2, tp=2, dp=2), micro_batch=4, zero=1)
+    assert runtime_limit(ok) is None
+    assert "ZeRO 3" in runtime_limit(dataclasses.replace(ok, zero=3))
+    assert "cut this model" in runtime_limit(ok, pipelines=False)
+    a, b = ok.stages
+    mixed = dataclasses.replace(ok, stages=(a, dataclasses.replace(b, tp=1, dp=4)))
+    assert "different dp x tp" in runtime_limit(mixed)
+
+
+def test_a_limited_search_keeps_to_what_the_runtime_runs() -> None:
+    import functools
+
+    from autopar.search.pipeline import runtime_limit
+
+    model = _model("gpt3-1.3b", gpus=8, memory_gib=4, layers=8)
+    free = auto(model, global_batch=64, time_limit=6)["auto"]
+    assert any(runtime_limit(f.config) for f in (free, *free.runners_up))  # pipelines under ZeRO 2-3 come up
+    limit = functools.partial(runtime_limit, pipelines=True)
+    chosen = auto(model, global_batch=64, time_limit=6, limit=limit)["auto"]
+    assert chosen is not None and chosen.result.estimate.memory.fits
+    assert chosen.runners_up and all(limit(f.config) is None for f in (chosen, *chosen.runners_up))
+    alone = auto(model, global_batch=64, time_limit=6, limit=functools.partial(runtime_limit, pipelines=False))
+    assert alone["auto"].config.pp == 1 and all(f.config.pp == 1 for f in alone["auto"].runners_up)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import signal
 import sys
@@ -17,7 +18,7 @@ from autopar.cluster import load_cluster
 from autopar.plan import save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.pipeline import pipeline_searches, plan_dict
+from autopar.search.pipeline import pipeline_searches, plan_dict, runtime_limit
 from autopar.zoo import load
 
 PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
@@ -44,6 +45,9 @@ def register(subparsers: Any) -> None:
         "(small models); megatron, dp, fsdp: one baseline; ilp: the intra-op programme on one --mesh, no pipeline",
     )
     parser.add_argument("--budget-s", type=float, default=60.0, help="search time budget in seconds (default 60)")
+    parser.add_argument("--runnable", action="store_true",
+                        help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
+                        "under ZeRO 0-1)")
     parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -158,12 +162,13 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
+    limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module))
     previous = None
     if threading.current_thread() is threading.main_thread():  # Ctrl-C ends the search, keeping the best plan
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
-                                  progress=progress, should_stop=stop.is_set)
+                                  progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -185,8 +190,19 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
     data = _result(args, zoo, cluster, params=graph.num_params, plan=chosen_entry["plan"],
                    estimate=chosen_entry["estimate"], baselines=baselines, seconds=seconds)
     data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
-                runners_up=[_layout(f, chosen) for f in chosen.runners_up])
+                runners_up=[_layout(f, chosen) for f in chosen.runners_up],
+                not_runnable=limit(chosen.config))  # why `autopar run` refuses it, or null
     return data if args.json else render_pipeline(data, out=args.out)
+
+
+def _can_pipeline(module: Any) -> bool:
+    from autopar.runtime.pipeline import chain_kind
+
+    try:
+        chain_kind(module)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _layout(found: Any, chosen: Any) -> dict[str, Any]:
@@ -226,9 +242,11 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         table(["stage", "layers", "dp x tp", "per micro-batch", "memory", "recomputed (s: selective, f: full)"], rows,
               align="rlrrrl"),
         "",
-        estimate_text(e),
-        "",
     ]
+    if data.get("not_runnable"):
+        lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']} (--runnable searches only "
+                  "plans it can run)", ""]
+    lines += [estimate_text(e), ""]
     return "\n".join(lines + _runners_up(data) + _comparison(data, out))
 
 

@@ -131,16 +131,25 @@ def check_supported(plan: dict[str, Any]) -> None:
     if "stages" not in plan:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
     stages = plan["stages"]
-    if len(stages) > 1 and plan["zero"] > 1:
-        raise NotImplementedError(f"the plan pipelines over {len(stages)} stages under ZeRO {plan['zero']}; pipelines "
-                                  "run with ZeRO 0 and 1 so far (the schedule reduce-scatters once a step)")
-    if plan.get("sp") and stages[0]["dp"] > 1 and plan["zero"] > 0:
-        raise NotImplementedError(f"the plan combines sequence parallelism with ZeRO {plan['zero']}; it runs with "
-                                  "ZeRO 0 only so far")
-    if len(stages) > 1 and plan.get("sp"):
-        raise NotImplementedError("the plan pipelines with sequence parallelism; pipelines run without it so far")
-    if len({(s["dp"], s["tp"]) for s in stages}) > 1:
-        raise NotImplementedError("the plan's stages have different dp x tp; the runtime needs one grid for all")
+    reason = unsupported(stages=len(stages), grids={(s["dp"], s["tp"]) for s in stages}, zero=plan["zero"],
+                         sp=bool(plan.get("sp")))
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool) -> str | None:
+    """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
+    planner's ``--runnable`` keeps its search to shapes this accepts."""
+    if stages > 1 and zero > 1:
+        return (f"the plan pipelines over {stages} stages under ZeRO {zero}; pipelines run with ZeRO 0 and 1 so far "
+                "(the schedule reduce-scatters once a step)")
+    if sp and max(dp for dp, _ in grids) > 1 and zero > 0:
+        return f"the plan combines sequence parallelism with ZeRO {zero}; it runs with ZeRO 0 only so far"
+    if stages > 1 and sp:
+        return "the plan pipelines with sequence parallelism; pipelines run without it so far"
+    if len(grids) > 1:
+        return "the plan's stages have different dp x tp; the runtime needs one grid for all"
+    return None
 
 
 def parallelize(

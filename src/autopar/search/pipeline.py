@@ -43,6 +43,7 @@ from autopar.search.recompute import with_optimal_recompute
 log = logging.getLogger(__name__)
 
 Score = tuple[bool, float]
+Limit = Callable[[PipelineConfig], "str | None"]  # why a configuration is out of bounds, or None
 
 
 @dataclass(slots=True)
@@ -68,14 +69,18 @@ def score(result: PipelineEstimate) -> Score:
 class Evaluator:
     """Prices configurations once each (cache by configuration)."""
 
-    def __init__(self, model: PipelineModel, *, global_batch: int) -> None:
+    def __init__(self, model: PipelineModel, *, global_batch: int, limit: Limit | None = None) -> None:
         self.model = model
         self.global_batch = global_batch
+        self.limit = limit  # configurations it names a reason for are refused (`runtime_limit`)
         self.cache: dict[PipelineConfig, PipelineEstimate] = {}
 
     def __call__(self, config: PipelineConfig) -> PipelineEstimate:
         found = self.cache.get(config)
         if found is None:
+            reason = self.limit(config) if self.limit is not None else None
+            if reason:
+                raise ValueError(reason)
             found = self.cache[config] = self.model.estimate(config, global_batch=self.global_batch)
         return found
 
@@ -93,6 +98,18 @@ class Evaluator:
             if len(best) == k:
                 break
         return best
+
+
+def runtime_limit(config: PipelineConfig, *, pipelines: bool = True) -> str | None:
+    """Why ``autopar run`` cannot run ``config`` yet, or None (`autopar.runtime.apply.unsupported`);
+    ``pipelines``: whether the runtime can cut this model into stages (`runtime.pipeline.chain_kind`)."""
+    from autopar.runtime.apply import unsupported
+
+    if len(config.stages) > 1 and not pipelines:
+        return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA and Hugging Face " \
+               "LLaMA-style models it can)"
+    return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages}, zero=config.zero,
+                       sp=config.sp)
 
 
 def shape(config: PipelineConfig) -> tuple:
@@ -323,7 +340,8 @@ def aceso(
     for k, pp in enumerate(depths):
         share = (time_limit - (time.perf_counter() - start_time)) / (len(depths) - k)
         deadline = time.perf_counter() + share
-        starts = [*balanced(model, pp, global_batch=global_batch), *(c for c in seeds or () if c.pp == pp)]
+        starts = [c for c in (*balanced(model, pp, global_batch=global_batch), *(c for c in seeds or () if c.pp == pp))
+                  if evaluate.limit is None or not evaluate.limit(c)]
         if not starts:
             continue
         found = None
@@ -417,9 +435,13 @@ def _hops(
 # ---- exhaustive ------------------------------------------------------------------------------------------------
 
 
-def exhaustive(model: PipelineModel, *, global_batch: int, limit: int = 200_000, deadline: float = math.inf) -> Found:
-    """Every configuration with uniform recomputation per stage (raises if the space exceeds ``limit``)."""
-    evaluate = Evaluator(model, global_batch=global_batch)
+def exhaustive(
+    model: PipelineModel, *, global_batch: int, limit: int = 200_000, deadline: float = math.inf,
+    within: Limit | None = None,
+) -> Found:
+    """Every configuration with uniform recomputation per stage that ``within`` accepts (raises if the space
+    exceeds ``limit``)."""
+    evaluate = Evaluator(model, global_batch=global_batch, limit=within)
     spaces = list(itertools.islice(_exhaustive_space(model, global_batch), limit + 1))  # stop counting past limit
     if len(spaces) > limit:
         raise ValueError(f"the exhaustive space has more than {limit:,} configurations: use --search auto")
@@ -469,12 +491,20 @@ def auto(
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    limit: Limit | None = None,
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
-    then Aceso over every depth; returns ``auto`` (the best) with the ``megatron``, ``dp`` and ``fsdp`` baselines."""
+    then Aceso over every depth; returns ``auto`` (the best) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
+    With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
+    whatever it says."""
     start = time.perf_counter()
-    evaluate = Evaluator(model, global_batch=global_batch)
-    grid = megatron_grid(model, global_batch=global_batch, evaluate=evaluate, deadline=start + time_limit / 3)
+    evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
+    baselines = Evaluator(model, global_batch=global_batch)
+    grid = megatron_grid(model, global_batch=global_batch, evaluate=baselines, deadline=start + time_limit / 3)
+    if limit is not None:  # the grid's points the limit accepts seed the search
+        evaluate.cache.update((c, r) for c, r in baselines.cache.items() if not limit(c))
+    else:
+        evaluate = baselines
     if progress and grid is not None:
         progress(f"Megatron grid: {grid.result.estimate.iteration_seconds:.3f} s per iteration")
     remaining = max(time_limit - (time.perf_counter() - start), 0.1)
@@ -485,15 +515,16 @@ def auto(
         model, global_batch=global_batch, time_limit=remaining, seeds=[seed] if seed is not None else None,
         evaluate=evaluate, progress=progress, should_stop=should_stop,
     )
-    best = min((f for f in (found, grid) if f is not None), key=lambda f: f.score, default=None)
+    allowed_grid = grid if grid is not None and (limit is None or not limit(grid.config)) else None
+    best = min((f for f in (found, allowed_grid) if f is not None), key=lambda f: f.score, default=None)
     if best is not None:
         best.evaluated = len(evaluate.cache)
         best.runners_up = evaluate.top(3, besides=best.config)
     return {
         "auto": best,
         "megatron": grid,
-        "dp": data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate),
-        "fsdp": data_parallel(model, global_batch=global_batch, zero=3, evaluate=evaluate),
+        "dp": data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines),
+        "fsdp": data_parallel(model, global_batch=global_batch, zero=3, evaluate=baselines),
     }
 
 
@@ -609,11 +640,15 @@ def pipeline_searches(
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    limit: Limit | None = None,
 ) -> dict[str, Found | None]:
-    """Run search ``kind`` (auto, aceso, exhaustive, megatron, dp, fsdp) and price the baselines beside it."""
+    """Run search ``kind`` (auto, aceso, exhaustive, megatron, dp, fsdp) and price the baselines beside it; with
+    ``limit``, the auto, aceso and exhaustive searches keep to the configurations it accepts."""
     if kind == "auto":
-        return auto(model, global_batch=global_batch, time_limit=time_limit, progress=progress, should_stop=should_stop)
-    evaluate = Evaluator(model, global_batch=global_batch)
+        return auto(model, global_batch=global_batch, time_limit=time_limit, progress=progress, should_stop=should_stop,
+                    limit=limit)
+    evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
+    baselines = Evaluator(model, global_batch=global_batch)
     found: dict[str, Found | None] = {}
     deadline = time.perf_counter() + time_limit
     if kind == "aceso":
@@ -622,8 +657,8 @@ def pipeline_searches(
         if found["aceso"] is not None:
             found["aceso"].runners_up = evaluate.top(3, besides=found["aceso"].config)
     elif kind == "exhaustive":
-        found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline)
-    found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=evaluate)
-    found["dp"] = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate)
-    found["fsdp"] = data_parallel(model, global_batch=global_batch, zero=3, evaluate=evaluate)
+        found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline, within=limit)
+    found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=baselines)
+    found["dp"] = data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines)
+    found["fsdp"] = data_parallel(model, global_batch=global_batch, zero=3, evaluate=baselines)
     return found
