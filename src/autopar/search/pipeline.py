@@ -19,7 +19,9 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
    with the depth's time left, climb again from its best, and where relieving the bottleneck does not pay, try
    the next worst stages in turn (Aceso's secondary bottlenecks, up to ``secondary`` of them): this only ever
    improves on the plain climb, which keeps its whole share of the time;
-6. choose every stage's recomputation exactly for the configuration found and keep it if it is faster: per stage
+6. after each start's climb, try its configuration under each lower ZeRO stage with every stage's recomputation
+   chosen exactly (a climb that fits by raising ZeRO can miss fitting by recomputation, which may be faster);
+7. choose every stage's recomputation exactly for the configuration found and keep it if it is faster: per stage
    the faster of a knapsack over none / selective / full per layer (`search.recompute`) and the rotor programme
    with communication terms, which also checkpoints runs of layers together (`search.rotor`, MAP §5.2).
 
@@ -32,7 +34,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from autopar.cluster import build_mesh
@@ -348,7 +350,9 @@ def aceso(
         for n, start in enumerate(starts):  # each start climbs with its share of the depth's time
             sub_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - n)
             climbed, count = _climb(model, start, evaluate, global_batch, sub_deadline, max_hops, beam, should_stop)
-            evaluated += count
+            # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
+            climbed, tried = _retune(model, climbed, evaluate, global_batch, zeros=range(climbed.config.zero))
+            evaluated += count + tried
             if found is None or climbed.score < found.score:
                 found = climbed
         if time.perf_counter() < deadline and not should_stop():  # the depth's time left: secondary bottlenecks
@@ -358,12 +362,8 @@ def aceso(
             if climbed.score < found.score:
                 found = climbed
         # the exact per-stage recomputation on the depth's best configuration
-        tuned = with_optimal_recompute(model, found.config, global_batch=global_batch)
-        if tuned != found.config:
-            result = evaluate(tuned)
-            evaluated += 1
-            if score(result) < found.score:
-                found = Found(tuned, result, evaluated)
+        found, count = _retune(model, found, evaluate, global_batch, zeros=(found.config.zero,), rotor=True)
+        evaluated += count
         if progress:
             e = found.result.estimate
             progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)"))
@@ -374,6 +374,28 @@ def aceso(
     if best is not None:
         best.evaluated = evaluated
     return best
+
+
+def _retune(
+    model: PipelineModel, found: Found, evaluate: Evaluator, global_batch: int, *, zeros: Iterable[int],
+    rotor: bool = False,
+) -> tuple[Found, int]:
+    """``found`` under each ZeRO stage of ``zeros`` with each stage's recomputation chosen exactly (the per-layer
+    knapsack, and rotor too with ``rotor``); the best of those and ``found``."""
+    count = 0
+    for zero in zeros:
+        tuned = with_optimal_recompute(model, replace(found.config, zero=zero), global_batch=global_batch,
+                                       rotor=rotor)
+        if tuned == found.config:
+            continue
+        try:
+            result = evaluate(tuned)
+        except ValueError:  # outside the search's limit
+            continue
+        count += 1
+        if score(result) < found.score:
+            found = Found(tuned, result, found.evaluated)
+    return found, count
 
 
 def _climb(

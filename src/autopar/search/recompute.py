@@ -87,18 +87,20 @@ def optimal_recompute(
     return replace(stage, recompute=recompute, segments=())
 
 
-def with_optimal_recompute(model: PipelineModel, config: PipelineConfig, *, global_batch: int) -> PipelineConfig:
+def with_optimal_recompute(
+    model: PipelineModel, config: PipelineConfig, *, global_batch: int, rotor: bool = True
+) -> PipelineConfig:
     """Every stage's recomputation chosen by `optimal_recompute` and by the rotor programme
     (`search.rotor`), whichever the cost model prices faster for the stage (stages where nothing fits are left as
     they are). Rotor runs only where the knapsack recomputes something: with nothing recomputed a stage is as fast
-    as it can be."""
+    as it can be. ``rotor=False``: the knapsack alone (cheaper, for trying many configurations)."""
     from autopar.search.rotor import rotor_recompute
 
     stages = list(config.stages)
     for index in range(len(stages)):
         current = replace(config, stages=tuple(stages))
         chosen = optimal_recompute(model, current, index, global_batch=global_batch)
-        if chosen is None or any(level != "none" for level in chosen.recompute):
+        if rotor and (chosen is None or any(level != "none" for level in chosen.recompute)):
             candidates = [s for s in (chosen, rotor_recompute(model, current, index, global_batch=global_batch))
                           if s is not None]
             chosen = min(candidates, key=lambda s: _stage_score(model, current, index, s, global_batch), default=None)
