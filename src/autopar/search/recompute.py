@@ -17,14 +17,44 @@ stage's time is then as small as its memory allows, which also minimises the pip
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.cluster import build_mesh
 from autopar.cost.memory import model_states
-from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+from autopar.cost.pipeline import LayerPrice, PipelineConfig, PipelineModel, Stage, _in_flight
 from autopar.cost.types import RECOMPUTE
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What one stage's recomputation choice works with: its layers' prices on one device, the micro-batches it
+    holds at its peak, and the bytes left once the stage's model states and the device reserve are taken."""
+
+    price: Callable[[int, str], LayerPrice]  # (row, recompute level) -> price
+    in_flight: float
+    budget: float
+
+
+def stage_memory(model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int) -> StageMemory:
+    stage = config.stages[index]
+    mesh = model._mesh(config.pp, stage.dp, stage.tp)
+    samples = config.micro_batch / stage.dp
+
+    def price(row: int, level: str) -> LayerPrice:
+        return model.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+
+    in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, global_batch // config.micro_batch)
+    params = sum(price(row, "none").params for row in range(stage.start, stage.end))
+    weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
+    device = model.cluster.device
+    return StageMemory(price, in_flight, device.memory - device.reserved - weights - grads - optim)
+
+
+def slots(nbytes: float, unit: float) -> int:
+    """``nbytes`` in slots of ``unit`` bytes, rounded up (a rounding error's worth of slack forgiven)."""
+    return math.ceil(nbytes / unit - 1e-9)
 
 
 def optimal_recompute(
@@ -33,21 +63,15 @@ def optimal_recompute(
     """Stage ``index`` with the fastest recomputation that fits, or None when even full recomputation of every
     layer does not fit."""
     stage = config.stages[index]
-    mesh = build_mesh(model.cluster, {"pp": config.pp, "dp": stage.dp, "tp": stage.tp})
-    samples = config.micro_batch / stage.dp
-    m = global_batch // config.micro_batch
-    in_flight = m if config.schedule == "gpipe" else min(config.pp - index, m)
+    memory = stage_memory(model, config, index, global_batch=global_batch)
     rows = range(stage.start, stage.end)
     prices = {
-        (row, level): model.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+        (row, level): memory.price(row, level)
         for row in rows
         for level in (RECOMPUTE if model.layers[row].repeated else ("none",))
     }
-    params = sum(prices[(row, "none")].params for row in rows)
-    weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
     transient = max(max(p.temporary for p in prices.values()), max(prices[(r, "none")].activations for r in rows))
-    capacity = (model.cluster.device.memory - model.cluster.device.reserved - weights - grads - optim - transient)
-    capacity /= in_flight
+    capacity = (memory.budget - transient) / memory.in_flight
     fixed = sum(prices[(r, "none")].activations for r in rows if not model.layers[r].repeated)
     capacity -= fixed
     choosable = [r for r in rows if model.layers[r].repeated]
@@ -64,7 +88,7 @@ def optimal_recompute(
         new = np.full(buckets + 1, math.inf)
         choice = np.zeros(buckets + 1, dtype=np.int8)
         for k, (_, price) in enumerate(options):
-            weight = math.ceil(price.activations / unit - 1e-9) if unit > 0 else 0
+            weight = slots(price.activations, unit) if unit > 0 else 0
             if weight > buckets:
                 continue
             extra = (price.backward + price.comm_backward) - (base.backward + base.comm_backward)
@@ -82,7 +106,7 @@ def optimal_recompute(
         k = int(choice[b])
         level = RECOMPUTE[k]
         levels[row] = level
-        b -= math.ceil(prices[(row, level)].activations / unit - 1e-9) if unit > 0 else 0
+        b -= slots(prices[(row, level)].activations, unit) if unit > 0 else 0
     recompute = tuple(levels.get(row, "none") for row in rows)
     return replace(stage, recompute=recompute, segments=())
 

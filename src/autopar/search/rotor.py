@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.cost.memory import model_states
-from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage, _in_flight
+from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+from autopar.search.recompute import slots as _slots
+from autopar.search.recompute import stage_memory
 
 _INF = math.inf
 
@@ -78,8 +79,8 @@ class Chain:
         self.elements = elements
         self.unit = unit
         n = len(elements)
-        self.kept = [math.ceil(e.kept / unit - 1e-9) for e in elements]
-        self.input = [math.ceil(e.input / unit - 1e-9) for e in elements]
+        self.kept = [_slots(e.kept, unit) for e in elements]
+        self.input = [_slots(e.input, unit) for e in elements]
         forward = np.cumsum([0.0] + [e.forward for e in elements])
         self.forwards = lambda i, k: forward[k + 1] - forward[i]  # sum of u over i..k
         empty = np.zeros(slots + 1)
@@ -125,18 +126,9 @@ def rotor_recompute(
 ) -> Stage | None:
     """Stage ``index`` with rotor's checkpointing, or None when nothing fits."""
     stage = config.stages[index]
-    mesh = model._mesh(config.pp, stage.dp, stage.tp)
-    samples = config.micro_batch / stage.dp
-    m = global_batch // config.micro_batch
-    in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, m)
+    memory = stage_memory(model, config, index, global_batch=global_batch)
+    price, in_flight, budget = memory.price, memory.in_flight, memory.budget
     rows = range(stage.start, stage.end)
-
-    def price(row: int, level: str):  # noqa: ANN202
-        return model.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
-
-    params = sum(price(r, "none").params for r in rows)
-    weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
-    budget = model.cluster.device.memory - model.cluster.device.reserved - weights - grads - optim
     temporary = max(price(r, "none").temporary for r in rows)
     fixed = sum(price(r, "none").activations for r in rows if not model.layers[r].repeated)
     if budget <= temporary:
@@ -148,7 +140,7 @@ def rotor_recompute(
     tables = [Chain(grouped, unit, slots) for _, grouped in chains]
     best_time, best_plan = _INF, None
     # peak bounds: a grid, and each layer's activations exactly (what checkpointing it alone needs)
-    alone = {math.ceil(e.kept / unit - 1e-9) for layers, _ in chains for e in layers}
+    alone = {_slots(e.kept, unit) for layers, _ in chains for e in layers}
     for peak in sorted({0, *np.linspace(0, slots, peaks).astype(int)[1:], *(p for p in alone if p <= slots)}):
         transient = max(temporary, peak * unit)
         capacity = (budget - transient) / in_flight - fixed
@@ -212,7 +204,7 @@ def _top_level(chains: list[tuple[list[Element], Chain]], peak: int, unit: float
     key = capacity / key_slots if capacity > 0 else 1.0
 
     def weight(nbytes: float) -> int:
-        return math.ceil(nbytes / key - 1e-9) if capacity > 0 else (0 if nbytes <= 0 else key_slots + 1)
+        return _slots(nbytes, key) if capacity > 0 else (0 if nbytes <= 0 else key_slots + 1)
 
     best = np.zeros(key_slots + 1)
     traces = []
@@ -224,7 +216,7 @@ def _top_level(chains: list[tuple[list[Element], Chain]], peak: int, unit: float
         for p, e in enumerate(layers):
             options = [(weight(e.kept), e.forward + e.backward, ("keep", e.start), p),
                        (weight(e.kept_selective), e.forward + e.backward_selective, ("selective", e.start), p)]
-            if math.ceil(e.kept / unit - 1e-9) <= peak:  # alone: keeps its input, its activations live again
+            if _slots(e.kept, unit) <= peak:  # alone: keeps its input, its activations live again
                 options.append((weight(e.input), 2 * e.forward + e.backward, ("full", e.start), p))
             j = ends.get(e.end)
             if j is not None:
