@@ -37,8 +37,7 @@ print(json.dumps({
     "total_s": total, "build_s": build, "auto_s": a.result.estimate.iteration_seconds, "grid_s": g.result.estimate.iteration_seconds,
     "auto_fits": a.result.estimate.memory.fits, "grid_fits": g.result.estimate.memory.fits, "priced": a.evaluated,
     "pp": c.pp, "tps": sorted({s.tp for s in c.stages}), "uneven": len({s.end - s.start for s in c.stages}) > 1,
-    "recomputed": sum(len({r for r in range(s.start, s.end) if s.recompute_of(r) != "none"}.union(
-        *(range(x, y) for x, y in s.segments))) for s in c.stages),
+    "recomputed": sum(len(s.recomputed_rows()) for s in c.stages),
     "runs": sum(len(s.segments) for s in c.stages), "mfu": a.result.estimate.mfu,
     "chunks": c.chunks,
 }))

@@ -211,7 +211,7 @@ def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     return {
         "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage
         "micro_batch_size": c.micro_batch, "zero": c.zero,
-        "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(_recomputed(s) for s in c.stages),
+        "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(len(s.recomputed_rows()) for s in c.stages),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
         "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
     }
@@ -306,12 +306,6 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         "",
     ]
     return "\n".join(lines + _comparison(data, out))
-
-
-def _recomputed(stage: Any) -> int:
-    """Rows of a stage recomputed in any way: a level other than none, or inside a checkpointed run."""
-    rows = {r for r in range(stage.start, stage.end) if stage.recompute_of(r) != "none"}
-    return len(rows.union(*(range(a, b) for a, b in stage.segments)))
 
 
 def _count(n: int, noun: str) -> str:

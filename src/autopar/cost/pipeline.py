@@ -152,6 +152,11 @@ class Stage:
     def recompute_of(self, row: int) -> str:
         return self.recompute[row - self.start] if self.recompute else "none"
 
+    def recomputed_rows(self) -> set[int]:
+        """Rows recomputed in any way: a level other than none, or inside a checkpointed run."""
+        rows = {r for r in range(self.start, self.end) if self.recompute_of(r) != "none"}
+        return rows.union(*(range(a, b) for a, b in self.segments))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineConfig:
