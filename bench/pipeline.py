@@ -39,7 +39,8 @@ print(json.dumps({
     "pp": c.pp, "tps": sorted({s.tp for s in c.stages}), "uneven": len({s.end - s.start for s in c.stages}) > 1,
     "recomputed": sum(len(s.recomputed_rows()) for s in c.stages),
     "runs": sum(len(s.segments) for s in c.stages), "mfu": a.result.estimate.mfu,
-    "chunks": c.chunks,
+    "chunks": c.chunks, "intra": sum(s.intra for s in c.stages),
+    "laid_out": sum(len(model.stage_view(c, i, global_batch=batch).layouts) for i in range(len(c.stages))),
 }))
 """
 
@@ -76,7 +77,8 @@ def main() -> None:
         shape = (f"pp {r['pp']}, tp {'/'.join(map(str, r['tps']))}" + (", uneven stages" if r["uneven"] else "")
                  + (f", interleaved x{r['chunks']}" if r["chunks"] > 1 else "")
                  + (f", {r['recomputed']} recomputed" if r["recomputed"] else "")
-                 + (f" ({r['runs']} checkpointed runs)" if r["runs"] else "") + f", {r['priced']:,} priced")
+                 + (f" ({r['runs']} checkpointed runs)" if r["runs"] else "")
+                 + (f", {r['laid_out']} layers intra-op" if r["laid_out"] else "") + f", {r['priced']:,} priced")
         print(f"{label:16s} {gpus:5d} {batch:6d} {r['total_s']:7.1f} {r['auto_s']:10.3f} {r['grid_s']:10.3f} "
               f"{r['grid_s'] / r['auto_s']:9.3f} {r['mfu']:6.1%}  {shape}{fits}")
 

@@ -229,7 +229,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         segments = stage.get("segments", [])
         if segments:  # runs checkpointed together: the outermost spans
             recompute = ", ".join(filter(None, [recompute, _count(len(segments), "checkpointed run")]))
-        rows.append([str(k), span, f"{stage['dp']} x {stage['tp']}", f"{stage['seconds_per_micro_batch'] * 1e3:.1f} ms",
+        grid = f"{stage['dp']} x {stage['tp']}" + (" intra" if stage.get("layouts") else "")
+        rows.append([str(k), span, grid, f"{stage['seconds_per_micro_batch'] * 1e3:.1f} ms",
                      binary_bytes(stage["memory"]["total"]), recompute or "-"])
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
@@ -243,6 +244,17 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
               align="rlrrrl"),
         "",
     ]
+    laid_out = {}  # one line per distinct intra-op layer layout
+    for k, stage in enumerate(plan["stages"]):
+        for name, splits in stage.get("layouts", {}).items():
+            laid_out.setdefault(tuple(splits.items()), []).append((k, name))
+    for splits, where in laid_out.items():
+        stages = sorted({k for k, _ in where})
+        lines += [f"intra-op layout of {_count(len(where), 'layer')} (stage {', '.join(map(str, stages))}): "
+                  + ", ".join(f"{module} {split}" for module, split in splits)]
+    if laid_out:
+        lines += ["  (the dim each op's tp axis splits: m rows, n output features, k the contracted dim, "
+                  "b experts or batch)", ""]
     if data.get("not_runnable"):
         lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']} (--runnable searches only "
                   "plans it can run)", ""]

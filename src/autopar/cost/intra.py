@@ -65,6 +65,7 @@ class BlockCost:
     entries: dict[Key, tuple[Layout, Layout]] = field(default_factory=dict)  # value -> (layout needed, gradient)
     exits: dict[Key, Layout] = field(default_factory=dict)
     collectives: list[tuple[str, int, float]] = field(default_factory=list)  # per micro-batch
+    phases: list[str] = field(default_factory=list)  # "f" or "b" for each of ``collectives``
     strategies: dict[int, Strategy] = field(default_factory=dict)  # node id -> its strategy (for the plan)
 
     @property
@@ -75,6 +76,7 @@ class BlockCost:
         self.comm_forward += transfer.forward
         self.comm_backward += transfer.backward
         self.collectives.extend(transfer.collectives)
+        self.phases.extend("f" if i < transfer.forward_moves else "b" for i in range(len(transfer.collectives)))
 
 
 class IntraCost:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -38,6 +39,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cost.checkpoint import check_segments, segment_costs
 from autopar.cost.compute import node_seconds
+from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import ddp_buckets, gradient_itemsize, gradient_sync, model_states
 from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
@@ -135,6 +137,9 @@ class Stage:
     # checkpointed runs of two or more rows, [start, end) each, nested or disjoint (`cost.checkpoint`); a run keeps
     # only its input and replays its forward in the backward. Rows inside one are "none" or "full" (a one-row run)
     segments: tuple[tuple[int, int], ...] = ()
+    # lay each repeated layer out by the intra-op planner's choice on the tp axis (`cost.intra_layers`) where that
+    # is faster than Megatron's column/row pairs
+    intra: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -148,6 +153,8 @@ class Stage:
                 raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
         if self.segments:
             check_segments(self.segments, self.start, self.end, self.recompute_of)
+        if self.intra and self.tp == 1:
+            raise ValueError("intra-op layer layouts need a stage with tp > 1")
 
     def recompute_of(self, row: int) -> str:
         return self.recompute[row - self.start] if self.recompute else "none"
@@ -218,6 +225,15 @@ class StageReport:
         return self.compute + self.comm
 
 
+@dataclass(frozen=True, slots=True)
+class StageView:
+    mesh: object
+    samples: float
+    in_flight: float
+    price: Callable[[int, str], LayerPrice]  # (row, recompute level) -> its price on one device
+    layouts: dict  # row -> `LayerLayout`, for rows the stage lays out by the intra-op planner
+
+
 @dataclass(slots=True)
 class PipelineEstimate:
     estimate: Estimate
@@ -238,6 +254,8 @@ class PipelineModel:
         self._prices: dict[tuple, LayerPrice] = {}
         self._meshes: dict[tuple[int, int, int], object] = {}
         self._syncs: dict[tuple, tuple[float, Counter]] = {}  # a stage's gradient synchronisation, by its shape
+        self.intra_layers = IntraLayers(self)
+        self._layouts: dict[tuple, dict[int, LayerLayout]] = {}  # an intra stage's layer layouts, by its shape
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
                       for owner, size in layer.tied if owner in index]
@@ -296,14 +314,13 @@ class PipelineModel:
         uses: Counter[tuple[str, str, float]] = Counter()
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
-            mesh = self._mesh(pp, stage.dp, stage.tp)
+            view = self.stage_view(config, index, global_batch=global_batch)
+            mesh = view.mesh
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
             stage_uses: Counter[tuple[str, str, float]] = Counter()
-            samples = config.micro_batch / stage.dp
             for row in range(stage.start, stage.end):
-                price = self.price(row, tp=stage.tp, samples=samples, recompute=stage.recompute_of(row),
-                                   sp=config.sp, mesh=mesh)
+                price = view.price(row, stage.recompute_of(row))
                 fwd, bwd = fwd + price.forward, bwd + price.backward
                 comm += price.comm_forward + price.comm_backward
                 saved += price.activations
@@ -312,8 +329,7 @@ class PipelineModel:
                 for kind, nbytes, calls in price.collectives:
                     stage_uses[(kind, "tp", nbytes)] += calls * m
             if stage.segments:
-                extra = segment_costs(stage, lambda row, level: self.price(
-                    row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh))
+                extra = segment_costs(stage, view.price)
                 bwd, comm = bwd + extra.backward, comm + extra.comm
                 saved += extra.kept
                 temp = max(temp, extra.transient)
@@ -324,21 +340,27 @@ class PipelineModel:
                 sends = (index > 0) + (index < virtual - 1)
                 comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
-            partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end))
+            reduced = sum(layout.reduced for layout in view.layouts.values())
+            if reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
+                nbytes = reduced * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
+                comm += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster) / m
+                stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
+            partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end)
+                          if r not in view.layouts)  # a layout's own partial gradients are in ``reduced``
             if config.sp and stage.tp > 1 and partial:  # norm weights' gradients from sequence shards: summed
                 nbytes = partial * gradient_itemsize(self.dtype)
                 comm += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster) / m
                 stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
             copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
             params += copy
-            sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy)
+            sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy, view=view)
             for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
                 # (under ZeRO 1-3 each rank sums its own shard of them)
                 nbytes = size * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
                 sync += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
                 stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
             uses.update(stage_uses)
-            in_flight = _in_flight(config.schedule, index, pp, chunks, m)
+            in_flight = view.in_flight
             weights, grads, optim = model_states(params, dtype=self.dtype, zero=config.zero, dp=stage.dp)
             memory = MemoryBreakdown(
                 parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
@@ -373,6 +395,43 @@ class PipelineModel:
         )
         return PipelineEstimate(estimate=estimate, stages=reports)
 
+    def stage_view(self, config: PipelineConfig, index: int, *, global_batch: int) -> StageView:
+        """Stage ``index`` of ``config`` on one of its devices: its mesh, samples per device, micro-batches in
+        flight, and its rows' prices (with its intra-op layer layouts, where it has them)."""
+        stage = config.stages[index]
+        mesh = self._mesh(config.pp, stage.dp, stage.tp)
+        samples = config.micro_batch / stage.dp
+        m = global_batch // config.micro_batch
+        in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, m)
+        layouts: dict[int, LayerLayout] = {}
+        if stage.intra:
+            key = (stage.start, stage.end, stage.tp, stage.dp, samples, config.zero, m, in_flight, config.sp, mesh)
+            found = self._layouts.get(key)
+            if found is None:
+                found = self._layouts[key] = self._stage_layouts(stage, mesh, samples, config, m, in_flight)
+            layouts = found
+
+        def price(row: int, level: str) -> LayerPrice:
+            layout = layouts.get(row)
+            if layout is not None:
+                return layout.prices[level]
+            return self.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+
+        return StageView(mesh=mesh, samples=samples, in_flight=in_flight, price=price, layouts=layouts)
+
+    def _stage_layouts(self, stage: Stage, mesh, samples: float, config: PipelineConfig, m: int,  # noqa: ANN001
+                       in_flight: float) -> dict[int, LayerLayout]:
+        when = Conditions(samples=samples, dp=stage.dp, dp_axis=mesh.axis("dp"), zero=config.zero, micro_batches=m,
+                          in_flight=in_flight, sp=config.sp)
+        layouts = {}
+        for row in range(stage.start, stage.end):
+            if self.layers[row].repeated:
+                megatron = self.price(row, tp=stage.tp, samples=samples, recompute="none", sp=config.sp, mesh=mesh)
+                layout = self.intra_layers.layout(row, mesh.axis("tp"), when, megatron)
+                if layout is not None:
+                    layouts[row] = layout
+        return layouts
+
     def _mesh(self, pp: int, dp: int, tp: int):  # noqa: ANN202
         key = (pp, dp, tp)
         mesh = self._meshes.get(key)
@@ -400,25 +459,30 @@ class PipelineModel:
         size = max((layer.largest_input for layer in rows), default=0)
         return size / (stage.tp if config.sp else 1)
 
-    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter, *, extra: float = 0) -> float:  # noqa: ANN001
+    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter, *, extra: float = 0,  # noqa: ANN001
+              view: StageView | None = None) -> float:
         """Gradient synchronisation of one stage over its dp axis. ZeRO 1-3 run per FSDP unit: each repeated layer,
         and the stage's other parameters together (the root unit, with ``extra`` parameters: a tied weight's
         copy); ZeRO 0 all-reduces DDP buckets."""
         if stage.dp == 1:
             return 0.0
-        key = (stage.start, stage.end, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"))
+        layouts = view.layouts if view is not None else {}
+        shapes = tuple(sorted((row, layout.prices["none"].params) for row, layout in layouts.items()))
+        key = (stage.start, stage.end, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes)
         cached = self._syncs.get(key)
         if cached is None:
-            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra)
+            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes))
         total, counted = cached
         uses.update(counted)
         return total
 
-    def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float) -> tuple[float, Counter]:  # noqa: ANN001
+    def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float,  # noqa: ANN001
+                    layouts: dict[int, float]) -> tuple[float, Counter]:
         uses: Counter[tuple[str, str, float]] = Counter()
         itemsize = gradient_itemsize(self.dtype)
         rows = [self.layers[r] for r in range(stage.start, stage.end)]
-        units = [(device_params(layer, stage.tp) * itemsize, False) for layer in rows if layer.repeated]
+        units = [(layouts.get(r, device_params(self.layers[r], stage.tp)) * itemsize, False)
+                 for r in range(stage.start, stage.end) if self.layers[r].repeated]
         rest = (sum(device_params(layer, stage.tp) for layer in rows if not layer.repeated) + extra) * itemsize
         if rest:
             units.append((rest, True))

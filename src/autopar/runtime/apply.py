@@ -19,8 +19,8 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   ``selective``).
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Intra-op (``ilp``) plans, pipelines under ZeRO 2-3 or with sequence parallelism are refused with an error that
-says so.
+Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out, pipelines under ZeRO 2-3 or with
+sequence parallelism are refused with an error that says so.
 """
 
 from __future__ import annotations
@@ -132,14 +132,17 @@ def check_supported(plan: dict[str, Any]) -> None:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
     stages = plan["stages"]
     reason = unsupported(stages=len(stages), grids={(s["dp"], s["tp"]) for s in stages}, zero=plan["zero"],
-                         sp=bool(plan.get("sp")))
+                         sp=bool(plan.get("sp")), intra=any(s.get("intra") for s in stages))
     if reason:
         raise NotImplementedError(reason)
 
 
-def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool) -> str | None:
+def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False) -> str | None:
     """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
     planner's ``--runnable`` keeps its search to shapes this accepts."""
+    if intra:
+        return ("the plan lays layers out by the intra-op planner (a stage marked intra); the runtime applies "
+                "Megatron's column/row layouts only so far")
     if stages > 1 and zero > 1:
         return (f"the plan pipelines over {stages} stages under ZeRO {zero}; pipelines run with ZeRO 0 and 1 so far "
                 "(the schedule reduce-scatters once a step)")

@@ -111,12 +111,12 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True) -> str | No
         return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA and Hugging Face " \
                "LLaMA-style models it can)"
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages}, zero=config.zero,
-                       sp=config.sp)
+                       sp=config.sp, intra=any(s.intra for s in config.stages))
 
 
 def shape(config: PipelineConfig) -> tuple:
     """A configuration without its cut points, micro-batch, schedule and recomputation: its layout."""
-    return (config.pp, tuple((s.dp, s.tp) for s in config.stages), config.zero, config.sp)
+    return (config.pp, tuple((s.dp, s.tp, s.intra) for s in config.stages), config.zero, config.sp)
 
 
 # ---- the space ------------------------------------------------------------------------------------------------
@@ -271,8 +271,13 @@ def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_
     for tp in (s.tp * 2, s.tp // 2):
         if tp in allowed and config.micro_batch % (per_stage // tp) == 0:
             stages_new = list(stages)
-            stages_new[stage] = replace(s, tp=tp, dp=per_stage // tp)
+            stages_new[stage] = replace(s, tp=tp, dp=per_stage // tp, intra=s.intra and tp > 1)
             yield _with(config, stages_new)
+    # the stage's layers laid out by the intra-op planner, or Megatron's column/row pairs again
+    if s.tp > 1:
+        stages_new = list(stages)
+        stages_new[stage] = replace(s, intra=not s.intra)
+        yield _with(config, stages_new)
     # recompute one more / one fewer row: the one keeping the most activations
     rows = range(s.start, s.end)
     levels = {"none": 0, "selective": 1, "full": 2}
@@ -576,8 +581,9 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
     devices = model.cluster.num_devices
     stages, modules = [], {}
     dp_placement = "S(0)" if config.zero == 3 else "R"
-    for stage, report in zip(config.stages, found.result.stages):
+    for index, (stage, report) in enumerate(zip(config.stages, found.result.stages)):
         rows = [model.layers[r] for r in range(stage.start, stage.end)]
+        layouts = model.stage_view(config, index, global_batch=global_batch).layouts
         stages.append(
             {
                 "layers": [row.name for row in rows],
@@ -590,11 +596,16 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
                 },
                 # runs of layers checkpointed together (first, last), nested or disjoint
                 "segments": [[model.layers[a].name, model.layers[b - 1].name] for a, b in stage.segments],
+                # layers laid out by the intra-op planner: per leading op (module inside the layer), the dim its
+                # tp axis splits (m: rows, n: output features, k: the contracted dim, b: experts or batch)
+                "intra": stage.intra,
+                "layouts": {model.layers[r].name: dict(layout.splits) for r, layout in layouts.items()},
                 "seconds_per_micro_batch": report.seconds,
                 "memory": report.memory.to_dict(),
             }
         )
-        for row in rows:
+        for r, row in zip(range(stage.start, stage.end), rows):
+            laid_out = dict(layouts[r].params) if r in layouts else None
             for node in row.nodes:
                 for source in node.sources:
                     fqn = source.state
@@ -602,7 +613,9 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
                     if info is None or info.is_buffer:
                         continue
                     tp_placement = "R"
-                    if stage.tp > 1 and node.id in row.sharded:
+                    if laid_out is not None:
+                        tp_placement = laid_out.get(fqn[len(row.name) + 1:], "R")
+                    elif stage.tp > 1 and node.id in row.sharded:
                         if node.id in row.columns:  # weight (out, in) and bias (out): split the output features
                             tp_placement = "S(0)"
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
@@ -648,7 +661,7 @@ def config_of(model: PipelineModel, plan: dict) -> PipelineConfig:
                                  "not have")
             segments.append((index[first], index[last] + 1))
         stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels,
-                            segments=tuple(segments)))
+                            segments=tuple(segments), intra=bool(entry.get("intra", False))))
     return PipelineConfig(stages=tuple(stages), micro_batch=plan["micro_batch_size"], zero=plan["zero"],
                           sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"),
                           chunks=plan.get("chunks", 1))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.cost.memory import model_states
-from autopar.cost.pipeline import LayerPrice, PipelineConfig, PipelineModel, Stage, _in_flight
+from autopar.cost.pipeline import LayerPrice, PipelineConfig, PipelineModel, Stage
 from autopar.cost.types import RECOMPUTE
 
 
@@ -39,17 +39,11 @@ class StageMemory:
 
 def stage_memory(model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int) -> StageMemory:
     stage = config.stages[index]
-    mesh = model._mesh(config.pp, stage.dp, stage.tp)
-    samples = config.micro_batch / stage.dp
-
-    def price(row: int, level: str) -> LayerPrice:
-        return model.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
-
-    in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, global_batch // config.micro_batch)
-    params = sum(price(row, "none").params for row in range(stage.start, stage.end))
+    view = model.stage_view(config, index, global_batch=global_batch)
+    params = sum(view.price(row, "none").params for row in range(stage.start, stage.end))
     weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
     device = model.cluster.device
-    return StageMemory(price, in_flight, device.memory - device.reserved - weights - grads - optim)
+    return StageMemory(view.price, view.in_flight, device.memory - device.reserved - weights - grads - optim)
 
 
 def slots(nbytes: float, unit: float) -> int:

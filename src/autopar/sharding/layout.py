@@ -82,6 +82,7 @@ class Transfer:
     forward: float
     backward: float
     collectives: tuple[tuple[str, int, float], ...] = ()  # (kind, mesh axis, bytes), forward then backward
+    forward_moves: int = 0  # how many of ``collectives`` the forward issues
 
     @property
     def seconds(self) -> float:
@@ -105,9 +106,9 @@ class LayoutCosts:
     ) -> Transfer:
         fwd, fwd_moves = self._path(shape, itemsize, source, target)
         if gradient is None or fwd == INF:
-            return Transfer(fwd, 0.0, fwd_moves)
+            return Transfer(fwd, 0.0, fwd_moves, len(fwd_moves))
         bwd, bwd_moves = self._path(shape, itemsize, gradient, as_gradient(source))
-        return Transfer(fwd, bwd, fwd_moves + bwd_moves)
+        return Transfer(fwd, bwd, fwd_moves + bwd_moves, len(fwd_moves))
 
     def _move(self, kind: Collective, nbytes: float, axis: int) -> float:
         return collective_seconds(kind, nbytes, self.mesh.placements[axis], self.cluster)

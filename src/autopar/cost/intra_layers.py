@@ -1,0 +1,419 @@
+"""Intra-op layouts for a pipeline stage's layers: the #4 planner's sharding space on the stage's tp axis.
+
+Megatron's tensor parallelism is one layout of a layer over the stage's ``tp`` devices: column-parallel, then
+row-parallel, one all-reduce per pair. A stage may instead lay each repeated layer out block by block
+(`analysis.blocks`): every ParallelBlock's leading op splits over the tp axis by any of its candidates
+(`cost.intra`: rows of the batch or sequence, output features, the contracted dim, attention heads, experts),
+and the values between blocks are converted where the layouts differ (`sharding.layout`). Batch-splitting a
+small layer, say, trades Megatron's activation all-reduces for a gradient all-reduce over tp once an iteration.
+
+Between layers the stream is whole on each tp device, as Megatron and the stage boundary have it (split by
+sequence under sequence parallelism, as Megatron-SP has it), so each layer's layout is chosen on its own. Per layer it is the #4 ILP over the layer's blocks, solved exactly (all
+assignments at once with numpy for a layer of a few blocks, `search.ilp.solve` with HiGHS beyond):
+
+    minimise   sum_b c_b(x_b) + sum_(u,v) e_uv(x_u, x_v) + sync(x) / m
+    subject to states(x) + in_flight * saved(x) <= the same for Megatron's layout
+
+with ``c_b`` the block's compute and its conversions (scaled to the stage's samples per device), the conversion
+of each value entering the layer from that layout and of each value leaving it back to it, ``e_uv`` the
+conversions between the layer's blocks, and ``sync`` the gradient all-reduce over tp of weights a layout keeps
+whole while splitting their work, plus their share of the data-parallel synchronisation. The memory bound keeps a
+stage that fits under Megatron's layout fitting. A layout is used only where it is faster than Megatron's price
+(`cost.pipeline.price_layer`) by the same terms; otherwise the layer stays Megatron's.
+
+The planner traces once at batch 1 and scales, so a split of the batch dim alone (an attention core by samples)
+is not among the candidates there; splits of the tokens of a flattened (batch x sequence) matmul are.
+
+Blocks are grouped by their leading op, so a layer's blocks hold the ops after its last contraction up to the next
+layer's first (its norm): the work attributed to a layer shifts by one norm, alike for every repeated layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.analysis import ParallelBlock, build_blocks
+from autopar.cluster import Collective, collective_seconds
+from autopar.cluster.mesh import AxisPlacement, Mesh
+from autopar.cost.compute import node_seconds
+from autopar.cost.intra import Candidate, IntraCost
+from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
+from autopar.sharding import REPLICATE, short_layout
+from autopar.sharding.layout import Shard
+
+if TYPE_CHECKING:
+    from autopar.cost.pipeline import LayerPrice, PipelineModel
+
+_WHOLE = (REPLICATE,)
+_DENSE = 1 << 16  # layers with at most this many assignments are solved by enumeration, larger ones by HiGHS
+_ONE = Mesh(("tp",), (1,), (AxisPlacement("tp", 1, 1, 1),))  # block signatures do not depend on the mesh
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """A repeated layer's blocks laid out on a stage's tp axis, with its price per micro-batch on one device."""
+
+    splits: tuple[tuple[str, str], ...]  # (leading op's module, its split as `IntraCost.describe` names it)
+    prices: dict  # recompute level -> LayerPrice
+    reduced: float  # parameters (per device) kept whole over tp while their work splits: gradients summed over tp
+    params: tuple[tuple[str, str], ...] = ()  # (parameter inside the layer, its layout on tp: S(0), S(1), R)
+    choice: tuple[Candidate, ...] = ()  # per block, the candidate chosen
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """One layer's layout problem: its blocks, their candidates, and the ILP's arrays (`search.ilp`)."""
+
+    blocks: list[ParallelBlock]
+    candidates: list[list[Candidate]]
+    costs: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: list
+
+
+@dataclass(frozen=True, slots=True)
+class Conditions:
+    """What a layer's layout is chosen for (besides the layer and the stage's tp axis)."""
+
+    samples: float  # samples of a micro-batch per device
+    dp: int
+    dp_axis: AxisPlacement
+    zero: int
+    micro_batches: int
+    in_flight: float
+    sp: bool = False  # between layers the stream is split by sequence, not whole
+
+
+@dataclass(slots=True)
+class _Part:
+    """One block under one candidate, scaled: compute, conversions (kind, bytes, phase), memory."""
+
+    forward: float
+    backward: float
+    calls: list[tuple[str, float, str]]
+    saved: float
+    temporary: float
+    params: float
+    reduced: float
+    attention: tuple[float, float]  # (forward seconds, saved bytes) of its attention core
+
+
+class IntraLayers:
+    """Per-layer intra-op layouts of one pipeline model's graph (blocks built on first use, layouts cached)."""
+
+    def __init__(self, model: PipelineModel) -> None:
+        self.model = model
+        self._ready = False
+        self._costs: dict[AxisPlacement, IntraCost] = {}
+        self._parts: dict[tuple, _Part | None] = {}
+        self._layouts: dict[tuple, LayerLayout | None] = {}
+        self._row_keys: dict[int, tuple] = {}
+
+    def _build(self) -> None:
+        if self._ready:
+            return
+        graph = self.model.graph
+        self.bg = build_blocks(graph)
+        self.rows: dict[str, list[ParallelBlock]] = defaultdict(list)
+        for block in self.bg.blocks:
+            self.rows[block.layer].append(block)
+        # values a row's blocks produce that blocks of another row read: converted to whole on leaving the row
+        self.leaving: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        owner, blocks = self.bg.owner, self.bg.blocks
+        for node in graph.nodes:
+            here = owner[node.id]
+            for s in node.sources:
+                if s.state is None and s.node >= 0 and self.bg.activation[s.node] and here >= 0:
+                    there = owner[s.node]
+                    if there >= 0 and blocks[there].layer != blocks[here].layer:
+                        self.leaving[blocks[there].layer].add((s.node, s.index))
+        self._ready = True
+
+    def _row_key(self, row: int) -> tuple:
+        """Rows whose blocks are alike (signatures, and which values cross the layer's edge) share a layout."""
+        found = self._row_keys.get(row)
+        if found is None:
+            self._build()
+            name = self.model.layers[row].name
+            ic = next(iter(self._costs.values()), None) or IntraCost(self.bg, _ONE, self.model.cluster)
+            self._costs.setdefault(_ONE.placements[0], ic)
+            found = self._row_keys[row] = tuple(
+                (ic.signature(b), self._outside(b, name)) for b in self.rows.get(name, []))
+        return found
+
+    def _cost(self, placement: AxisPlacement) -> IntraCost:
+        found = self._costs.get(placement)
+        if found is None:
+            like = next(iter(self._costs.values()), None)
+            mesh = Mesh(("tp",), (placement.size,), (placement,))
+            found = self._costs[placement] = IntraCost(self.bg, mesh, self.model.cluster, like=like)
+        return found
+
+    # ---- choosing a layout -------------------------------------------------------------------------------------
+    def layout(self, row: int, tp_axis: AxisPlacement, when: Conditions, megatron: LayerPrice) -> LayerLayout | None:
+        """The fastest layout of repeated row ``row`` that needs no more memory than Megatron's (``megatron``, its
+        price without recomputation), or None where Megatron's layout is as fast."""
+        key = (self._row_key(row), tp_axis, when, megatron)
+        if key not in self._layouts:
+            self._layouts[key] = self._choose(row, tp_axis, when, megatron)
+        return self._layouts[key]
+
+    def _choose(self, row: int, tp_axis: AxisPlacement, when: Conditions, megatron: LayerPrice) -> LayerLayout | None:
+        from autopar.search.ilp import dense_optimum, solve
+
+        terms = self.terms(row, tp_axis, when)
+        if terms is None:
+            return None
+        limit = self.memory_limit(when, megatron)
+        if math.prod(len(c) for c in terms.costs) <= _DENSE:
+            found = dense_optimum(terms.costs, terms.edges, terms.memory, limit)
+            if found is None:
+                return None
+            indices = found[0]
+        else:
+            solution = solve(terms.costs, terms.edges, terms.memory, limit, time_limit=5.0)
+            if not solution.feasible:
+                return None
+            indices = solution.choice
+        ic, blocks, name = self._cost(tp_axis), terms.blocks, self.model.layers[row].name
+        choice = tuple(terms.candidates[v][i] for v, i in enumerate(indices))
+        scale = when.samples / self.model.traced_batch
+        prices = {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, when.sp)
+                  for level in ("none", "selective", "full")}
+        reduced = self._reduced(ic, blocks, choice)
+        if not self.seconds_of(prices["none"], reduced, tp_axis, when) < self.seconds_of(megatron, 0.0, tp_axis, when):
+            return None
+        splits = tuple((_relative(self.model.graph.node(b.leader).module, name), ic.describe(b, c))
+                       for b, c in zip(blocks, choice))
+        params = tuple((_relative(ic.locate(b, p.key), name), short_layout(p.layout))
+                       for b, c in zip(blocks, choice) for p in ic.block_cost(b, c).params)
+        return LayerLayout(splits=splits, prices=prices, reduced=reduced, params=params, choice=choice)
+
+    def terms(self, row: int, tp_axis: AxisPlacement, when: Conditions) -> Terms | None:
+        """The ILP of repeated row ``row``'s layout (None where it has no blocks or tp is 1)."""
+        from autopar.search.ilp import Edge
+
+        self._build()
+        name = self.model.layers[row].name
+        blocks = self.rows.get(name, [])
+        if not blocks or tp_axis.size == 1:
+            return None
+        ic = self._cost(tp_axis)
+        scale = when.samples / self.model.traced_batch
+        cands = [ic.candidates(b) for b in blocks]
+        per_param = self._per_param(when)
+        costs, memory = [], []
+        for b, options in zip(blocks, cands):
+            c_row, m_row = np.full(len(options), math.inf), np.zeros(len(options))
+            for i, cand in enumerate(options):
+                part = self._part(ic, b, cand, name, scale, tp_axis, when.sp)
+                if part is None:
+                    continue
+                c_row[i] = self._seconds(part, tp_axis, when)
+                m_row[i] = per_param * part.params + when.in_flight * part.saved
+            costs.append(c_row)
+            memory.append(m_row)
+        index = {b.id: v for v, b in enumerate(blocks)}
+        edges = [Edge(u, v, matrix) for v, b in enumerate(blocks)
+                 for u, matrix in self._inner_edges(ic, b, cands, index, scale, tp_axis).items()]
+        return Terms(blocks, cands, costs, memory, edges)
+
+    def memory_limit(self, when: Conditions, megatron: LayerPrice) -> float:
+        """Bytes a layer's layout may hold: what Megatron's layout of it holds (model states and in-flight
+        activations)."""
+        return self._per_param(when) * megatron.params + when.in_flight * megatron.activations
+
+    def _per_param(self, when: Conditions) -> float:
+        return sum(model_states(1.0, dtype=self.model.dtype, zero=when.zero, dp=when.dp))
+
+    def _seconds(self, part: _Part, tp_axis: AxisPlacement, when: Conditions) -> float:
+        comm = sum(collective_seconds(Collective(k), n, tp_axis, self.model.cluster) for k, n, _ in part.calls)
+        return part.forward + part.backward + comm + self._sync(part.params, part.reduced, tp_axis, when)
+
+    def seconds_of(self, price: LayerPrice, reduced: float, tp_axis: AxisPlacement, when: Conditions) -> float:
+        """A layer's price per micro-batch with its share of the iteration's gradient synchronisation."""
+        return price.forward + price.backward + price.comm_forward + price.comm_backward + self._sync(
+            price.params, reduced, tp_axis, when)
+
+    def _sync(self, params: float, reduced: float, tp_axis: AxisPlacement, when: Conditions) -> float:
+        itemsize = gradient_itemsize(self.model.dtype)
+        cluster = self.model.cluster
+        total = 0.0
+        if reduced:  # summed over tp once (each rank's ZeRO shard of them under ZeRO 1-3)
+            total += collective_seconds(Collective.ALL_REDUCE, reduced * itemsize / (when.dp if when.zero else 1),
+                                        tp_axis, cluster)
+        if when.dp > 1:
+            for kind, count in gradient_sync(when.zero, when.micro_batches):
+                total += count * collective_seconds(kind, params * itemsize, when.dp_axis, cluster)
+        return total / when.micro_batches
+
+    # ---- pricing ------------------------------------------------------------------------------------------------
+    def _part(self, ic: IntraCost, block: ParallelBlock, cand: Candidate, row: str, scale: float,
+              tp_axis: AxisPlacement, sp: bool) -> _Part | None:
+        key = (ic.signature(block), cand, scale, tp_axis, sp, self._outside(block, row))
+        if key in self._parts:
+            return self._parts[key]
+        bc = ic.block_cost(block, cand)
+        part = None
+        if bc is not None:
+            device = self.model.cluster.device
+            graph = self.model.graph
+            forward = backward = attn_seconds = attn_saved = 0.0
+            for pos, strategy in bc.strategies.items():
+                node = graph.node(block.nodes[pos])
+                shard = strategy.shard / scale
+                forward += node_seconds(node, device, backward=False, shard=shard)
+                backward += node_seconds(node, device, backward=True, shard=shard)
+                if "attention" in node.op:
+                    attn_seconds += node_seconds(node, device, backward=False, shard=shard)
+                    attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
+            calls = [(kind, nbytes * scale, phase) for (kind, _axis, nbytes), phase in zip(bc.collectives, bc.phases)]
+            # values from other layers arrive whole; values other layers read leave whole
+            for key_in, (need, grad) in bc.entries.items():
+                value = ic.locate(block, key_in)
+                if isinstance(value, str) or self.bg.blocks[self.bg.owner[value[0]]].layer != row:
+                    info = graph.state[value].tensor if isinstance(value, str) else graph.node(value[0]).outputs[value[1]]
+                    edge = _WHOLE if isinstance(value, str) else _between(info.shape, sp, tp_axis.size)
+                    move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), edge, need, grad)
+                    if not math.isfinite(move.seconds):
+                        self._parts[key] = None
+                        return None
+                    calls += _phased(move.collectives, move.forward_moves, scale)
+            leaving = self.leaving.get(row, set())
+            for (kind, pos, index), have in bc.exits.items():
+                if kind != "out" or (block.nodes[pos], index) not in leaving:
+                    continue
+                info = graph.node(block.nodes[pos]).outputs[index]
+                edge = _between(info.shape, sp, tp_axis.size)
+                if have == edge:
+                    continue
+                move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, edge, edge)
+                if not math.isfinite(move.seconds):
+                    self._parts[key] = None
+                    return None
+                calls += _phased(move.collectives, move.forward_moves, scale)
+            params = sum(p.local for p in bc.params)
+            part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale, params,
+                         sum(p.local for p in bc.params if p.reduce_axes), (attn_seconds, attn_saved))
+        self._parts[key] = part
+        return part
+
+    def _outside(self, block: ParallelBlock, row: str) -> tuple:
+        """Which of the block's inputs and outputs cross the layer's edge (part of a block's cost key: the same
+        block signature can sit at a layer's edge in one place and inside it in another)."""
+        leaving = self.leaving.get(row, set())
+        return tuple(block.nodes.index(n) for n, _ in sorted(leaving) if n in block.nodes)
+
+    def _inner_edges(self, ic: IntraCost, block: ParallelBlock, cands: list[list[Candidate]], index: dict[int, int],
+                     scale: float, tp_axis: AxisPlacement) -> dict[int, np.ndarray]:
+        """Seconds to convert each value ``block`` reads from an earlier block of its layer, per candidate pair."""
+        v = index[block.id]
+        found: dict[int, np.ndarray] = {}
+        for i, cand in enumerate(cands[v]):
+            bc = ic.block_cost(block, cand)
+            if bc is None:
+                continue
+            for key_in, (need, grad) in bc.entries.items():
+                value = ic.locate(block, key_in)
+                if isinstance(value, str):
+                    continue
+                producer = self.bg.owner[value[0]]
+                if producer not in index:
+                    continue
+                u = index[producer]
+                matrix = found.setdefault(u, np.zeros((len(cands[u]), len(cands[v]))))
+                pb = self.bg.blocks[producer]
+                for j, pc in enumerate(cands[u]):
+                    produced = ic.block_cost(pb, pc)
+                    have = produced.exits.get(("out", pb.nodes.index(value[0]), value[1])) if produced else None
+                    if have is None:
+                        matrix[j, i] = math.inf
+                        continue
+                    info = self.model.graph.node(value[0]).outputs[value[1]]
+                    move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
+                    matrix[j, i] += sum(collective_seconds(Collective(k), n, tp_axis, self.model.cluster)
+                                        for k, n, _ in _phased(move.collectives, move.forward_moves, scale)) \
+                        if math.isfinite(move.seconds) else math.inf
+        return found
+
+    def _inner_calls(self, ic: IntraCost, blocks: list[ParallelBlock], choice: list[Candidate],
+                     scale: float) -> list[tuple[str, float, str]]:
+        index = {b.id: v for v, b in enumerate(blocks)}
+        calls: list[tuple[str, float, str]] = []
+        for b, cand in zip(blocks, choice):
+            bc = ic.block_cost(b, cand)
+            for key_in, (need, grad) in bc.entries.items():
+                value = ic.locate(b, key_in)
+                if isinstance(value, str) or self.bg.owner[value[0]] not in index:
+                    continue
+                pb = self.bg.blocks[self.bg.owner[value[0]]]
+                produced = ic.block_cost(pb, choice[index[pb.id]])
+                have = produced.exits[("out", pb.nodes.index(value[0]), value[1])]
+                info = self.model.graph.node(value[0]).outputs[value[1]]
+                move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
+                calls += _phased(move.collectives, move.forward_moves, scale)
+        return calls
+
+    def _reduced(self, ic: IntraCost, blocks: list[ParallelBlock], choice: list[Candidate]) -> float:
+        return sum(p.local for b, c in zip(blocks, choice) for p in ic.block_cost(b, c).params if p.reduce_axes)
+
+    def _price(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...], row: int, scale: float,
+               tp_axis: AxisPlacement, level: str, sp: bool) -> LayerPrice:
+        from autopar.cost.pipeline import LayerPrice
+
+        layer = self.model.layers[row]
+        parts = [self._part(ic, b, c, layer.name, scale, tp_axis, sp) for b, c in zip(blocks, choice)]
+        calls = [c for p in parts for c in p.calls] + self._inner_calls(ic, blocks, choice, scale)
+        forward = sum(p.forward for p in parts)
+        backward = sum(p.backward for p in parts)
+        saved = sum(p.saved for p in parts)
+        temporary = max(p.temporary for p in parts)
+        forward_calls = [(k, n, "b") for k, n, phase in calls if phase == "f"]
+        if level == "full":  # the forward replays in the backward, its conversions too
+            backward += forward
+            calls = calls + forward_calls
+            temporary = max(temporary, saved)
+            saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
+        elif level == "selective":
+            backward += sum(p.attention[0] for p in parts)
+            saved -= sum(p.attention[1] for p in parts)
+        seconds = {"f": 0.0, "b": 0.0}
+        counted: dict[tuple[str, float], int] = defaultdict(int)
+        forward_counted: dict[tuple[str, float], int] = defaultdict(int)
+        for kind, nbytes, phase in calls:
+            seconds[phase] += collective_seconds(Collective(kind), nbytes, tp_axis, self.model.cluster)
+            counted[(kind, nbytes)] += 1
+        for kind, nbytes, _ in forward_calls:
+            forward_counted[(kind, nbytes)] += 1
+        return LayerPrice(
+            forward=forward, backward=backward, comm_forward=seconds["f"], comm_backward=seconds["b"],
+            activations=saved, temporary=temporary, params=sum(p.params for p in parts),
+            collectives=tuple((k, b, c) for (k, b), c in counted.items()),
+            forward_collectives=tuple((k, b, c) for (k, b), c in forward_counted.items()),
+        )
+
+
+def _phased(collectives, forward_moves: int, scale: float) -> list[tuple[str, float, str]]:  # noqa: ANN001
+    """(kind, bytes at the stage's batch, "f" | "b") of a conversion's or a block's collectives."""
+    return [(kind, nbytes * scale, "f" if i < forward_moves else "b")
+            for i, (kind, _axis, nbytes) in enumerate(collectives)]
+
+
+def _between(shape: tuple[int, ...], sp: bool, tp: int) -> tuple:
+    """The layout of a value passed between layers: whole, or under sequence parallelism split by sequence
+    ((batch, sequence, features) dim 1, flattened tokens dim 0) where it divides."""
+    if sp and len(shape) in (2, 3):
+        dim = len(shape) - 2
+        if shape[dim] % tp == 0:
+            return (Shard(dim),)
+    return _WHOLE
+
+
+def _relative(module: str, row: str) -> str:
+    """A module's name inside its layer ("attn.qkv" in "layers.3"): alike for every repeated layer."""
+    return module[len(row) + 1 :] if module.startswith(row + ".") else module
