@@ -210,6 +210,7 @@ def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     c, e = found.config, found.result.estimate
     return {
         "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage
+        "intra": [s.intra for s in c.stages],  # per stage: layers laid out by the intra-op planner
         "micro_batch_size": c.micro_batch, "zero": c.zero,
         "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(len(s.recomputed_rows()) for s in c.stages),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
@@ -266,7 +267,9 @@ def _runners_up(data: dict[str, Any]) -> list[str]:
     """The best of the other layouts the search priced, a line each, with how much slower each is."""
     if not data.get("runners_up"):
         return []
-    rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in r["dp_x_tp"])), str(r["micro_batch_size"]),
+    rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" + (" intra" if on else "") for (d, t), on in
+                                                    zip(r["dp_x_tp"], r.get("intra") or [False] * len(r["dp_x_tp"])))),
+             str(r["micro_batch_size"]),
              str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
              f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
             for r in data["runners_up"]]
