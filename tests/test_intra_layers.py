@@ -1,4 +1,4 @@
-"""Intra-op layer layouts inside pipeline stages: the #4 planner's choice per layer on a stage's tp axis."""
+"""Intra-op layer layouts inside pipeline stages: the intra-op planner's choice per layer on a stage's tp axis."""
 
 import dataclasses
 import itertools

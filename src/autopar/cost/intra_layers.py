@@ -1,4 +1,4 @@
-"""Intra-op layouts for a pipeline stage's layers: the #4 planner's sharding space on the stage's tp axis.
+"""Intra-op layouts for a pipeline stage's layers: the intra-op planner's sharding space on the stage's tp axis.
 
 Megatron's tensor parallelism is one layout of a layer over the stage's ``tp`` devices: column-parallel, then
 row-parallel, one all-reduce per pair. A stage may instead lay each repeated layer out block by block
@@ -8,8 +8,9 @@ and the values between blocks are converted where the layouts differ (`sharding.
 small layer, say, trades Megatron's activation all-reduces for a gradient all-reduce over tp once an iteration.
 
 Between layers the stream is whole on each tp device, as Megatron and the stage boundary have it (split by
-sequence under sequence parallelism, as Megatron-SP has it), so each layer's layout is chosen on its own. Per layer it is the #4 ILP over the layer's blocks, solved exactly (all
-assignments at once with numpy for a layer of a few blocks, `search.ilp.solve` with HiGHS beyond):
+sequence under sequence parallelism, as Megatron-SP has it), so each layer's layout is chosen on its own. Per
+layer it is the intra-op ILP over the layer's blocks, solved exactly (all assignments at once with numpy for a
+layer of a few blocks, `search.ilp.solve` with HiGHS beyond):
 
     minimise   sum_b c_b(x_b) + sum_(u,v) e_uv(x_u, x_v) + sync(x) / m
     subject to states(x) + in_flight * saved(x) <= the same for Megatron's layout
@@ -273,7 +274,7 @@ class IntraLayers:
                     attn_seconds += node_seconds(node, device, backward=False, shard=shard)
                     attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
             calls = [(kind, nbytes * scale, phase) for (kind, _axis, nbytes), phase in zip(bc.collectives, bc.phases)]
-            # values from other layers arrive whole; values other layers read leave whole
+            # values from other layers arrive in the layout between layers; values other layers read leave in it
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
                 if isinstance(value, str) or self.bg.blocks[self.bg.owner[value[0]]].layer != row:

@@ -23,6 +23,10 @@ GPipe: ``m``, interleaved: Megatron's warm-up count), the largest temporary, the
 The collectives each stage's devices issue are counted per call (`StageReport.collectives`), the way the runtime
 issues them: ``autopar run --check-comm`` and ``autopar dryrun`` compare the two.
 
+A stage marked ``intra`` prices each repeated layer by the intra-op planner's layout of it on the stage's tp axis
+where that is faster than Megatron's (`cost.intra_layers`), with the gradient all-reduce over tp its whole-kept
+weights need once an iteration.
+
 Layer prices are cached by (layer signature, tp, samples per device, recompute, sp): repeated layers are priced
 once, so a configuration of a 1,000-layer model costs a sum over its layers, not a pass over its nodes.
 """
