@@ -312,6 +312,37 @@ class IntraCost:
                         owners[s.state] = block.id
         return owners
 
+    def value_info(self, value: tuple[int, int] | str):  # noqa: ANN201
+        """Shape, dtype and bytes of a node output (node id, index) or a parameter (FQN)."""
+        if isinstance(value, str):
+            return self.state[value].tensor
+        return self.nodes[value[0]].outputs[value[1]]
+
+    def convert(self, value: tuple[int, int] | str, have: Layout, need: Layout, grad: Layout | None) -> Transfer:
+        """Converting ``value`` from ``have`` to ``need`` (and its gradient back from ``grad``)."""
+        info = self.value_info(value)
+        return self.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
+
+    def transfer(self, block: ParallelBlock, key: Key, producer: ParallelBlock, pc: Candidate,
+                 cc: Candidate) -> Transfer | None:
+        """The conversion of the value ``block`` reads at ``key`` from ``producer`` (under ``pc``) to ``block``
+        (under ``cc``); None if either candidate does not apply."""
+        produced, consumed = self.block_cost(producer, pc), self.block_cost(block, cc)
+        if produced is None or consumed is None:
+            return None
+        value = self.locate(block, key)
+        have = produced.exits.get(self._exit_key(producer, value, produced))
+        if have is None:
+            return None
+        need, grad = consumed.entries[key]
+        return self.convert(value, have, need, grad)
+
+    def _exit_key(self, producer: ParallelBlock, value: tuple[int, int] | str, cost: BlockCost) -> Key | None:
+        if isinstance(value, str):  # a parameter: its owner's use
+            return next((p.key for p in cost.params if self.locate(producer, p.key) == value), None)
+        node, index = value
+        return ("out", producer.nodes.index(node), index)
+
     def locate(self, block: ParallelBlock, key: Key) -> tuple[int, int] | str:
         """The node output (node id, index), or the parameter FQN, that a relative key names in ``block``."""
         kind, pos, index = key

@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 _WHOLE = (REPLICATE,)
 _DENSE = 1 << 16  # layers with at most this many assignments are solved by enumeration, larger ones by HiGHS
-_ONE = Mesh(("tp",), (1,), (AxisPlacement("tp", 1, 1, 1),))  # block signatures do not depend on the mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,14 +134,13 @@ class IntraLayers:
                         self.leaving[blocks[there].layer].add((s.node, s.index))
         self._ready = True
 
-    def _row_key(self, row: int) -> tuple:
+    def _row_key(self, row: int, tp_axis: AxisPlacement) -> tuple:
         """Rows whose blocks are alike (signatures, and which values cross the layer's edge) share a layout."""
         found = self._row_keys.get(row)
         if found is None:
             self._build()
             name = self.model.layers[row].name
-            ic = next(iter(self._costs.values()), None) or IntraCost(self.bg, _ONE, self.model.cluster)
-            self._costs.setdefault(_ONE.placements[0], ic)
+            ic = self._cost(tp_axis)  # block signatures do not depend on the mesh: every axis's IntraCost shares them
             found = self._row_keys[row] = tuple(
                 (ic.signature(b), self._outside(b, name)) for b in self.rows.get(name, []))
         return found
@@ -159,7 +157,7 @@ class IntraLayers:
     def layout(self, row: int, tp_axis: AxisPlacement, when: Conditions, megatron: LayerPrice) -> LayerLayout | None:
         """The fastest layout of repeated row ``row`` that needs no more memory than Megatron's (``megatron``, its
         price without recomputation), or None where Megatron's layout is as fast."""
-        key = (self._row_key(row), tp_axis, when, megatron)
+        key = (self._row_key(row, tp_axis), tp_axis, when, megatron)
         if key not in self._layouts:
             self._layouts[key] = self._choose(row, tp_axis, when, megatron)
         return self._layouts[key]
@@ -186,7 +184,7 @@ class IntraLayers:
         scale = when.samples / self.model.traced_batch
         prices = {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, when.sp)
                   for level in ("none", "selective", "full")}
-        reduced = self._reduced(ic, blocks, choice)
+        reduced = sum(self._part(ic, b, c, name, scale, tp_axis, when.sp).reduced for b, c in zip(blocks, choice))
         if not self.seconds_of(prices["none"], reduced, tp_axis, when) < self.seconds_of(megatron, 0.0, tp_axis, when):
             return None
         splits = tuple((_relative(self.model.graph.node(b.leader).module, name), ic.describe(b, c))
@@ -278,9 +276,8 @@ class IntraLayers:
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
                 if isinstance(value, str) or self.bg.blocks[self.bg.owner[value[0]]].layer != row:
-                    info = graph.state[value].tensor if isinstance(value, str) else graph.node(value[0]).outputs[value[1]]
-                    edge = _WHOLE if isinstance(value, str) else _between(info.shape, sp, tp_axis.size)
-                    move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), edge, need, grad)
+                    edge = _WHOLE if isinstance(value, str) else _between(ic.value_info(value).shape, sp, tp_axis.size)
+                    move = ic.convert(value, edge, need, grad)
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
                         return None
@@ -289,11 +286,11 @@ class IntraLayers:
             for (kind, pos, index), have in bc.exits.items():
                 if kind != "out" or (block.nodes[pos], index) not in leaving:
                     continue
-                info = graph.node(block.nodes[pos]).outputs[index]
-                edge = _between(info.shape, sp, tp_axis.size)
+                value = (block.nodes[pos], index)
+                edge = _between(ic.value_info(value).shape, sp, tp_axis.size)
                 if have == edge:
                     continue
-                move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, edge, edge)
+                move = ic.convert(value, have, edge, edge)
                 if not math.isfinite(move.seconds):
                     self._parts[key] = None
                     return None
@@ -315,53 +312,37 @@ class IntraLayers:
         """Seconds to convert each value ``block`` reads from an earlier block of its layer, per candidate pair."""
         v = index[block.id]
         found: dict[int, np.ndarray] = {}
-        for i, cand in enumerate(cands[v]):
-            bc = ic.block_cost(block, cand)
-            if bc is None:
-                continue
-            for key_in, (need, grad) in bc.entries.items():
-                value = ic.locate(block, key_in)
-                if isinstance(value, str):
-                    continue
-                producer = self.bg.owner[value[0]]
-                if producer not in index:
-                    continue
-                u = index[producer]
-                matrix = found.setdefault(u, np.zeros((len(cands[u]), len(cands[v]))))
-                pb = self.bg.blocks[producer]
-                for j, pc in enumerate(cands[u]):
-                    produced = ic.block_cost(pb, pc)
-                    have = produced.exits.get(("out", pb.nodes.index(value[0]), value[1])) if produced else None
-                    if have is None:
-                        matrix[j, i] = math.inf
-                        continue
-                    info = self.model.graph.node(value[0]).outputs[value[1]]
-                    move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
-                    matrix[j, i] += sum(collective_seconds(Collective(k), n, tp_axis, self.model.cluster)
-                                        for k, n, _ in _phased(move.collectives, move.forward_moves, scale)) \
-                        if math.isfinite(move.seconds) else math.inf
+        for key_in, producer in self._inner_inputs(ic, block, cands[v], index):
+            u = index[producer.id]
+            matrix = found.setdefault(u, np.zeros((len(cands[u]), len(cands[v]))))
+            for j, pc in enumerate(cands[u]):
+                for i, cc in enumerate(cands[v]):
+                    move = ic.transfer(block, key_in, producer, pc, cc)
+                    matrix[j, i] += math.inf if move is None or not math.isfinite(move.seconds) else sum(
+                        collective_seconds(Collective(k), n, tp_axis, self.model.cluster)
+                        for k, n, _ in _phased(move.collectives, move.forward_moves, scale))
         return found
 
-    def _inner_calls(self, ic: IntraCost, blocks: list[ParallelBlock], choice: list[Candidate],
+    def _inner_inputs(self, ic: IntraCost, block: ParallelBlock, options: list[Candidate],
+                      index: dict[int, int]) -> list[tuple]:
+        """(entry key, producer block) of each value ``block`` reads from another block of its layer."""
+        bc = next((c for c in (ic.block_cost(block, cand) for cand in options) if c is not None), None)
+        found = []
+        for key_in in bc.entries if bc is not None else ():
+            value = ic.locate(block, key_in)
+            if not isinstance(value, str) and self.bg.owner[value[0]] in index:
+                found.append((key_in, self.bg.blocks[self.bg.owner[value[0]]]))
+        return found
+
+    def _inner_calls(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...],
                      scale: float) -> list[tuple[str, float, str]]:
         index = {b.id: v for v, b in enumerate(blocks)}
         calls: list[tuple[str, float, str]] = []
         for b, cand in zip(blocks, choice):
-            bc = ic.block_cost(b, cand)
-            for key_in, (need, grad) in bc.entries.items():
-                value = ic.locate(b, key_in)
-                if isinstance(value, str) or self.bg.owner[value[0]] not in index:
-                    continue
-                pb = self.bg.blocks[self.bg.owner[value[0]]]
-                produced = ic.block_cost(pb, choice[index[pb.id]])
-                have = produced.exits[("out", pb.nodes.index(value[0]), value[1])]
-                info = self.model.graph.node(value[0]).outputs[value[1]]
-                move = ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
+            for key_in, producer in self._inner_inputs(ic, b, [cand], index):
+                move = ic.transfer(b, key_in, producer, choice[index[producer.id]], cand)
                 calls += _phased(move.collectives, move.forward_moves, scale)
         return calls
-
-    def _reduced(self, ic: IntraCost, blocks: list[ParallelBlock], choice: list[Candidate]) -> float:
-        return sum(p.local for b, c in zip(blocks, choice) for p in ic.block_cost(b, c).params if p.reduce_axes)
 
     def _price(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...], row: int, scale: float,
                tp_axis: AxisPlacement, level: str, sp: bool) -> LayerPrice:

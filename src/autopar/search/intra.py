@@ -29,7 +29,7 @@ from autopar.analysis import BlockGraph, ParallelBlock, Segment, Split, build_bl
 from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
 from autopar.cluster.mesh import Mesh
-from autopar.cost.intra import BlockCost, Candidate, IntraCost, Key, ParamUse, sync_seconds
+from autopar.cost.intra import Candidate, IntraCost, Key, ParamUse, sync_seconds
 from autopar.cost.memory import gradient_itemsize, model_states
 from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
 from autopar.search.ilp import Edge, Solution, solve
@@ -155,16 +155,6 @@ class Terms:
     constant_memory: float
 
 
-def _exit_key(space: Space, producer: ParallelBlock, value: tuple[int, int] | str, cost: BlockCost):  # noqa: ANN202
-    if isinstance(value, str):  # a parameter: its owner's use
-        for p in cost.params:
-            if space.cost.locate(producer, p.key) == value:
-                return p.key
-        return None
-    node, index = value
-    return ("out", producer.nodes.index(node), index)
-
-
 def _states(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...]) -> tuple[float, float, float]:
     weights = grads = optim = 0.0
     for p in params:
@@ -208,29 +198,6 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
     return Terms(costs, memory, transient, states, edges, ic.cluster.device.reserved)
 
 
-def _value_info(space: Space, value: tuple[int, int] | str):  # noqa: ANN202
-    if isinstance(value, str):
-        return space.graph.state[value].tensor
-    return space.graph.node(value[0]).outputs[value[1]]
-
-
-def _transfer(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock, pc: Candidate, cc: Candidate):  # noqa: ANN202
-    """The conversion of one value from ``producer`` (under ``pc``) to ``block`` (under ``cc``); None if either
-    candidate does not apply."""
-    ic = space.cost
-    produced, consumed = ic.block_cost(producer, pc), ic.block_cost(block, cc)
-    if produced is None or consumed is None:
-        return None
-    value = ic.locate(block, key)
-    exit_key = _exit_key(space, producer, value, produced)
-    have = produced.exits.get(exit_key) if exit_key is not None else None
-    if have is None:
-        return None
-    need, grad = consumed.entries[key]
-    info = _value_info(space, value)
-    return ic.layouts.convert(info.shape, info.nbytes // max(info.numel, 1), have, need, grad)
-
-
 def _edge_matrix(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock) -> np.ndarray:
     """Seconds per micro-batch to move one value, [producer candidate, consumer candidate]."""
     p_cands = space.candidates[space.var_of[producer.id]]
@@ -238,7 +205,7 @@ def _edge_matrix(space: Space, block: ParallelBlock, key: Key, producer: Paralle
     matrix = np.full((len(p_cands), len(cands)), math.inf)
     for j, pc in enumerate(p_cands):
         for i, cc in enumerate(cands):
-            transfer = _transfer(space, block, key, producer, pc, cc)
+            transfer = space.cost.transfer(block, key, producer, pc, cc)
             if transfer is not None:
                 matrix[j, i] = transfer.seconds
     return matrix
@@ -306,8 +273,8 @@ def estimate_choice(
         temporary = max(temporary, bc.temporary)
         for key, producer in cls.inputs:
             pv = space.var_of[producer.id]
-            transfer = _transfer(
-                space, cls.block, key, producer, space.candidates[pv][choice[pv]], space.candidates[cls.var][choice[cls.var]]
+            transfer = ic.transfer(
+                cls.block, key, producer, space.candidates[pv][choice[pv]], space.candidates[cls.var][choice[cls.var]]
             )
             comm += n * m * transfer.seconds
             for kind, axis, nbytes in transfer.collectives:
