@@ -199,20 +199,26 @@ def parallelize(
 
     if dp == 1:
         return ParallelModel(model, zero, plain, permutations, axes)
-    if zero > 0:  # FSDP2 per repeated layer, then the rest; ZeRO 1-2 keep weights gathered through the step
-        from torch.distributed.fsdp import fully_shard
-
+    if zero > 0:
         layers = list(units) or [
             m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()
         ]
-        for layer in layers:
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=zero == 3)
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False if zero < 3 else None)
+        _fully_shard(model, layers, mesh["dp"], zero)
         return ParallelModel(model, zero, plain, permutations, axes)
     if tp > 1 or not ddp:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"))
     wrapped = _ddp(model)
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
+
+
+def _fully_shard(root: nn.Module, layers: Iterable[nn.Module], mesh: Any, zero: int) -> None:
+    """FSDP2 per repeated layer, then the rest under ``root``; ZeRO 1-2 keep the weights gathered from the first
+    forward to the last backward, ZeRO 3 gathers them again for the backward (the root keeps its own)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False if zero < 3 else None)
 
 
 def _ddp(module: nn.Module) -> nn.Module:
@@ -239,12 +245,9 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
     def wrap(part: nn.Module) -> nn.Module:
         if tp > 1:
             permutations.update(_tensor_parallel(part, plan, mesh["tp"], model=model))
-        if sharded:  # ZeRO 1: FSDP2 keeping weights gathered; the schedule reduce-scatters after the last backward
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values():
-                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
-            fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
+        if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward
+            layers = (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values()
+            _fully_shard(part, layers, mesh["dp"], 1)
         return part
 
     wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,
