@@ -19,26 +19,28 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from autopar.plan import Plan
+
 OVERRIDES = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 8, "ffn": 1376, "vocab": 2048}
 SEQ, BATCH = 128, 8
 
 
-def make_plan() -> dict:
+def make_plan() -> Plan:
     from autopar.capture import trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
-    from autopar.search.pipeline import Found, plan_dict
+    from autopar.plan import Workload
+    from autopar.search.pipeline import Found, pipeline_plan
     from autopar.zoo import load
 
     zoo = load("hf:llama-tiny", batch=1, seq=SEQ, **OVERRIDES)
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(2),
                           traced_batch=1)
     config = PipelineConfig(stages=even_stages(model, 1, tp=2, dp=1), micro_batch=BATCH)
-    plan = plan_dict(model, Found(config, model.estimate(config, global_batch=BATCH), 1), name="hf:llama-tiny",
-                     kind="bench", global_batch=BATCH)
-    plan["workload"] = {"model": "hf:llama-tiny", "overrides": OVERRIDES, "seq": SEQ, "batch": BATCH,
-                        "dtype": "fp32"}
-    return plan
+    work = Workload(model="hf:llama-tiny", overrides=tuple(sorted(OVERRIDES.items())), seq=SEQ, batch=BATCH,
+                    dtype="fp32")
+    return pipeline_plan(model, Found(config, model.estimate(config, global_batch=BATCH), 1), name="hf:llama-tiny",
+                         kind="bench", global_batch=BATCH, workload=work)
 
 
 def by_hand(model: torch.nn.Module, mesh) -> None:  # noqa: ANN001
@@ -55,7 +57,7 @@ def by_hand(model: torch.nn.Module, mesh) -> None:  # noqa: ANN001
     parallelize_module(model, mesh, styles)
 
 
-def rank_main(rank: int, rendezvous: str, plan: dict, steps: int, out: str) -> None:
+def rank_main(rank: int, rendezvous: str, plan: Plan, steps: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -200,7 +200,7 @@ def test_plan_auto_json_fields_and_plan_file(capsys: pytest.CaptureFixture[str],
     for other in data["baselines"].values():
         if other and other["estimate"]["memory"]["fits"]:
             assert data["estimate"]["iteration_seconds"] <= other["estimate"]["iteration_seconds"] * (1 + 1e-9)
-    assert load_plan(out_file)["plan"] == plan
+    assert load_plan(out_file).to_dict() == plan
     runners = data["runners_up"]  # the best of other layouts, best first, none the plan's own layout
     assert 1 <= len(runners) <= 3
     layouts = [(r["pp"], r["dp_x_tp"], r["zero"], r["sp"]) for r in runners]

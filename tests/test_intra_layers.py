@@ -14,7 +14,7 @@ from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
 from autopar.runtime.apply import check_supported
 from autopar.search.ilp import evaluate, memory_of
 from autopar.search.pipeline import (
-    Evaluator, Found, auto, config_of, even_stages, plan_dict, primitives, runtime_limit,
+    Evaluator, Found, auto, config_of, even_stages, pipeline_plan, primitives, runtime_limit,
 )
 from autopar.zoo import load
 
@@ -111,8 +111,9 @@ def test_the_search_toggles_layouts_and_plans_round_trip(gpt) -> None:
     assert len(toggled) == 1 and not toggled[0].stages[1].intra
     laid = _intra(config)
     result = gpt.estimate(laid, global_batch=64)
-    plan = plan_dict(gpt, Found(laid, result, 1), name="gpt3-1.3b", kind="auto", global_batch=64)
-    assert config_of(gpt, plan) == laid
+    typed = pipeline_plan(gpt, Found(laid, result, 1), name="gpt3-1.3b", kind="auto", global_batch=64)
+    assert config_of(gpt, typed) == laid
+    plan = typed.to_dict()
     assert any(stage["layouts"] for stage in plan["stages"])
     layer, splits = next((n, s) for stage in plan["stages"] for n, s in stage["layouts"].items())
     assert all(not module.startswith(layer) for module in splits)  # named inside the layer
@@ -123,7 +124,7 @@ def test_the_search_toggles_layouts_and_plans_round_trip(gpt) -> None:
     assert placed and all(p.startswith("[R, ") for p in placed.values())
     assert "intra-op planner" in runtime_limit(laid)
     with pytest.raises(NotImplementedError, match="intra-op planner"):
-        check_supported(plan)
+        check_supported(typed)
 
 
 def test_runnable_searches_never_lay_layers_out() -> None:

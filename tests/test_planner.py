@@ -46,7 +46,7 @@ def test_memory_bound_plan_fits_and_beats_fsdp_and_megatron() -> None:
 
 def test_mlp_pairs_column_then_row_when_tensor_parallel() -> None:
     found = _plan("gpt3-175b", gpus=8, batch=8, layers=4)
-    plan = found["ilp"].to_dict("gpt3-175b")
+    plan = found["ilp"].to_plan("gpt3-175b").to_dict()
     assert found["ilp"].estimate.memory.fits and not found["dp"].estimate.memory.fits
     splits = {b["module"]: b["split"] for b in plan["blocks"]}
     for layer in range(4):
@@ -84,11 +84,10 @@ def test_variables_do_not_grow_with_depth() -> None:
 
 def test_plan_file_round_trip_and_validation(tmp_path) -> None:
     found = _plan("gpt3-125m", gpus=4, batch=8, layers=2)
-    plan = found["ilp"].to_dict("gpt3-125m")
+    plan = found["ilp"].to_plan("gpt3-125m")
     path = tmp_path / "plan.json"
-    save_plan(path, plan, found["ilp"].estimate.to_dict())
-    data = load_plan(path)
-    assert data["plan"] == json.loads(json.dumps(plan))
+    save_plan(path, plan)
+    assert load_plan(path) == plan
     bad = json.loads(path.read_text())
     bad["plan"]["modules"]["layers.0.attn.qkv"]["params"]["layers.0.attn.qkv.weight"] = "S(x)"
     path.write_text(json.dumps(bad))
@@ -96,7 +95,7 @@ def test_plan_file_round_trip_and_validation(tmp_path) -> None:
         load_plan(path)
     bad["plan"]["schema"] = 99
     path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="schema 99"):
+    with pytest.raises(ValueError, match="schema is 99; this autopar reads plan schemas 1, 2"):
         load_plan(path)
 
 

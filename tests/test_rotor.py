@@ -130,20 +130,21 @@ def test_rotor_fits_where_per_layer_recomputation_cannot_and_is_never_slower() -
 
 
 def test_plans_carry_segments_to_the_runtime_and_back() -> None:
-    from autopar.search.pipeline import Found, config_of, plan_dict
+    from autopar.plan import FieldError
+    from autopar.search.pipeline import Found, config_of, pipeline_plan
 
     model = _model("gpt3-350m", gpus=2, layers=4)
     stage = even_stages(model, 1, tp=1, dp=2)[0]
     layers = [r for r in range(stage.start, stage.end) if model.layers[r].repeated]
     stage = dataclasses.replace(stage, segments=((layers[0], layers[3] + 1), (layers[0], layers[1] + 1)))
     config = PipelineConfig(stages=(stage,), micro_batch=2)
-    plan = plan_dict(model, Found(config, model.estimate(config, global_batch=8), 1), name="x", kind="t",
-                     global_batch=8)
-    assert plan["stages"][0]["segments"] == [["layers.0", "layers.3"], ["layers.0", "layers.1"]]
+    plan = pipeline_plan(model, Found(config, model.estimate(config, global_batch=8), 1), name="x", kind="t",
+                         global_batch=8)
+    assert plan.stages[0].segments == (("layers.0", "layers.3"), ("layers.0", "layers.1"))
+    assert plan.to_dict()["stages"][0]["segments"] == [["layers.0", "layers.3"], ["layers.0", "layers.1"]]
     assert config_of(model, plan) == config
-    plan["stages"][0]["segments"] = [["layers.0", "layers.9"]]
-    with pytest.raises(ValueError, match="layers.9"):
-        config_of(model, plan)
+    with pytest.raises(FieldError, match="layers.9"):
+        dataclasses.replace(plan.stages[0], segments=(("layers.0", "layers.9"),))
 
 
 def test_stage_rejects_bad_segments() -> None:

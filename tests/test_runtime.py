@@ -1,5 +1,6 @@
 """Plans run with PyTorch's distributed engine on gloo ranks and match one process (losses and gradients)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from autopar.cli.main import main
 from autopar.cli.run import compare
+from autopar.plan import load_plan
 from autopar.runtime import StepLog, check_supported
 
 TINY = ["gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "32"]
@@ -49,7 +51,8 @@ def _pipeline_plan(
     from autopar.capture import trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
-    from autopar.search.pipeline import Found, plan_dict
+    from autopar.plan import Workload, save_plan
+    from autopar.search.pipeline import Found, pipeline_plan
     from autopar.zoo import load
 
     zoo = load(name, batch=1, seq=32, **overrides)
@@ -59,13 +62,15 @@ def _pipeline_plan(
     config = PipelineConfig(stages=even_stages(model, pp * chunks, tp=tp, dp=dp), micro_batch=micro, zero=zero,
                             schedule="interleaved" if chunks > 1 else schedule, sp=sp, chunks=chunks)
     found = Found(config, model.estimate(config, global_batch=batch), 1)
-    plan = plan_dict(model, found, name=name, kind="test", global_batch=batch)
-    plan["workload"] = {"model": name, "overrides": overrides, "seq": 32, "batch": batch, "dtype": "fp32"}
-    for stage in plan["stages"]:
-        stage["recompute"] = {k: v for k, v in (recompute or {}).items() if k in stage["layers"]}
-        stage["segments"] = [s for s in segments or () if s[0] in stage["layers"]]
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=32, batch=batch, dtype="fp32")
+    plan = pipeline_plan(model, found, name=name, kind="test", global_batch=batch, workload=work)
+    stages = tuple(
+        dataclasses.replace(stage, recompute=tuple((k, v) for k, v in (recompute or {}).items() if k in stage.layers),
+                            segments=tuple(tuple(s) for s in segments or () if s[0] in stage.layers))
+        for stage in plan.stages
+    )
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"plan": plan, "estimate": found.result.estimate.to_dict()}))
+    save_plan(path, dataclasses.replace(plan, stages=stages))
     return str(path)
 
 
@@ -204,25 +209,37 @@ def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) ->
     from autopar.runtime.apply import check_matches
     from autopar.runtime.train import Workload, build_model
 
+    from autopar.plan import Plan
+
     data = _plan(tmp_path, capsys, "--search", "dp")
-    plan = data["plan"]
+    plan = Plan.from_dict(data["plan"])
     check_supported(plan)
+    intra = json.loads(json.dumps(data["plan"]))
+    intra["blocks"] = [{"id": 0, "layer": "embed", "module": "embed", "split": "m"}]
+    intra["mesh"] = {"shape": [2], "axes": ["dp"]}
+    del intra["stages"], intra["schedule"], intra["chunks"]
+    intra["modules"] = {}
     with pytest.raises(NotImplementedError, match="intra-op"):
-        check_supported({k: v for k, v in plan.items() if k != "stages"})
+        check_supported(Plan.from_dict(intra))
     model = build_model(Workload.of(plan))
     check_matches(model, plan)
-    other = json.loads(json.dumps(plan))
-    other["stages"][0]["layers"].append("layers.7")  # planned for a deeper model
+
+    def changed(edit) -> Plan:  # noqa: ANN001
+        other = json.loads(json.dumps(data["plan"]))
+        edit(other)
+        return Plan.from_dict(other)
+
+    deeper = changed(lambda p: p["stages"][0]["layers"].append("layers.7"))  # planned for a deeper model
     with pytest.raises(ValueError, match="'layers.7', which the model does not have"):
-        check_matches(model, other)
-    other = json.loads(json.dumps(plan))
-    other["modules"]["layers.0.attn.qkv"]["shapes"]["layers.0.attn.qkv.weight"] = [96, 32]  # planned at hidden 32
+        check_matches(model, deeper)
+    narrower = changed(lambda p: p["modules"]["layers.0.attn.qkv"]["shapes"].update(  # planned at hidden 32
+        {"layers.0.attn.qkv.weight": [96, 32]}))
     with pytest.raises(ValueError, match=r"'layers.0.attn.qkv.weight' of 'layers.0.attn.qkv' has shape \[192, 64\]"):
-        check_matches(model, other)
-    other = json.loads(json.dumps(plan))
-    other["modules"]["layers.0.attn.qkv"]["params"]["layers.0.attn.qkv.scale"] = "[R, R]"
+        check_matches(model, narrower)
+    extra = changed(lambda p: p["modules"]["layers.0.attn.qkv"]["params"].update(
+        {"layers.0.attn.qkv.scale": "[R, R]"}))
     with pytest.raises(ValueError, match="parameter 'layers.0.attn.qkv.scale' of 'layers.0.attn.qkv'"):
-        check_matches(model, other)
+        check_matches(model, extra)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     assert main(["run", str(path), "--nproc", "2", "--steps", "2", "--check-comm"]) == 2
@@ -241,6 +258,7 @@ def test_estimate_writes_a_configuration_as_a_plan_the_runtime_reads(tmp_path, c
     plan = json.loads(path.read_text())["plan"]
     assert plan["schedule"] == "gpipe" and [(s["dp"], s["tp"]) for s in plan["stages"]] == [(1, 2), (1, 2)]
     assert plan["workload"]["overrides"]["layers"] == 4 and plan["micro_batches"] == 4
+    plan = load_plan(path)
     check_matches(build_model(Workload.of(plan)), plan)
     first, last = stage_predictions(plan)  # the tied head's gradient is summed over the two ends
     assert {(c["kind"], c["axis"]) for c in first} == {("all_reduce", "tp"), ("all_reduce", "pp"), ("send_recv", "pp")}
@@ -293,10 +311,10 @@ def test_dryrun_matches_the_prediction_on_a_fake_process_group(tmp_path, capsys)
     # the same counts against the prediction for ZeRO 0 fail, naming the first difference
     from autopar.runtime.comm import compare, stage_predictions
 
-    plan = json.loads(open(path).read())["plan"]
+    plan = load_plan(path)
     counted = [{"kind": r["kind"], "axis": r["axis"], "count": r["counted"], "bytes": r["counted_bytes"]}
                for r in out["rows"]]
-    result = compare(counted, stage_predictions({**plan, "zero": 0})[0])
+    result = compare(counted, stage_predictions(dataclasses.replace(plan, zero=0))[0])
     assert not result["ok"] and result["message"].startswith("all_gather on dp: 10 calls")
 
 
@@ -307,18 +325,18 @@ def test_dryrun_of_a_64_way_plan_for_a_billion_parameter_model(tmp_path, capsys,
     from autopar.capture import trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineConfig, PipelineModel, even_stages
-    from autopar.search.pipeline import Found, plan_dict
+    from autopar.plan import Workload, save_plan
+    from autopar.search.pipeline import Found, pipeline_plan
     from autopar.zoo import load
 
     zoo = load("gpt3-1.3b", batch=1, seq=2048)
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs),
                           load_cluster("a100-80g-sxm").with_devices(64), traced_batch=1)
     config = PipelineConfig(stages=even_stages(model, 1, tp=8, dp=8), micro_batch=8, zero=zero)
-    plan = plan_dict(model, Found(config, model.estimate(config, global_batch=16), 1), name="gpt3-1.3b",
-                     kind="test", global_batch=16)
-    plan["workload"] = {"model": "gpt3-1.3b", "overrides": {}, "seq": 2048, "batch": 16, "dtype": "bf16"}
+    plan = pipeline_plan(model, Found(config, model.estimate(config, global_batch=16), 1), name="gpt3-1.3b",
+                         kind="test", global_batch=16, workload=Workload(model="gpt3-1.3b", seq=2048, batch=16))
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"plan": plan, "estimate": {}}))
+    save_plan(path, plan)
     assert main(["dryrun", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["world_size"] == 64

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     from autopar.runtime.dryrun import dryrun
 
-    result = {"plan": args.plan, **dryrun(load_plan(args.plan)["plan"])}
+    result = {"plan": args.plan, **dryrun(load_plan(args.plan))}
     if not result["ok"]:
         if args.json:
             print(json.dumps(result, indent=2))

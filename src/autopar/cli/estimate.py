@@ -87,14 +87,14 @@ def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, co
     from autopar.cost.megatron import pipeline_config
     from autopar.cost.pipeline import PipelineModel
     from autopar.plan import save_plan
-    from autopar.search.pipeline import Found, plan_dict
+    from autopar.search.pipeline import Found, pipeline_plan
 
     model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
     pipeline = pipeline_config(model, config)
     result = model.estimate(pipeline, global_batch=global_batch)
-    plan = plan_dict(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
-                     global_batch=global_batch)
-    save_plan(args.out, {**plan, "workload": workload(args, zoo)}, result.estimate.to_dict())
+    plan = pipeline_plan(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
+                         global_batch=global_batch, workload=workload(args, zoo))
+    save_plan(args.out, plan)
 
 
 def render(data: dict[str, Any]) -> str:

@@ -15,10 +15,10 @@ from autopar.capture import trace
 from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments, mesh_shape
 from autopar.cli.render import binary_bytes, estimate_text, table
 from autopar.cluster import load_cluster
-from autopar.plan import save_plan
+from autopar.plan import Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.pipeline import pipeline_searches, plan_dict, runtime_limit
+from autopar.search.pipeline import pipeline_plan, pipeline_searches, runtime_limit
 from autopar.zoo import load
 
 PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
@@ -89,27 +89,29 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             "the batch does not divide over the devices"
         )
     name = zoo.config.name
-    baselines = {
-        kind: ({"plan": p.to_dict(name), "estimate": p.estimate.to_dict()} if p is not None else None)
-        for kind, p in found.items()
-        if kind != args.search
-    }
-    data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_dict(name),
-                   estimate=chosen.estimate.to_dict(), baselines=baselines, seconds=seconds)
+    baselines = {kind: (_entry(p.to_plan(name)) if p is not None else None)
+                 for kind, p in found.items() if kind != args.search}
+    data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_plan(name),
+                   baselines=baselines, seconds=seconds)
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}
     return data if args.json else render(data, out=args.out)
 
 
+def _entry(plan: Plan) -> dict[str, Any]:
+    """A plan and its estimate as the CLI prints them (``--json``: ``plan`` and ``estimate``)."""
+    return {"plan": plan.to_dict(), "estimate": plan.estimate.to_dict()}
+
+
 def _result(
-    args: argparse.Namespace, zoo: Any, cluster: Any, *, params: int, plan: dict[str, Any], estimate: dict[str, Any],
-    baselines: dict[str, Any], seconds: float,
+    args: argparse.Namespace, zoo: Any, cluster: Any, *, params: int, plan: Plan, baselines: dict[str, Any],
+    seconds: float,
 ) -> dict[str, Any]:
     """The fields every search reports (CLI.md), with the plan's workload; writes ``--out``."""
-    plan = {**plan, "workload": workload(args, zoo)}
+    plan = plan.with_workload(workload(args, zoo))
     if args.out:
-        save_plan(args.out, plan, estimate)
+        save_plan(args.out, plan)
     return {
         "model": zoo.config.name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch},
@@ -117,8 +119,7 @@ def _result(
         "gpus": cluster.num_devices,
         "search": args.search,
         "params": params,
-        "plan": plan,
-        "estimate": estimate,
+        **_entry(plan),
         "baselines": baselines,
         "search_seconds": seconds,
     }
@@ -134,10 +135,11 @@ def _progress(show: bool, start: float):  # noqa: ANN202
     return progress
 
 
-def workload(args: argparse.Namespace, zoo: Any) -> dict[str, Any]:
+def workload(args: argparse.Namespace, zoo: Any) -> Workload:
     """What `autopar run` needs to rebuild the model and its batches."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
-    return {"model": args.model, "overrides": overrides, "seq": zoo.seq, "batch": args.batch, "dtype": args.dtype}
+    return Workload(model=args.model, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
+                    dtype=args.dtype)
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -181,14 +183,12 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
                          "does not divide over the devices")
     name = zoo.config.name
 
-    def entry(kind: str, f: Any) -> dict[str, Any]:
-        return {"plan": plan_dict(model, f, name=name, kind=kind, global_batch=args.batch),
-                "estimate": f.result.estimate.to_dict()}
+    def typed(kind: str, f: Any) -> Plan:
+        return pipeline_plan(model, f, name=name, kind=kind, global_batch=args.batch)
 
-    chosen_entry = entry(args.search, chosen)
-    baselines = {k: (entry(k, f) if f is not None else None) for k, f in found.items() if k != args.search}
-    data = _result(args, zoo, cluster, params=graph.num_params, plan=chosen_entry["plan"],
-                   estimate=chosen_entry["estimate"], baselines=baselines, seconds=seconds)
+    baselines = {k: (_entry(typed(k, f)) if f is not None else None) for k, f in found.items() if k != args.search}
+    data = _result(args, zoo, cluster, params=graph.num_params, plan=typed(args.search, chosen),
+                   baselines=baselines, seconds=seconds)
     data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
                 runners_up=[_layout(f, chosen) for f in chosen.runners_up],
                 not_runnable=limit(chosen.config))  # why `autopar run` refuses it, or null

@@ -1,12 +1,13 @@
-"""Parallel configurations and what the cost model says about them (the `Estimate` of CLI.md)."""
+"""Parallel configurations; what the cost model says about them (`Estimate`) lives with the plan that carries it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+from autopar.plan.estimate import CollectiveUse, Estimate, MemoryBreakdown
+from autopar.plan.records import RECOMPUTE, SCHEDULES
+
+__all__ = ["RECOMPUTE", "SCHEDULES", "CollectiveUse", "Estimate", "MemoryBreakdown", "ParallelConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,64 +46,3 @@ class ParallelConfig:
     @property
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryBreakdown:
-    """Bytes on the busiest device."""
-
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float
-    other: float
-    budget: float
-
-    @property
-    def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.budget
-
-    def to_dict(self) -> dict[str, float]:
-        return {**{k: round(v) for k, v in asdict(self).items()}, "total": round(self.total)}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveUse:
-    kind: str
-    axis: str
-    bytes: float  # buffer size of one call
-    count: int  # calls per iteration on each device
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Estimate:
-    iteration_seconds: float
-    compute_seconds: float
-    exposed_comm_seconds: float
-    bubble_seconds: float
-    throughput_samples_per_second: float
-    tflops_per_device: float
-    mfu: float
-    memory: MemoryBreakdown
-    collectives: tuple[CollectiveUse, ...] = field(default_factory=tuple)
-    micro_batches: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "iteration_seconds": self.iteration_seconds,
-            "compute_seconds": self.compute_seconds,
-            "exposed_comm_seconds": self.exposed_comm_seconds,
-            "bubble_seconds": self.bubble_seconds,
-            "throughput_samples_per_second": self.throughput_samples_per_second,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            "micro_batches": self.micro_batches,
-            "memory": {**self.memory.to_dict(), "fits": self.memory.fits},
-            "collectives": [
-                {"kind": c.kind, "axis": c.axis, "bytes": round(c.bytes), "count": c.count} for c in self.collectives
-            ],
-        }

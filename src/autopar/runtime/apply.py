@@ -34,6 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.plan import Plan
+from autopar.sharding import short
+
 
 @dataclass
 class ParallelModel:
@@ -126,13 +129,13 @@ class ParallelModel:
         return grads
 
 
-def check_supported(plan: dict[str, Any]) -> None:
+def check_supported(plan: Plan) -> None:
     """Raise ``NotImplementedError`` naming what the runtime cannot apply yet."""
-    if "stages" not in plan:
+    if not plan.is_pipeline:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
-    stages = plan["stages"]
-    reason = unsupported(stages=len(stages), grids={(s["dp"], s["tp"]) for s in stages}, zero=plan["zero"],
-                         sp=bool(plan.get("sp")), intra=any(s.get("intra") for s in stages))
+    stages = plan.stages
+    reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages}, zero=plan.zero, sp=plan.sp,
+                         intra=any(s.intra for s in stages))
     if reason:
         raise NotImplementedError(reason)
 
@@ -156,7 +159,7 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
 
 
 def parallelize(
-    model: nn.Module, plan: dict[str, Any], *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True
+    model: nn.Module, plan: Plan, *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True
 ) -> ParallelModel:
     """Wrap ``model`` (already on this rank's device, same initial weights on every rank) for ``plan``.
 
@@ -170,14 +173,14 @@ def parallelize(
 
     check_supported(plan)
     check_matches(model, plan)
-    stages = plan["stages"]
-    pp, dp, tp = len(stages) // plan.get("chunks", 1), stages[0]["dp"], stages[0]["tp"]
+    stages = plan.stages
+    pp, (dp, tp) = plan.pp, plan.grid
     if dist.get_world_size() != pp * dp * tp:
         raise ValueError(f"the plan needs {pp * dp * tp} ranks, this process group has {dist.get_world_size()}")
-    zero = plan["zero"]
+    zero = plan.zero
     for stage in stages:
-        recompute(model, stage.get("recompute", {}))
-    checkpoint_segments(model, [segment for stage in stages for segment in stage.get("segments", [])])
+        recompute(model, dict(stage.recompute))
+    checkpoint_segments(model, [list(segment) for stage in stages for segment in stage.segments])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ("pp", "dp", "tp") if pp > 1 else ("dp", "tp")
     shape = (pp, dp, tp) if pp > 1 else (dp, tp)
@@ -231,15 +234,15 @@ def _ddp(module: nn.Module) -> nn.Module:
     )
 
 
-def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str, str]) -> ParallelModel:
+def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) -> ParallelModel:
     """This rank's stage: its modules, tensor parallelism over tp, gradients all-reduced over dp after the
     schedule's last backward (by hand, in DDP-sized buckets: DDP's reducer cannot follow GPipe's forwards of
     every micro-batch before the first backward), and the plan's schedule over pp."""
     from autopar.runtime import pipeline
 
-    dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+    dp, tp = plan.grid
     permutations: dict[str, torch.Tensor] = {}
-    sharded = plan["zero"] == 1 and dp > 1
+    sharded = plan.zero == 1 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
 
     def wrap(part: nn.Module) -> nn.Module:
@@ -251,7 +254,7 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
         return part
 
     wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,
-                                                       micro_batches=plan["micro_batches"])
+                                                       micro_batches=plan.micro_batches)
     # one chunk: the stage itself; interleaved: the chunks side by side (parameter names gain "k.")
     if len(wrapped) == 1:
         module, names = wrapped[0], part_names[0]
@@ -259,7 +262,7 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
         module = nn.ModuleDict({str(k): w for k, w in enumerate(wrapped)})
         names = {f"{k}.{name}": whole for k, chunk in enumerate(part_names) for name, whole in chunk.items()}
     return ParallelModel(
-        module, plan["zero"], lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
+        module, plan.zero, lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
         dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped,
     )
 
@@ -267,29 +270,31 @@ def _pipelined(model: nn.Module, plan: dict[str, Any], mesh: Any, axes: dict[str
 DDP_BUCKET_MB = 25  # as `autopar.cost.memory.DDP_BUCKET_BYTES` prices it; set explicitly, no small first bucket
 
 
-def check_matches(model: nn.Module, plan: dict[str, Any]) -> None:
-    """Refuse a plan written for another model: every module and parameter it names must exist here."""
+def check_matches(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan written for another model: every module and parameter it names must exist here, with the
+    shape it was planned for."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    for fqn, entry in plan.get("modules", {}).items():
+    for entry in plan.modules:
+        fqn = entry.fqn
         if fqn not in modules:
             raise ValueError(f"the plan shards module {fqn!r}, which the model does not have: was it planned for "
                              "another model or other --layers/--hidden?")
-        for name in entry.get("params", {}):
+        for layout in entry.params:
+            name = layout.name
             if name not in params:
                 raise ValueError(f"the plan lays out parameter {name!r} of {fqn!r}, which the model does not have")
-            planned = entry.get("shapes", {}).get(name)
-            if planned is not None and list(params[name].shape) != list(planned):
+            if layout.shape is not None and tuple(params[name].shape) != layout.shape:
                 raise ValueError(f"parameter {name!r} of {fqn!r} has shape {list(params[name].shape)}, the plan was "
-                                 f"made for {list(planned)}: was it planned with other --hidden/--heads/--vocab?")
-    for number, stage in enumerate(plan.get("stages", [])):
-        for name in stage.get("layers", []):
+                                 f"made for {list(layout.shape)}: was it planned with other --hidden/--heads/--vocab?")
+    for number, stage in enumerate(plan.stages):
+        for name in stage.layers:
             if name and name not in modules:
                 raise ValueError(f"stage {number} of the plan holds layer {name!r}, which the model does not have")
 
 
 def _tensor_parallel(
-    module: nn.Module, plan: dict[str, Any], mesh: Any, *, model: nn.Module | None = None
+    module: nn.Module, plan: Plan, mesh: Any, *, model: nn.Module | None = None
 ) -> dict[str, torch.Tensor]:
     """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
     stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
@@ -305,17 +310,17 @@ def _tensor_parallel(
     from autopar.zoo.layers import Attention
 
     model = module if model is None else model
-    sp = bool(plan.get("sp"))
+    sp = plan.sp
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
     tp = mesh.size()
     placements: dict[str, str] = {}
     modules = dict(module.named_modules())
-    for fqn, entry in plan["modules"].items():
+    for entry in plan.modules:
+        fqn = entry.fqn
         if fqn not in modules:  # another pipeline stage's
             continue
-        layouts = {name.rpartition(".")[2]: text for name, text in entry.get("params", {}).items()}
-        weight = layouts.get("weight", "")
-        tp_placement = weight.strip("[]").split(", ")[-1] if weight else "R"
+        weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
+        tp_placement = short(weight.on(1)) if weight is not None else "R"
         if tp_placement == "R":
             continue
         linear = modules[fqn]

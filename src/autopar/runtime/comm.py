@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.plan import Plan
+
 _KINDS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
@@ -120,7 +122,7 @@ def compare(counted: list[dict[str, Any]], expected: list[dict[str, Any]]) -> di
     return {"ok": not problems, "rows": rows, "message": message}
 
 
-def stage_predictions(plan: dict[str, Any]) -> list[list[dict[str, Any]]]:
+def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
     """Per pipeline stage, the collectives one of its devices issues in an iteration, as the cost model predicts
     them for the plan's own workload (its model traced in fp32, as the runtime trains it)."""
     from autopar.capture import trace
@@ -132,7 +134,7 @@ def stage_predictions(plan: dict[str, Any]) -> list[list[dict[str, Any]]]:
 
     work = Workload.of(plan)
     zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
-    devices = sum(stage["dp"] * stage["tp"] for stage in plan["stages"]) // plan.get("chunks", 1)
+    devices = plan.devices
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
                           traced_batch=1, dtype="fp32")
     result = model.estimate(config_of(model, plan), global_batch=work.batch)
@@ -140,15 +142,14 @@ def stage_predictions(plan: dict[str, Any]) -> list[list[dict[str, Any]]]:
             for report in result.stages]
 
 
-def stages_of_rank(plan: dict[str, Any], rank: int) -> list[int]:
+def stages_of_rank(plan: Plan, rank: int) -> list[int]:
     """Ranks fill device 0's dp x tp grid first, then device 1's, and so on; device ``d`` of ``pp`` runs stage ``d``
     (and, interleaved, stages ``d + pp``, ``d + 2 pp``, ...)."""
-    per_stage = plan["stages"][0]["dp"] * plan["stages"][0]["tp"]
-    pp = len(plan["stages"]) // plan.get("chunks", 1)
-    return list(range(rank // per_stage, len(plan["stages"]), pp))
+    per_stage = plan.grid[0] * plan.grid[1]
+    return list(range(rank // per_stage, len(plan.stages), plan.pp))
 
 
-def check_ranks(plan: dict[str, Any], counted: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def check_ranks(plan: Plan, counted: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Compare every rank's counted collectives with its stage's prediction; the first mismatch is named."""
     expected = stage_predictions(plan)
     results = []

@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.apply import check_supported, parallelize
+from autopar.plan import Plan
+from autopar.runtime.apply import parallelize
 from autopar.runtime.comm import CollectiveCounter, compare, stage_predictions
 from autopar.runtime.train import LEARNING_RATE, Workload, global_batch, loss_of
+from autopar.runtime.validate import check_runnable
 
 
-def dryrun(plan: dict[str, Any]) -> dict[str, Any]:
+def dryrun(plan: Plan) -> dict[str, Any]:
     """Counted against predicted collectives of rank 0 for one step of ``plan``."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,13 +29,12 @@ def dryrun(plan: dict[str, Any]) -> dict[str, Any]:
 
     from autopar.zoo import load
 
-    check_supported(plan)
+    check_runnable(plan)
     work = Workload.of(plan)
-    stages = plan["stages"]
-    if len(stages) > 1:
+    if len(plan.stages) > 1:
         raise NotImplementedError("dryrun of pipeline plans is not supported yet (the schedule exchanges shapes "
                                   "with real peers); check them with autopar run --check-comm")
-    world = len(stages) * stages[0]["dp"] * stages[0]["tp"]
+    world = plan.devices
     if dist.is_initialized():
         raise RuntimeError("dryrun needs its own fake process group; a process group is already initialised")
     start = time.perf_counter()
@@ -50,7 +51,7 @@ def dryrun(plan: dict[str, Any]) -> dict[str, Any]:
             counter = CollectiveCounter(parallel.axes)
             batch = global_batch(work, 0)
             with counter:
-                _step(parallel, optimizer, work, batch, dp=stages[0]["dp"])
+                _step(parallel, optimizer, work, batch, dp=plan.grid[0])
         counted = counter.summary()
     finally:
         dist.destroy_process_group()

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from autopar.runtime.apply import check_supported, parallelize
+from autopar.runtime.apply import parallelize
 from autopar.runtime.comm import CollectiveCounter
 from autopar.runtime.train import LEARNING_RATE, StepLog, Workload, build_model, train
+from autopar.runtime.validate import check_runnable
 
 
 def _rank_main(
@@ -29,7 +30,7 @@ def _rank_main(
         parallel = parallelize(model, plan)
         optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
 
-        dp, tp = plan["stages"][0]["dp"], plan["stages"][0]["tp"]
+        dp, tp = plan.grid
 
         def average(value: float) -> float:  # over the last stage's ranks (the others hold 0)
             t = torch.tensor([value], dtype=torch.float64)
@@ -57,8 +58,8 @@ def run_plan(
 ) -> StepLog:
     """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``, every
     rank's collectives in the last step with ``check_comm``)."""
-    check_supported(plan)
-    devices = plan["mesh"]["shape"][0] * plan["mesh"]["shape"][-1]  # pipeline stages x devices per stage
+    check_runnable(plan)
+    devices = plan.devices
     if devices != nproc:
         raise ValueError(f"the plan is for {devices} devices; run it with --nproc {devices}")
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.plan import Plan
 from autopar.zoo.layers import lm_loss
 
 
@@ -119,16 +120,16 @@ def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits[:, :-1], labels[:, 1:])
 
 
-def stage_layers(model: nn.Module, plan: dict[str, Any]) -> list[list[int]]:
+def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]]:
     """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
     the first or the last stage; a plan that puts one elsewhere is refused by name."""
-    stages = plan["stages"]
+    stages = plan.stages
     prefix = "model.layers" if chain_kind(model) == "hf" else "layers"
     count = len(_layers(model))
     result = []
     for number, stage in enumerate(stages):
         indices = []
-        for name in stage["layers"]:
+        for name in stage.layers:
             head, _, index = name.rpartition(".")
             if head == prefix and index.isdigit() and int(index) < count:
                 indices.append(int(index))
@@ -169,15 +170,15 @@ class Pipeline:
 
 
 def build(
-    model: nn.Module, plan: dict[str, Any], mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
+    model: nn.Module, plan: Plan, mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
 ) -> tuple[list[nn.Module], list[dict[str, str]], Pipeline, dict[str, str]]:
     """This rank's stage modules (one, or one per chunk when interleaved) after ``wrap`` (TP, FSDP), each one's
     parameter names in the whole model, its pipeline and the process-group names of the groups it made."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    virtual = len(plan["stages"])
-    chunks = plan.get("chunks", 1)
+    virtual = len(plan.stages)
+    chunks = plan.chunks
     pp = virtual // chunks
     index = mesh.get_local_rank("pp")
     mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
@@ -208,7 +209,7 @@ def build(
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     else:
-        schedule_class = ScheduleGPipe if plan.get("schedule", "1f1b") == "gpipe" else Schedule1F1B
+        schedule_class = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     return wrapped, names, Pipeline(index, pp, schedule, tied), groups
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.plan import Plan
 from autopar.runtime.apply import ParallelModel
 from autopar.runtime.comm import CollectiveCounter
 from autopar.zoo import config_for, example_inputs, load
@@ -35,14 +36,13 @@ class Workload:
     micro_batches: int
 
     @classmethod
-    def of(cls, plan: dict[str, Any]) -> Workload:
-        work = plan.get("workload")
-        if not isinstance(work, dict):
-            raise ValueError("the plan has no 'workload' (model, overrides, seq, batch): write it with autopar plan --out")
-        return cls(
-            model=work["model"], overrides=dict(work.get("overrides", {})), seq=work["seq"], batch=work["batch"],
-            micro_batch=plan["micro_batch_size"], micro_batches=plan["micro_batches"],
-        )
+    def of(cls, plan: Plan) -> Workload:
+        work = plan.workload
+        if work is None:
+            raise ValueError("the plan has no workload (model, overrides, seq, batch) to rebuild its model from: it "
+                             "was written by an older autopar; plan again with autopar plan --out")
+        return cls(model=work.model, overrides=work.override_map, seq=work.seq, batch=work.batch,
+                   micro_batch=plan.micro_batch_size, micro_batches=plan.micro_batches)
 
 
 @dataclass

@@ -32,8 +32,9 @@ from autopar.cluster.mesh import Mesh
 from autopar.cost.intra import Candidate, IntraCost, Key, ParamUse, sync_seconds
 from autopar.cost.memory import gradient_itemsize, model_states
 from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
+from autopar.plan import Block, ModuleLayout, ParamLayout, Plan, Workload
+from autopar.plan import Mesh as PlanMesh
 from autopar.search.ilp import Edge, Solution, solve
-from autopar.sharding import short_layout
 from autopar.sharding.layout import Shard
 
 log = logging.getLogger(__name__)
@@ -239,8 +240,8 @@ class IntraPlan:
     def axis_names(self) -> tuple[str, ...]:
         return axis_names(self)
 
-    def to_dict(self, model: str) -> dict:
-        return plan_dict(self, model)
+    def to_plan(self, model: str, workload: Workload | None = None) -> Plan:
+        return intra_plan(self, model, workload)
 
 
 def estimate_choice(
@@ -526,11 +527,13 @@ def axis_names(plan: IntraPlan) -> tuple[str, ...]:
     return _axis_labels(plan.space, plan.choice)
 
 
-def plan_dict(plan: IntraPlan, model: str) -> dict:
-    """The plan as JSON data: mesh, micro-batching, ZeRO stage, per-block choices and per-module layouts."""
+def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) -> Plan:
+    """The typed plan: mesh, micro-batching, ZeRO stage, per-block choices and per-module layouts."""
     space, ic = plan.space, plan.space.cost
     names = axis_names(plan)
-    blocks, modules = [], {}
+    blocks = []
+    params: dict[str, dict[str, ParamLayout]] = {}
+    edges: dict[str, tuple] = {}
     for block in space.blocks.blocks:
         v = space.var_of[block.id]
         cand = space.candidates[v][plan.choice[v]]
@@ -538,22 +541,17 @@ def plan_dict(plan: IntraPlan, model: str) -> dict:
         leader = space.graph.node(block.leader)
         strategy = bc.strategies[block.nodes.index(block.leader)]
         act = next((j for j, s in enumerate(leader.sources) if s.state is None), 0)
-        blocks.append({"id": block.id, "layer": block.layer, "module": leader.module, "split": ic.describe(block, cand)})
-        entry = modules.setdefault(leader.module, {"params": {}})
-        entry["input"] = short_layout(strategy.inputs[act])
-        entry["output"] = short_layout(strategy.outputs[0])
+        blocks.append(Block(id=block.id, layer=block.layer, module=leader.module, split=ic.describe(block, cand)))
+        params.setdefault(leader.module, {})
+        edges[leader.module] = (tuple(strategy.inputs[act]), tuple(strategy.outputs[0]))
         for p in bc.params:
             fqn = ic.locate(block, p.key)
-            owner = fqn.rpartition(".")[0]
-            modules.setdefault(owner, {"params": {}})["params"][fqn] = short_layout(p.layout)
-    return {
-        "schema": 1,
-        "model": model,
-        "kind": plan.kind,
-        "mesh": {"shape": list(space.mesh.sizes), "axes": list(names)},
-        "micro_batch_size": plan.micro_batch_size,
-        "micro_batches": plan.micro_batches,
-        "zero": plan.zero,
-        "blocks": blocks,
-        "modules": modules,
-    }
+            params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout))
+    modules = tuple(
+        ModuleLayout(fqn=fqn, params=tuple(layouts.values()), input=edges.get(fqn, (None, None))[0],
+                     output=edges.get(fqn, (None, None))[1])
+        for fqn, layouts in params.items()
+    )
+    return Plan(model=model, kind=plan.kind, mesh=PlanMesh(shape=tuple(space.mesh.sizes), axes=tuple(names)),
+                micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, zero=plan.zero,
+                blocks=tuple(blocks), modules=modules, workload=workload, estimate=plan.estimate)

@@ -40,6 +40,9 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import build_mesh
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
 from autopar.cost.types import RECOMPUTE
+from autopar.plan import Mesh, ModuleLayout, ParamLayout, Plan, Workload
+from autopar.plan import Stage as PlanStage
+from autopar.sharding import parse
 from autopar.search.recompute import with_optimal_recompute
 
 log = logging.getLogger(__name__)
@@ -573,37 +576,30 @@ def data_parallel(
 # ---- output ----------------------------------------------------------------------------------------------------
 
 
-def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, global_batch: int) -> dict:
-    """A pipeline plan as JSON data: stages with their layers, dp x tp and recomputed layers, and per module the
-    layouts of its parameters over its stage's (dp, tp) mesh: column-parallel weights S(0), row-parallel S(1) on
-    tp; under ZeRO-3 every parameter S(0) on dp."""
+def pipeline_plan(
+    model: PipelineModel, found: Found, *, name: str, kind: str, global_batch: int, workload: Workload | None = None
+) -> Plan:
+    """A pipeline plan: stages with their layers, dp x tp and recomputed layers, and per module the layouts of its
+    parameters over its stage's (dp, tp) mesh: column-parallel weights S(0), row-parallel S(1) on tp; under ZeRO-3
+    every parameter S(0) on dp."""
     config = found.config
-    devices = model.cluster.num_devices
-    stages, modules = [], {}
-    dp_placement = "S(0)" if config.zero == 3 else "R"
+    stages = []
+    modules: dict[str, dict[str, ParamLayout]] = {}
+    dp_placement = parse("S(0)" if config.zero == 3 else "R")
     for index, (stage, report) in enumerate(zip(config.stages, found.result.stages)):
         rows = [model.layers[r] for r in range(stage.start, stage.end)]
         layouts = model.stage_view(config, index, global_batch=global_batch).layouts
-        stages.append(
-            {
-                "layers": [row.name for row in rows],
-                "dp": stage.dp,
-                "tp": stage.tp,
-                "recompute": {
-                    row.name: stage.recompute_of(r)
-                    for r, row in zip(range(stage.start, stage.end), rows)
-                    if stage.recompute_of(r) != "none"
-                },
-                # runs of layers checkpointed together (first, last), nested or disjoint
-                "segments": [[model.layers[a].name, model.layers[b - 1].name] for a, b in stage.segments],
-                # layers laid out by the intra-op planner: per leading op (module inside the layer), the dim its
-                # tp axis splits (m: rows, n: output features, k: the contracted dim, b: experts or batch)
-                "intra": stage.intra,
-                "layouts": {model.layers[r].name: dict(layout.splits) for r, layout in layouts.items()},
-                "seconds_per_micro_batch": report.seconds,
-                "memory": report.memory.to_dict(),
-            }
-        )
+        stages.append(PlanStage(
+            layers=tuple(row.name for row in rows), dp=stage.dp, tp=stage.tp,
+            recompute=tuple((row.name, stage.recompute_of(r)) for r, row in zip(range(stage.start, stage.end), rows)
+                            if stage.recompute_of(r) != "none"),
+            segments=tuple((model.layers[a].name, model.layers[b - 1].name) for a, b in stage.segments),
+            # layers laid out by the intra-op planner: per leading op (module inside the layer), the dim its tp axis
+            # splits (m: rows, n: output features, k: the contracted dim, b: experts or batch)
+            intra=stage.intra,
+            layouts=tuple((model.layers[r].name, tuple(dict(layout.splits).items())) for r, layout in layouts.items()),
+            seconds_per_micro_batch=report.seconds, memory=report.memory,
+        ))
         for r, row in zip(range(stage.start, stage.end), rows):
             laid_out = dict(layouts[r].params) if r in layouts else None
             for node in row.nodes:
@@ -620,51 +616,45 @@ def plan_dict(model: PipelineModel, found: Found, *, name: str, kind: str, globa
                             tp_placement = "S(0)"
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
                             tp_placement = "S(1)"
-                    owner = fqn.rpartition(".")[0]
-                    entry = modules.setdefault(owner, {"params": {}, "shapes": {}})
-                    entry["params"][fqn] = f"[{dp_placement}, {tp_placement}]"
-                    entry["shapes"][fqn] = list(info.tensor.shape)
-    return {
-        "schema": 1,
-        "model": name,
-        "kind": kind,
-        "mesh": {"shape": [config.pp, devices // config.pp], "axes": ["pp", "dp_tp"]},
-        "schedule": config.schedule,
-        "chunks": config.chunks,
-        "micro_batch_size": config.micro_batch,
-        "micro_batches": global_batch // config.micro_batch,
-        "zero": config.zero,
-        "sp": config.sp,
-        "stages": stages,
-        "modules": modules,
-    }
+                    # the last node reading a weight decides (its transpose or view comes before the matmul)
+                    modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(
+                        name=fqn, placements=(dp_placement, parse(tp_placement)), shape=tuple(info.tensor.shape))
+    return Plan(
+        model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
+                                         axes=("pp", "dp_tp")),
+        schedule=config.schedule, chunks=config.chunks, micro_batch_size=config.micro_batch,
+        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, stages=tuple(stages),
+        modules=tuple(ModuleLayout(fqn=fqn, params=tuple(params.values())) for fqn, params in modules.items()),
+        workload=workload, estimate=found.result.estimate,
+    )
 
 
-def config_of(model: PipelineModel, plan: dict) -> PipelineConfig:
-    """The configuration a pipeline plan (``plan_dict``'s output) describes, on ``model``'s layer chain."""
+def config_of(model: PipelineModel, plan: Plan) -> PipelineConfig:
+    """The configuration a pipeline plan describes, on ``model``'s layer chain: its stages must cover the chain in
+    order, each a contiguous run of layers (a ValueError names the first layer out of place)."""
     index = {layer.name: i for i, layer in enumerate(model.layers)}
     stages = []
-    for number, entry in enumerate(plan["stages"]):
+    expected = 0
+    for number, entry in enumerate(plan.stages):
         rows = []
-        for name in entry["layers"]:
+        for name in entry.layers:
             if name not in index:
                 raise ValueError(f"stage {number} of the plan holds {name!r}, which the model does not have")
+            if index[name] != expected:
+                raise ValueError(f"stage {number} of the plan holds {name!r} where the model's chain has "
+                                 f"{model.layers[expected].name!r}: stages must cover the model's layers in order")
             rows.append(index[name])
-        start, end = min(rows), max(rows) + 1
-        if sorted(rows) != list(range(start, end)):
-            raise ValueError(f"stage {number}'s layers are not contiguous in the model: {entry['layers']}")
-        levels = tuple(entry.get("recompute", {}).get(model.layers[r].name, "none") for r in range(start, end))
-        segments = []
-        for first, last in entry.get("segments", []):
-            if first not in index or last not in index:
-                raise ValueError(f"stage {number} of the plan checkpoints {first!r}..{last!r}, which the model does "
-                                 "not have")
-            segments.append((index[first], index[last] + 1))
-        stages.append(Stage(start=start, end=end, tp=entry["tp"], dp=entry["dp"], recompute=levels,
-                            segments=tuple(segments), intra=bool(entry.get("intra", False))))
-    return PipelineConfig(stages=tuple(stages), micro_batch=plan["micro_batch_size"], zero=plan["zero"],
-                          sp=plan.get("sp", False), schedule=plan.get("schedule", "1f1b"),
-                          chunks=plan.get("chunks", 1))
+            expected += 1
+        start, end = rows[0], rows[-1] + 1
+        levels = tuple(entry.recompute_of(model.layers[r].name) for r in range(start, end))
+        segments = tuple((index[first], index[last] + 1) for first, last in entry.segments)
+        stages.append(Stage(start=start, end=end, tp=entry.tp, dp=entry.dp, recompute=levels, segments=segments,
+                            intra=entry.intra))
+    if expected != len(model.layers):
+        raise ValueError(f"the plan's stages end at {model.layers[expected - 1].name!r}; the model's chain goes on to "
+                         f"{model.layers[expected].name!r} ({len(model.layers) - expected} more)")
+    return PipelineConfig(stages=tuple(stages), micro_batch=plan.micro_batch_size, zero=plan.zero, sp=plan.sp,
+                          schedule=plan.schedule, chunks=plan.chunks)
 
 
 def pipeline_searches(

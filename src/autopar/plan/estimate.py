@@ -1,0 +1,123 @@
+"""What the cost model predicts for a plan (the `Estimate` of the CLI contract), as typed, validated records.
+
+They live with the plan because a plan file carries its prediction: `autopar run --check-comm` and `dryrun`
+compare what the runtime does with it, and a reader of the file must get numbers it can trust (finite, not
+negative) or an error naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.plan.checks import at, finite, integer, mapping, sequence, text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes on the busiest device."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+    budget: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            finite(f.name, getattr(self, f.name), low=0.0)
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def to_dict(self) -> dict[str, float]:
+        return {**{k: round(v) for k, v in asdict(self).items()}, "total": round(self.total)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MemoryBreakdown:
+        data = mapping("", data)
+        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveUse:
+    """One collective as a device issues it in an iteration: ``count`` calls of ``bytes`` each on mesh ``axis``."""
+
+    kind: str
+    axis: str
+    bytes: float  # buffer size of one call
+    count: int  # calls per iteration on each device
+
+    def __post_init__(self) -> None:
+        text("kind", self.kind)
+        text("axis", self.axis)
+        finite("bytes", self.bytes, low=0.0)
+        integer("count", self.count, low=0)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CollectiveUse:
+        data = mapping("", data)
+        return cls(kind=data.get("kind"), axis=data.get("axis"), bytes=data.get("bytes"), count=data.get("count"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    iteration_seconds: float
+    compute_seconds: float
+    exposed_comm_seconds: float
+    bubble_seconds: float
+    throughput_samples_per_second: float
+    tflops_per_device: float
+    mfu: float
+    memory: MemoryBreakdown
+    collectives: tuple[CollectiveUse, ...] = field(default_factory=tuple)
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("iteration_seconds", "compute_seconds", "exposed_comm_seconds", "bubble_seconds",
+                     "throughput_samples_per_second", "tflops_per_device", "mfu"):
+            finite(name, getattr(self, name), low=0.0)
+        integer("micro_batches", self.micro_batches, low=1)
+        if not isinstance(self.memory, MemoryBreakdown):
+            raise ValueError(f"memory must be a MemoryBreakdown, got {type(self.memory).__name__}")
+        if not isinstance(self.collectives, tuple) or not all(isinstance(c, CollectiveUse) for c in self.collectives):
+            raise ValueError("collectives must be a tuple of CollectiveUse")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "iteration_seconds": self.iteration_seconds,
+            "compute_seconds": self.compute_seconds,
+            "exposed_comm_seconds": self.exposed_comm_seconds,
+            "bubble_seconds": self.bubble_seconds,
+            "throughput_samples_per_second": self.throughput_samples_per_second,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "micro_batches": self.micro_batches,
+            "memory": {**self.memory.to_dict(), "fits": self.memory.fits},
+            "collectives": [
+                {"kind": c.kind, "axis": c.axis, "bytes": round(c.bytes), "count": c.count} for c in self.collectives
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Estimate:
+        data = mapping("", data)
+        scalars = {f.name: data.get(f.name) for f in fields(cls) if f.name not in ("memory", "collectives")}
+        with at("memory"):
+            memory = MemoryBreakdown.from_dict(data.get("memory"))
+        collectives = []
+        for k, entry in enumerate(sequence("collectives", data.get("collectives", []))):
+            with at(f"collectives[{k}]"):
+                collectives.append(CollectiveUse.from_dict(entry))
+        return cls(**scalars, memory=memory, collectives=tuple(collectives))
+
+
+def is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,228 @@
+"""The plan: frozen, validated records of what to run, and their JSON form.
+
+A `Plan` says how to rebuild the model and its batches (`Workload`), the device `Mesh`, the pipeline `Stage`\\ s
+(or, for an intra-op plan, the `Block` choices), micro-batching, ZeRO and the schedule, per module the DTensor
+placements of its parameters (`ModuleLayout`), and what the cost model predicted (`Estimate`). Every record checks
+itself on construction, so a plan that exists is one whose numbers are in range and consistent:
+
+- integers are integers (not ``2.0`` or ``true``) within stated bounds; floats are finite;
+- ``micro_batch_size x micro_batches = workload.batch``, and every stage's dp divides the micro-batch (each
+  data-parallel rank trains ``micro_batch_size / dp`` samples of each micro-batch);
+- a pipeline has ``pp x chunks`` stages, each of ``dp x tp`` = the devices per stage; no layer sits in two stages,
+  no stage is empty; recomputed layers and checkpointed runs belong to their stage;
+- placements are ``S(d)``, ``R`` or ``P``, one per mesh axis, ``d`` within the parameter's shape.
+
+What needs the model itself (that the stages cover its chain in order, that split widths and heads divide by tp)
+is checked by the runtime before any rank starts (`autopar.runtime.validate`).
+
+JSON: ``{"plan": {...}, "estimate": {...}}``, the plan with ``schema`` 2. Schema 1 files (autopar 0.1) read the
+same. A plan without a ``workload`` prints but cannot run. Unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch.distributed.tensor import Shard
+
+from autopar.plan.checks import FieldError, at, choice, flag, integer, mapping, quote, sequence, text, unknown_fields
+from autopar.plan.estimate import Estimate
+from autopar.plan.records import (
+    MAX_BATCH,
+    MAX_CHUNKS,
+    SCHEDULES,
+    Block,
+    Mesh,
+    ModuleLayout,
+    Stage,
+    Workload,
+)
+
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+_FIELDS = ("schema", "model", "kind", "mesh", "schedule", "chunks", "micro_batch_size", "micro_batches", "zero", "sp",
+           "stages", "blocks", "modules", "workload")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    model: str  # the model's display name
+    kind: str  # what made it: a search (auto, aceso, ilp, ...), a baseline (dp, fsdp, megatron) or estimate
+    mesh: Mesh
+    micro_batch_size: int  # samples per micro-batch, across the data-parallel ranks
+    micro_batches: int
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per device under the interleaved schedule
+    stages: tuple[Stage, ...] = ()  # a pipeline plan (one stage: no pipelining)
+    blocks: tuple[Block, ...] = ()  # an intra-op plan
+    modules: tuple[ModuleLayout, ...] = ()
+    workload: Workload | None = None  # how to rebuild the model; without it a plan prints but cannot run
+    estimate: Estimate | None = None
+
+    def __post_init__(self) -> None:
+        text("model", self.model, limit=1024)
+        text("kind", self.kind, limit=64)
+        _typed(self)
+        integer("micro_batch_size", self.micro_batch_size, high=MAX_BATCH)
+        integer("micro_batches", self.micro_batches, high=MAX_BATCH)
+        integer("zero", self.zero, low=0, high=3)
+        flag("sp", self.sp)
+        choice("schedule", self.schedule, SCHEDULES)
+        integer("chunks", self.chunks, high=MAX_CHUNKS)
+        if self.workload is not None and self.micro_batch_size * self.micro_batches != self.workload.batch:
+            raise FieldError("micro_batches", f"x micro_batch_size is {self.micro_batches} x {self.micro_batch_size} = "
+                             f"{self.micro_batches * self.micro_batch_size} samples, but workload.batch is "
+                             f"{self.workload.batch}")
+        if bool(self.stages) == bool(self.blocks):
+            raise FieldError("stages", "or blocks: a plan has pipeline stages or intra-op blocks, exactly one of them")
+        if self.stages:
+            _check_pipeline(self)
+        elif self.schedule != "1f1b" or self.chunks != 1:
+            raise FieldError("schedule", "applies to pipeline plans only; an intra-op plan has no stages")
+        _check_modules(self)
+
+    @property
+    def is_pipeline(self) -> bool:
+        return bool(self.stages)
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages) // self.chunks if self.stages else 1
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.devices
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The (dp, tp) of the first stage."""
+        return (self.stages[0].dp, self.stages[0].tp)
+
+    def layouts(self) -> dict[str, ModuleLayout]:
+        return {m.fqn: m for m in self.modules}
+
+    def with_workload(self, workload: Workload) -> Plan:
+        return replace(self, workload=workload)
+
+    def with_estimate(self, estimate: Estimate | None) -> Plan:
+        return replace(self, estimate=estimate)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``plan`` object of a plan file (its estimate goes beside it)."""
+        data: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": self.model, "kind": self.kind,
+                                "mesh": {"shape": list(self.mesh.shape), "axes": list(self.mesh.axes)}}
+        if self.stages:
+            data.update(schedule=self.schedule, chunks=self.chunks)
+        data.update(micro_batch_size=self.micro_batch_size, micro_batches=self.micro_batches, zero=self.zero,
+                    sp=self.sp)
+        if self.stages:
+            data["stages"] = [s.to_dict() for s in self.stages]
+        else:
+            data["blocks"] = [b.to_dict() for b in self.blocks]
+        data["modules"] = {m.fqn: m.to_dict() for m in self.modules}
+        if self.workload is not None:
+            data["workload"] = self.workload.to_dict()
+        return data
+
+    def to_file_dict(self) -> dict[str, Any]:
+        return {"plan": self.to_dict(), "estimate": None if self.estimate is None else self.estimate.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, *, estimate: Any = None) -> Plan:
+        """A plan from its JSON object (schema 1 or 2); errors name the field (`FieldError`)."""
+        data = mapping("plan", data)
+        schema = data.get("schema")
+        if schema not in READABLE_SCHEMAS or type(schema) is not int:
+            raise FieldError("schema", f"is {quote(schema)}; this autopar reads plan schemas "
+                             f"{', '.join(map(str, READABLE_SCHEMAS))}")
+        unknown_fields("plan", data, _FIELDS)
+        for key in ("model", "mesh", "micro_batch_size", "micro_batches", "modules"):
+            if key not in data:
+                raise FieldError(key, "is missing")
+        with at("mesh"):
+            mesh = Mesh.from_dict(data["mesh"])
+        stages = tuple(_each("stages", data.get("stages", []), Stage.from_dict))
+        blocks = tuple(_each("blocks", data.get("blocks", []), Block.from_dict))
+        modules = []
+        for fqn, entry in mapping("modules", data["modules"]).items():
+            with at(f"modules[{fqn!r}]"):
+                modules.append(ModuleLayout.from_dict(fqn, entry))
+        workload = None
+        if "workload" in data:
+            with at("workload"):
+                workload = Workload.from_dict(data["workload"])
+        if estimate is not None:
+            with at("estimate"):
+                estimate = Estimate.from_dict(estimate)
+        return cls(model=data["model"], kind=data.get("kind", "unknown"), mesh=mesh,
+                   micro_batch_size=data["micro_batch_size"], micro_batches=data["micro_batches"],
+                   zero=data.get("zero", 0), sp=data.get("sp", False), schedule=data.get("schedule", "1f1b"),
+                   chunks=data.get("chunks", 1), stages=stages, blocks=blocks, modules=tuple(modules),
+                   workload=workload, estimate=estimate)
+
+
+def _each(name: str, value: Any, read) -> list:  # noqa: ANN001
+    out = []
+    for k, entry in enumerate(sequence(name, value)):
+        with at(f"{name}[{k}]"):
+            out.append(read(entry))
+    return out
+
+
+def _typed(plan: Plan) -> None:
+    """The nested records are records (a plan built in Python gets the same checks as one read from a file)."""
+    kinds = {"mesh": Mesh, "workload": (Workload, type(None)), "estimate": (Estimate, type(None))}
+    for name, kind in kinds.items():
+        if not isinstance(getattr(plan, name), kind):
+            raise FieldError(name, f"must be a {name} record, got {type(getattr(plan, name)).__name__}")
+    for name, kind in (("stages", Stage), ("blocks", Block), ("modules", ModuleLayout)):
+        value = getattr(plan, name)
+        if not isinstance(value, tuple) or not all(isinstance(v, kind) for v in value):
+            raise FieldError(name, f"must be a tuple of {kind.__name__}")
+
+
+def _check_pipeline(plan: Plan) -> None:
+    """Stage counts and grids agree with the mesh; no layer in two stages; micro-batches split over each dp."""
+    if len(plan.mesh.shape) != 2:
+        raise FieldError("mesh", f"of a pipeline plan is (pp, devices per stage), got shape {list(plan.mesh.shape)}")
+    pp, per_stage = plan.mesh.shape
+    if len(plan.stages) != pp * plan.chunks:
+        raise FieldError("stages", f"holds {len(plan.stages)} stages; the mesh has {pp} pipeline devices x "
+                         f"{plan.chunks} chunks = {pp * plan.chunks}")
+    if (plan.schedule == "interleaved") != (plan.chunks > 1) or (plan.chunks > 1 and pp < 2):
+        raise FieldError("schedule", f"{plan.schedule!r} with chunks {plan.chunks} and pp {pp}: the interleaved "
+                         "schedule needs chunks 2 or more and pp 2 or more, the others chunks 1")
+    owner: dict[str, int] = {}
+    for k, stage in enumerate(plan.stages):
+        if stage.dp * stage.tp != per_stage:
+            raise FieldError(f"stages[{k}]", f"has dp {stage.dp} x tp {stage.tp} = {stage.dp * stage.tp} devices; "
+                             f"the mesh gives each stage {per_stage}")
+        if plan.micro_batch_size % stage.dp:
+            raise FieldError("micro_batch_size", f"{plan.micro_batch_size} does not split over stage {k}'s dp "
+                             f"{stage.dp}: each data-parallel rank would train a different number of samples")
+        for name in stage.layers:
+            if name in owner:
+                raise FieldError(f"stages[{k}].layers", f"holds {name!r}, which stage {owner[name]} holds too")
+            owner[name] = k
+    if plan.sp and max(s.tp for s in plan.stages) < 2:
+        raise FieldError("sp", "(sequence parallelism) needs tp 2 or more")
+
+
+def _check_modules(plan: Plan) -> None:
+    """One placement per mesh axis (a pipeline stage's layouts are over its (dp, tp) devices); a stage with tp > 1
+    and Megatron layouts must split some parameter over tp, or every tp rank would only repeat the others' work."""
+    width = 2 if plan.stages else len(plan.mesh.shape)
+    split_on_tp = False
+    for module in plan.modules:
+        counts = module.axes()
+        if counts - {width}:
+            raise FieldError(f"modules[{module.fqn!r}]", f"has layouts with {sorted(counts)} placements; the plan's "
+                             f"layouts have {width}, one per mesh axis")
+        split_on_tp = split_on_tp or bool(plan.stages) and any(isinstance(p.on(1), Shard) for p in module.params)
+    megatron_tp = [k for k, s in enumerate(plan.stages) if s.tp > 1 and not s.intra]
+    if megatron_tp and not split_on_tp:
+        raise FieldError("modules", f"split no parameter over tp, but stage {megatron_tp[0]} has tp "
+                         f"{plan.stages[megatron_tp[0]].tp}: each tp rank would only repeat the others' work")
