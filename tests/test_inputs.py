@@ -179,6 +179,13 @@ def test_bad_flags_print_one_line_naming_the_flag(capsys, argv: list[str], messa
     assert (code, out, err) == (2, "", message + "\n")
 
 
+def test_a_tensor_parallel_size_that_splits_heads_unevenly_is_refused(capsys) -> None:
+    code, out, err = run_cli(capsys, "estimate", *SMALL, "--tp", "5", "--batch", "8")
+    assert (code, out) == (2, "")
+    assert err == ("autopar estimate: error: --tp 5 does not divide the model's attention heads and column-parallel "
+                   "widths [12, 2304, 3072] (here 12): choose a --tp that divides them all\n")
+
+
 def test_a_bad_flag_prints_no_usage_block_from_the_console(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "autopar.cli.main", "plan", "gpt3-125m", "--gpus", "abc"],
                           capture_output=True, text=True, timeout=120, check=False)

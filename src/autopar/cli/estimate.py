@@ -70,6 +70,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     check_workload(args, seq=zoo.seq)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
+    uneven = sorted(w for w in model.split_widths if w % config.tp)
+    if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
+        raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
+                         f"{sorted(model.split_widths)} (here {uneven[0]}): choose a --tp that divides them all")
     result = estimate(graph, cluster, config, global_batch=global_batch, dtype=args.dtype)
     fits = result.memory.fits
     if args.out and fits:  # a configuration that does not fit is no plan to run
@@ -89,7 +94,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     }
     if fits:
         return data if args.json else render(data)
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
     data["fit"] = fit_advice(model, pipeline_config(model, config), global_batch=global_batch, memory=result.memory)
     text = render(data) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
     if args.out:
