@@ -42,7 +42,7 @@ def test_profile_table(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "needle"),
     [
         (["profile", "gpt-unknown"], "unknown model 'gpt-unknown'"),
-        (["profile", "gpt3-125m", "--batch", "0"], "--batch must be positive"),
+        (["profile", "gpt3-125m", "--batch", "0"], "--batch must be a positive integer up to 16,777,216"),
         (["profile", "gpt3-125m", "--hidden", "100"], "hidden (100) must be divisible by heads (12)"),
     ],
 )
@@ -172,9 +172,9 @@ def test_plan_table_and_baseline_search(capsys: pytest.CaptureFixture[str]) -> N
     [
         (["plan", "gpt3-125m", "--gpus", "8", "--mesh", "2x3", "--search", "ilp"], "--mesh 2x3 has 6 devices but --gpus is 8"),
         (["plan", "gpt3-125m", "--mesh", "2xq", "--search", "ilp"], "--mesh '2xq' is not a shape"),
-        (["plan", "gpt3-125m", "--gpus", "4", "--budget-s", "0"], "--budget-s must be positive"),
+        (["plan", "gpt3-125m", "--gpus", "4", "--budget-s", "0"], "--budget-s must be a positive finite number of seconds"),
         (["plan", "gpt3-125m", "--gpus", "4", "--batch", "3", "--search", "dp"], "no dp plan exists for --batch 3"),
-        (["analyze", "gpt3-125m", "--gpus", "0"], "--gpus must be positive"),
+        (["analyze", "gpt3-125m", "--gpus", "0"], "--gpus must be a positive integer"),
     ],
 )
 def test_plan_and_analyze_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

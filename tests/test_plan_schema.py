@@ -114,7 +114,7 @@ FINDINGS = [
     ("overrides naming device", lambda p: p["workload"]["overrides"].update(device="cuda"),
      "workload.overrides key must be one of layers, hidden, heads, vocab, ffn, kv_heads, experts, got 'device'"),
     ("a layers override of 10**6", lambda p: p["workload"]["overrides"].update(layers=10**6),
-     "workload.overrides.layers must be an integer from 1 to 16,384, got 1000000"),
+     "workload.overrides.layers must be an integer from 1 to 2,048, got 1000000"),
     ("dp -1 x tp -2", lambda p: p["stages"][0].update(dp=-1, tp=-2), "stages[0].dp must be an integer from 1"),
     ("no model", lambda p: p.pop("model"), "model is missing"),
     ("a misspelt field", lambda p: p.update(micro_batch=2), "plan has unknown field 'micro_batch'"),
@@ -154,9 +154,11 @@ def test_non_regular_and_non_utf8_files(tmp_path, capsys) -> None:
     os.mkfifo(fifo)
     binary = tmp_path / "binary.json"
     binary.write_bytes(b'{"plan": "\xff\xfe"}')
-    for path, message in [(fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
-                          (tmp_path, "not a regular file"), (binary, "not UTF-8 text at byte 10"),
-                          (tmp_path / "missing.json", "cannot read the plan file (No such file or directory)")]:
+    for path, message in [(fifo, "plan file must be a regular file, got a named pipe"),
+                          ("/dev/zero", "plan file must be a regular file, got a character device"),
+                          (tmp_path, "plan file must be a regular file, got a folder"),
+                          (binary, "plan file must be UTF-8 text, got byte 0xff at offset 10"),
+                          (tmp_path / "missing.json", "no such plan file")]:
         assert main(["run", str(path), "--nproc", "2"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from autopar.analysis import op_dims
-from autopar.cli.common import add_model_arguments, load_and_trace, mesh_shape
+from autopar.cli.common import MAX_DEVICES, add_model_arguments, bounded_int, load_and_trace, mesh_shape
 from autopar.cli.render import table
 from autopar.cluster import build_mesh, load_cluster
 from autopar.search import build_space
@@ -23,7 +23,7 @@ def register(subparsers: Any) -> None:
         "space with the per-op one.",
     )
     add_model_arguments(parser)
-    parser.add_argument("--gpus", type=int, default=8, help="devices (default 8)")
+    parser.add_argument("--gpus", type=bounded_int(MAX_DEVICES), default=8, help="devices (default 8)")
     parser.add_argument("--mesh", help="mesh shape, e.g. 2x4 (default: one axis of --gpus)")
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
     parser.add_argument("--all", action="store_true", help="list every block, not one instance per segment")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from autopar.capture import Graph, trace
+from autopar.files import check_writable
+from autopar.plan.records import MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -23,19 +27,79 @@ MODEL_OVERRIDES = {
 }
 
 
+# Upper bounds of numeric flags: those of plan files (README.md, "Bounds")
+MAX_LAYERS = OVERRIDE_LIMITS["layers"]
+MAX_HIDDEN = OVERRIDE_LIMITS["hidden"]
+MAX_HEADS = OVERRIDE_LIMITS["heads"]
+MAX_VOCAB = OVERRIDE_LIMITS["vocab"]
+MAX_FFN = OVERRIDE_LIMITS["ffn"]
+MAX_EXPERTS = OVERRIDE_LIMITS["experts"]
+MAX_TOKENS = 2**32  # --batch x --seq
+MAX_BUDGET_S = 86_400.0
+
+
+def bounded_int(most: int, *, least: int = 1) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in [least, most]; the message says the range (the parser adds the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            kind = "a positive integer" if least == 1 else f"an integer from {least:,}"
+            raise argparse.ArgumentTypeError(f"must be {kind} up to {most:,}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def bounded_seconds(most: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of seconds in (0, most]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= most):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds up to {most:,.0f}, "
+                                             f"got {text!r}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="zoo name (gpt3-1.3b, llama-7b, ...) or hf:<type>")
-    parser.add_argument("--batch", type=int, default=1, help="global batch size (default 1)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--batch", type=bounded_int(MAX_BATCH), default=1, help="global batch size (default 1)")
+    parser.add_argument("--seq", type=bounded_int(MAX_SEQ), default=None,
+                        help="sequence length (default: the model's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (default bf16)")
     group = parser.add_argument_group("model overrides")
-    group.add_argument("--layers", type=int, help="number of layers (Wide-ResNet: depth)")
-    group.add_argument("--hidden", type=int, help="hidden size (Wide-ResNet: stem width)")
-    group.add_argument("--heads", type=int, help="attention heads")
-    group.add_argument("--vocab", type=int, help="vocabulary size (Wide-ResNet: classes)")
-    group.add_argument("--ffn", type=int, help="MLP inner size")
-    group.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
-    group.add_argument("--experts", type=int, help="experts per mixture-of-experts layer")
+    group.add_argument("--layers", type=bounded_int(MAX_LAYERS), help="number of layers (Wide-ResNet: depth)")
+    group.add_argument("--hidden", type=bounded_int(MAX_HIDDEN), help="hidden size (Wide-ResNet: stem width)")
+    group.add_argument("--heads", type=bounded_int(MAX_HEADS), help="attention heads")
+    group.add_argument("--vocab", type=bounded_int(MAX_VOCAB), help="vocabulary size (Wide-ResNet: classes)")
+    group.add_argument("--ffn", type=bounded_int(MAX_FFN), help="MLP inner size")
+    group.add_argument("--kv-heads", type=bounded_int(MAX_HEADS), help="key/value heads (grouped-query attention)")
+    group.add_argument("--experts", type=bounded_int(MAX_EXPERTS), help="experts per mixture-of-experts layer")
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse an ``--out`` path that cannot be written before any trace or search starts."""
+    if getattr(args, "out", None) is not None:
+        check_writable(args.out, flag="--out")
+
+
+def check_workload(args: argparse.Namespace, *, seq: int) -> None:
+    """Bounds that involve two flags: the tokens of one global batch (``seq``: the model's, when --seq is not
+    given)."""
+    if args.batch * seq > MAX_TOKENS:
+        raise ValueError(f"--batch {args.batch} x --seq {seq} = {args.batch * seq:,} tokens per batch; at most "
+                         f"{MAX_TOKENS:,} (2^32) are supported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +110,9 @@ class TracedModel:
 
 
 def load_and_trace(args: argparse.Namespace) -> TracedModel:
-    for flag in ("batch", "seq", *MODEL_OVERRIDES):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
     zoo = load(args.model, batch=args.batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    check_workload(args, seq=zoo.seq)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
 
@@ -64,15 +125,15 @@ def mesh_shape(text: str | None, gpus: int | None) -> tuple[int, ...]:
         if gpus is None:
             raise ValueError("give --gpus N or --mesh AxB")
         return (gpus,)
-    try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--mesh {text!r} is not a shape like 8 or 2x4") from None
-    if not shape or any(n < 1 for n in shape) or len(shape) > 3:
+    parts = text.lower().split("x")
+    if not all(p.isascii() and p.isdigit() and len(p) <= 7 for p in parts):
+        raise ValueError(f"--mesh {text!r} is not a shape like 8 or 2x4")
+    shape = tuple(int(p) for p in parts)
+    if len(shape) > 3 or any(n < 1 for n in shape):
         raise ValueError(f"--mesh {text!r} must be one to three positive sizes, like 8 or 2x4")
-    total = 1
-    for n in shape:
-        total *= n
+    total = math.prod(shape)
+    if total > MAX_DEVICES:
+        raise ValueError(f"--mesh {text} has {total:,} devices; at most {MAX_DEVICES:,} are supported")
     if gpus is not None and total != gpus:
         raise ValueError(f"--mesh {text} has {total} devices but --gpus is {gpus}")
     return shape

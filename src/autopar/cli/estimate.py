@@ -6,10 +6,16 @@ import argparse
 from typing import Any
 
 from autopar.capture import trace
-from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments
-from autopar.cli.render import estimate_text
+from autopar.cli.common import (
+    DTYPES, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MODEL_OVERRIDES, add_model_arguments, bounded_int, check_out,
+    check_workload,
+)
+from autopar.cli.fit import advice_text, fit_advice, summary
+from autopar.cli.render import Outcome, estimate_text
 from autopar.cluster import load_cluster
 from autopar.cost import ParallelConfig, estimate
+from autopar.cost.megatron import pipeline_config
+from autopar.cost.pipeline import PipelineModel
 from autopar.cost.types import RECOMPUTE, SCHEDULES
 from autopar.zoo import load
 
@@ -22,16 +28,17 @@ def register(subparsers: Any) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
-    parser.add_argument("--gpus", type=int, help="devices used (default tp x pp x dp)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    parser.add_argument("--dp", type=int, help="data-parallel size (default gpus / (tp x pp))")
-    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    devices = bounded_int(MAX_DEVICES)
+    parser.add_argument("--gpus", type=devices, help="devices used (default tp x pp x dp)")
+    parser.add_argument("--tp", type=devices, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=devices, default=1, help="pipeline stages")
+    parser.add_argument("--dp", type=devices, help="data-parallel size (default gpus / (tp x pp))")
+    parser.add_argument("--mbs", type=bounded_int(MAX_BATCH), default=1, help="micro-batch size")
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (3 = FSDP)")
     parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--chunks", type=int, default=1,
+    parser.add_argument("--chunks", type=bounded_int(MAX_CHUNKS), default=1,
                         help="model chunks per device under --schedule interleaved (default 1)")
     parser.add_argument("--out", metavar="PLAN.json",
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
@@ -40,11 +47,10 @@ def register(subparsers: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
-    for name in ("tp", "pp", "mbs", "gpus", "dp"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name} must be positive, got {value}")
     gpus = args.gpus or args.tp * args.pp * (args.dp or 1)
+    if gpus > MAX_DEVICES:
+        raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp or 1} = {gpus:,} devices; at most "
+                         f"{MAX_DEVICES:,} are supported")
     dp = args.dp or gpus // (args.tp * args.pp)
     if args.tp * args.pp * dp != gpus:
         raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {dp} = {args.tp * args.pp * dp} != --gpus {gpus}")
@@ -55,15 +61,23 @@ def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
     return config, gpus
 
 
-def run(args: argparse.Namespace) -> dict[str, Any] | str:
+def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
+    check_out(args)
     config, gpus = _config(args)
     cluster = load_cluster(args.cluster).with_devices(gpus)
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
     global_batch = args.batch
     zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    check_workload(args, seq=zoo.seq)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
+    uneven = sorted(w for w in model.split_widths if w % config.tp)
+    if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
+        raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
+                         f"{sorted(model.split_widths)} (here {uneven[0]}): choose a --tp that divides them all")
     result = estimate(graph, cluster, config, global_batch=global_batch, dtype=args.dtype)
-    if args.out:
+    fits = result.memory.fits
+    if args.out and fits:  # a configuration that does not fit is no plan to run
         _write_plan(args, zoo, graph, cluster, config, global_batch)
     data = {
         "model": zoo.config.name,
@@ -76,16 +90,21 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         },
         "params": graph.num_params,
         "estimate": result.to_dict(),
+        "fits": fits,
     }
-    return data if args.json else render(data)
+    if fits:
+        return data if args.json else render(data)
+    data["fit"] = fit_advice(model, pipeline_config(model, config), global_batch=global_batch, memory=result.memory)
+    text = render(data) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
+    if args.out:
+        text += f"\n\nplan not written to {args.out}: it does not fit"
+    return Outcome(data if args.json else text, 3, f"does not fit {gpus} x {cluster.name}: {summary(data['fit'])}")
 
 
 def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, config: ParallelConfig,
                 global_batch: int) -> None:
     """The configuration as a plan file, in the form the planner writes (even stages, its layouts)."""
     from autopar.cli.plan import workload
-    from autopar.cost.megatron import pipeline_config
-    from autopar.cost.pipeline import PipelineModel
     from autopar.plan import save_plan
     from autopar.search.pipeline import Found, pipeline_plan
 

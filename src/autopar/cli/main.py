@@ -5,18 +5,44 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from autopar import __version__
 from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
+from autopar.cli.render import Outcome
 
 COMMANDS = (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser that reports a bad value in one line naming the flag (no usage block), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {_one_line(message)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _one_line(message: str) -> str:
+    """argparse's ``argument --x: ...`` as ``--x ...``: the flag first, then what would be valid."""
+    found = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, re.S)
+    if not found:
+        return message.splitlines()[0]
+    flag, rest = found.groups()
+    choice = re.match(r"invalid choice: (.*?) \(choose from (.*)\)$", rest)
+    if choice:
+        return f"{flag} must be one of {choice.group(2).replace(chr(39), '')}, got {choice.group(1)}"
+    wrong = re.match(r"invalid (\w+) value: (.*)$", rest)
+    if wrong:
+        kind = {"int": "an integer", "float": "a number"}.get(wrong.group(1), f"a valid {wrong.group(1)}")
+        return f"{flag} must be {kind}, got {wrong.group(2)}"
+    return f"{flag} {rest}" if rest.startswith("must") else f"{flag}: {rest}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="autopar", description="Plan and run parallel training of large PyTorch models."
     )
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
@@ -29,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad argument (2, reported in one line)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         result: Any = args.handler(args)
@@ -37,19 +66,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("autopar: interrupted", file=sys.stderr)
         return 130
     except (ValueError, KeyError, ImportError, RuntimeError, OSError, NotImplementedError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"autopar {args.command}: error: {message}", file=sys.stderr)
+        print(f"autopar {args.command}: error: {_message(exc, getattr(args, 'plan', None))}", file=sys.stderr)
+        return 2
+    outcome = result if isinstance(result, Outcome) else Outcome(result)
+    try:  # strict JSON: a NaN or an infinity is refused rather than printed as invalid JSON
+        text = outcome.result if isinstance(outcome.result, str) else json.dumps(outcome.result, indent=2,
+                                                                                 allow_nan=False)
+    except ValueError as exc:
+        print(f"autopar {args.command}: error: the result holds a value JSON cannot carry ({exc})", file=sys.stderr)
         return 2
     try:
-        if isinstance(result, str):
-            print(result)
-        else:
-            json.dump(result, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+        print(text)
         sys.stdout.flush()
     except BrokenPipeError:  # `autopar ... | head`: the reader left, which is fine
         sys.stdout = None  # type: ignore[assignment]  # no flush at exit
-    return 0
+    if outcome.message:
+        print(f"autopar {args.command}: {outcome.message}", file=sys.stderr)
+    return outcome.status
+
+
+def _message(exc: BaseException, source: str | None) -> str:
+    """One line naming the input: a KeyError's text is only the missing key, so say what it is and where (the
+    command's input file, where it reads one)."""
+    if isinstance(exc, KeyError):
+        key = f"missing field {exc.args[0]!r}" if exc.args else "missing field"
+        return f"{source}: {key}" if source else key
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

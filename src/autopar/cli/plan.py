@@ -12,8 +12,12 @@ import time
 from typing import Any
 
 from autopar.capture import trace
-from autopar.cli.common import DTYPES, MODEL_OVERRIDES, add_model_arguments, mesh_shape
-from autopar.cli.render import binary_bytes, estimate_text, table
+from autopar.cli.common import (
+    DTYPES, MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_model_arguments, bounded_int, bounded_seconds, check_out,
+    check_workload, mesh_shape,
+)
+from autopar.cli.fit import advice_text, fit_advice, summary
+from autopar.cli.render import Outcome, binary_bytes, estimate_text, table
 from autopar.cluster import load_cluster
 from autopar.plan import Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
@@ -36,7 +40,7 @@ def register(subparsers: Any) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file (default a100-80g-sxm)")
-    parser.add_argument("--gpus", type=int, help="devices used (default: the product of --mesh)")
+    parser.add_argument("--gpus", type=bounded_int(MAX_DEVICES), help="devices used (default: the product of --mesh)")
     parser.add_argument("--mesh", help="with --search ilp: mesh shape, e.g. 8 or 2x4 (default: one axis, or nodes x "
                         "devices per node when --gpus spans nodes)")
     parser.add_argument(
@@ -44,7 +48,8 @@ def register(subparsers: Any) -> None:
         help="auto (default): Megatron grid, then Aceso's bottleneck search over pipeline depths; aceso; exhaustive "
         "(small models); megatron, dp, fsdp: one baseline; ilp: the intra-op programme on one --mesh, no pipeline",
     )
-    parser.add_argument("--budget-s", type=float, default=60.0, help="search time budget in seconds (default 60)")
+    parser.add_argument("--budget-s", type=bounded_seconds(MAX_BUDGET_S), default=60.0,
+                        help="search time budget in seconds (default 60, at most a day)")
     parser.add_argument("--runnable", action="store_true",
                         help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
                         "under ZeRO 0-1)")
@@ -59,9 +64,8 @@ def _default_mesh(args: argparse.Namespace, per_node: int) -> tuple[int, ...]:
     return (args.gpus // per_node, per_node)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any] | str:
-    if args.budget_s <= 0:
-        raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
+    check_out(args)  # before any trace or search: a path that cannot be written fails now, not after the search
     if args.search != "ilp":
         if args.mesh:
             raise ValueError("--mesh applies to --search ilp; pipeline searches choose each stage's dp x tp")
@@ -70,19 +74,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     shape = _default_mesh(args, base.devices_per_node)
     cluster = base.with_devices(math.prod(shape))
     zoo = _load(args)
-    kinds = ("ilp", *BASELINES)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
-    progress = _progress(show, start)
-    found = plan_intra(
-        lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
-        cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=kinds, time_limit=args.budget_s,
-        progress=progress,
-    )
+    found, interrupted = _anytime_intra(args, zoo, cluster, shape, _progress(show, start))
     seconds = time.perf_counter() - start
     if show:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
-    chosen = found[args.search]
+    chosen = found.get(args.search)
+    if chosen is None and interrupted:  # stopped before the programme's first plan: the best baseline so far
+        chosen = min((p for p in found.values() if p is not None), key=_rank_intra, default=None)
+        if chosen is None:
+            raise KeyboardInterrupt
     if chosen is None:
         raise ValueError(
             f"no {args.search} plan exists for --batch {args.batch} on mesh {'x'.join(map(str, shape))}: "
@@ -91,12 +93,61 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     name = zoo.config.name
     baselines = {kind: (_entry(p.to_plan(name)) if p is not None else None)
                  for kind, p in found.items() if kind != args.search}
+    fits = chosen.estimate.memory.fits
     data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_plan(name),
-                   baselines=baselines, seconds=seconds)
+                   baselines=baselines, seconds=seconds, fits=fits)
+    data["interrupted"] = interrupted
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}
-    return data if args.json else render(data, out=args.out)
+    if fits:
+        return data if args.json else render(data, out=args.out)
+    model = PipelineModel(chosen.space.graph, cluster, traced_batch=chosen.micro_batch_size, dtype=args.dtype)
+    data["fit"] = fit_advice(model, None, global_batch=args.batch, memory=chosen.estimate.memory)
+    return _no_fit(args, data, render(data, out=None))
+
+
+def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tuple[int, ...],
+                   progress: Any) -> tuple[dict[str, Any], bool]:
+    """The intra-op search on a worker thread (HiGHS releases the GIL), so that Ctrl-C returns at once with the
+    best plan of each kind found so far; the baselines go first, being quick. (plans, whether interrupted)"""
+    stop, partial, outcome = threading.Event(), {}, {}
+
+    def work() -> None:
+        try:
+            outcome["found"] = plan_intra(
+                lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
+                cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=(*BASELINES, "ilp"),
+                time_limit=args.budget_s, progress=progress, should_stop=stop.is_set, found=partial,
+            )
+        except BaseException as exc:  # noqa: BLE001  # handed to the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name="autopar-intra", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        stop.set()
+        return dict(partial), True
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["found"], False
+
+
+def _rank_intra(plan: Any) -> tuple:
+    e = plan.estimate
+    return (not e.memory.fits, e.iteration_seconds if e.memory.fits else e.memory.total)
+
+
+def _no_fit(args: argparse.Namespace, data: dict[str, Any], text: str) -> Outcome:
+    """Exit status 3: the least-over plan, printed with what is missing and what would make it fit; not written."""
+    lines = [text, "", *advice_text(data["fit"], cluster=data["cluster"], what="the least-over plan")]
+    if args.out:
+        lines += ["", f"plan not written to {args.out}: it does not fit"]
+    message = f"no plan fits {data['gpus']} x {data['cluster']}: the least-over needs {summary(data['fit'])}"
+    return Outcome(data if args.json else "\n".join(lines), 3, message)
 
 
 def _entry(plan: Plan) -> dict[str, Any]:
@@ -106,11 +157,11 @@ def _entry(plan: Plan) -> dict[str, Any]:
 
 def _result(
     args: argparse.Namespace, zoo: Any, cluster: Any, *, params: int, plan: Plan, baselines: dict[str, Any],
-    seconds: float,
+    seconds: float, fits: bool,
 ) -> dict[str, Any]:
-    """The fields every search reports (CLI.md), with the plan's workload; writes ``--out``."""
+    """The fields every search reports (CLI.md), with the plan's workload; writes ``--out`` when the plan fits."""
     plan = plan.with_workload(workload(args, zoo))
-    if args.out:
+    if args.out and fits:
         save_plan(args.out, plan)
     return {
         "model": zoo.config.name,
@@ -122,6 +173,7 @@ def _result(
         **_entry(plan),
         "baselines": baselines,
         "search_seconds": seconds,
+        "fits": fits,
     }
 
 
@@ -144,14 +196,12 @@ def workload(args: argparse.Namespace, zoo: Any) -> Workload:
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
-    for flag in ("batch", "seq", "gpus", *MODEL_OVERRIDES):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    return load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    zoo = load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    check_workload(args, seq=zoo.seq)
+    return zoo
 
 
-def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
+def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     """The pipeline searches: trace once at batch 1 (costs scale with the batch), search, price the baselines."""
     if args.gpus is None:
         raise ValueError("give --gpus N")
@@ -187,12 +237,16 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str:
         return pipeline_plan(model, f, name=name, kind=kind, global_batch=args.batch)
 
     baselines = {k: (_entry(typed(k, f)) if f is not None else None) for k, f in found.items() if k != args.search}
+    fits = chosen.result.estimate.memory.fits
     data = _result(args, zoo, cluster, params=graph.num_params, plan=typed(args.search, chosen),
-                   baselines=baselines, seconds=seconds)
+                   baselines=baselines, seconds=seconds, fits=fits)
     data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
                 runners_up=[_layout(f, chosen) for f in chosen.runners_up],
                 not_runnable=limit(chosen.config))  # why `autopar run` refuses it, or null
-    return data if args.json else render_pipeline(data, out=args.out)
+    if fits:
+        return data if args.json else render_pipeline(data, out=args.out)
+    data["fit"] = fit_advice(model, chosen.config, global_batch=args.batch, memory=chosen.result.estimate.memory)
+    return _no_fit(args, data, render_pipeline(data, out=None))
 
 
 def _can_pipeline(module: Any) -> bool:
@@ -311,7 +365,8 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}: mesh {mesh}",
         f"plan ({data['search']}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
-        f"ZeRO {plan['zero']}; searched in {data['search_seconds']:.1f} s",
+        f"ZeRO {plan['zero']}; searched in {data['search_seconds']:.1f} s"
+        + (" (interrupted: best so far)" if data.get("interrupted") else ""),
         "",
         "modules: split of each leading op per mesh axis, layouts of its input, output and parameters",
         table(["module", "split", "input", "output", "params"], rows, align="lllll"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -63,3 +64,17 @@ def estimate_text(e: dict[str, Any]) -> str:
             table(["axis", "kind", "size", "count"], coll_rows, align="llrr") if coll_rows else "(none)",
         ]
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a command returns when its exit status is not 0: the result it prints (text or JSON data) all the
+    same, the status (3: no configuration fits the devices) and an optional line for stderr."""
+
+    result: Any
+    status: int = 0
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in (0, 3):
+            raise ValueError(f"status must be 0 or 3, got {self.status!r}")

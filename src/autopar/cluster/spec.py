@@ -23,12 +23,16 @@ File format (YAML or TOML; units in the key names):
 from __future__ import annotations
 
 import math
+import os
+import reprlib
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from autopar.files import CLUSTER_FILE_LIMIT, read_text
 
 GB = 1e9
 GIB = 2**30
@@ -49,12 +53,14 @@ class Measured:
     seconds: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if self.ranks < 2:
-            raise ValueError(f"measured.ranks must be at least 2, got {self.ranks}")
+        if not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ValueError(f"measured.ranks must be at least 2, got {self.ranks!r}")
         if len(self.bytes) != len(self.seconds) or len(self.bytes) < 2:
             raise ValueError("measured.bytes and measured.seconds must be lists of the same length (2 or more)")
-        if list(self.bytes) != sorted(self.bytes):
-            raise ValueError("measured.bytes must be in ascending order")
+        if any(not isinstance(b, int) or b < 1 for b in self.bytes):
+            raise ValueError(f"measured.bytes must be positive integers, got {self.bytes!r}")
+        if any(a >= b for a, b in zip(self.bytes, self.bytes[1:])):
+            raise ValueError(f"measured.bytes must be strictly ascending, got {self.bytes!r}")
         for s in self.seconds:
             _positive("measured", "seconds", s)
 
@@ -93,10 +99,14 @@ class Device:
             _positive(owner, f"peak_tflops.{dtype}", value)
         for kind in ("matmul", "attention", "memory"):
             value = self.efficiency.get(kind)
-            if value is None or not 0 < value <= 1:
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"{owner}: efficiency.{kind} must be in (0, 1], got {value!r}")
-        if self.kernel_overhead < 0 or self.reserved < 0:
-            raise ValueError(f"{owner}: kernel_overhead_us and reserved_gib must not be negative")
+        for name, value in (("kernel_overhead", self.kernel_overhead), ("reserved", self.reserved)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{owner}: {name} must be zero or a positive finite number, got {value!r}")
+        if self.reserved >= self.memory:
+            raise ValueError(f"{owner}: reserved ({self.reserved!r} bytes) must be less than memory "
+                             f"({self.memory!r} bytes)")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; bf16 falls back to fp16 (V100) and then to fp32."""
@@ -116,7 +126,8 @@ class Cluster:
     inter: Link  # between nodes, per device
 
     def __post_init__(self) -> None:
-        if self.devices_per_node < 1 or self.nodes < 1:
+        counts = (self.devices_per_node, self.nodes)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
             raise ValueError(
                 f"cluster {self.name}: devices_per_node and nodes must be at least 1, got "
                 f"{self.devices_per_node} and {self.nodes}"
@@ -139,56 +150,148 @@ class Cluster:
         return replace(self, nodes=count // self.devices_per_node)
 
 
-def cluster_from_dict(data: dict[str, Any], *, source: str = "cluster") -> Cluster:
-    """Build and validate a `Cluster` from the file format above; errors name the bad field."""
+# Bounds of the file's fields, in the file's units: generous for any real machine, finite so that nothing
+# downstream overflows or divides by zero.
+MAX_MEMORY_GIB = 65_536
+MAX_TFLOPS = 1_000_000
+MAX_GBPS = 1_000_000
+MAX_OVERHEAD_US = 1_000_000  # one second per kernel launch
+MAX_LATENCY_US = 10_000_000  # ten seconds per step
+MAX_DEVICES_PER_NODE = 1_024
+MAX_NODES = 131_072
+MAX_MEASURED = 1_024  # sizes in a measured table
+MAX_MESSAGE_BYTES = 2**50
+MAX_MEASURED_SECONDS = 3_600
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+EFFICIENCY_KINDS = ("matmul", "attention", "memory")
+_FIELDS = {
+    "": ("name", "devices_per_node", "nodes", "device", "links"),
+    "device.": ("name", "memory_gib", "peak_tflops", "hbm_gbps", "efficiency", "kernel_overhead_us", "reserved_gib"),
+    "links.": ("intra", "inter"),
+    "link": ("bandwidth_gbps", "latency_us", "measured"),
+    "measured": ("ranks", "bytes", "seconds"),
+}
 
-    def need(mapping: dict[str, Any], key: str, where: str) -> Any:
-        if not isinstance(mapping, dict) or key not in mapping:
-            raise ValueError(f"{source}: missing field {where}{key}")
+
+def _shown(value: Any) -> str:
+    return reprlib.repr(value)  # bounded, even for a YAML alias bomb
+
+
+class _FileReader:
+    """Reads fields of one cluster file; every error names the file and the field and says what is valid."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.source}: {message}")
+
+    def mapping(self, value: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{where.rstrip('.') or 'the file'} must be a mapping, got {_shown(value)}")
+        for key in value:
+            if key not in known:
+                raise self.fail(f"unknown field {where}{key} (known: {', '.join(known)})")
+        return value
+
+    def need(self, mapping: dict[str, Any], key: str, where: str) -> Any:
+        if key not in mapping:
+            raise self.fail(f"missing field {where}{key}")
         return mapping[key]
 
-    dev = need(data, "device", "")
-    links = need(data, "links", "")
-    try:
-        device = Device(
-            name=str(dev.get("name", "device")),
-            memory=_positive(source, "device.memory_gib", need(dev, "memory_gib", "device.")) * GIB,
-            peak_flops={
-                k: _positive(source, f"device.peak_tflops.{k}", v) * 1e12
-                for k, v in need(dev, "peak_tflops", "device.").items()
-            },
-            hbm_bandwidth=_positive(source, "device.hbm_gbps", need(dev, "hbm_gbps", "device.")) * GB,
-            efficiency={"matmul": 0.7, "attention": 0.55, "memory": 0.8, **dev.get("efficiency", {})},
-            kernel_overhead=float(dev.get("kernel_overhead_us", 4.0)) * 1e-6,
-            reserved=float(dev.get("reserved_gib", 2.0)) * GIB,
-        )
-        tiers = {}
-        for tier in ("intra", "inter"):
-            spec = need(links, tier, "links.")
-            measured = spec.get("measured")
-            tiers[tier] = Link(
-                bandwidth=_positive(source, f"links.{tier}.bandwidth_gbps", need(spec, "bandwidth_gbps", f"links.{tier}.")) * GB,
-                latency=float(spec.get("latency_us", 0.0)) * 1e-6,
-                measured=None
-                if measured is None
-                else Measured(
-                    ranks=int(measured["ranks"]),
-                    bytes=tuple(int(b) for b in measured["bytes"]),
-                    seconds=tuple(float(s) for s in measured["seconds"]),
-                ),
-            )
-        return Cluster(
-            name=str(data.get("name", source)),
-            device=device,
-            devices_per_node=int(need(data, "devices_per_node", "")),
-            nodes=int(data.get("nodes", 1)),
-            **tiers,
-        )
-    except (TypeError, KeyError, AttributeError) as exc:
-        raise ValueError(f"{source}: malformed cluster description ({type(exc).__name__}: {exc})") from exc
-    except ValueError as exc:
-        message = str(exc)
-        raise ValueError(message if message.startswith(source) else f"{source}: {message}") from exc
+    def number(self, value: Any, name: str, *, most: float, zero: bool = False) -> float:
+        """A finite number in (0, most] (or [0, most] with ``zero``)."""
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or not (value >= 0 if zero else value > 0) or value > most:
+            kind = "zero or a positive" if zero else "a positive"
+            raise self.fail(f"{name} must be {kind} finite number up to {most:,}, got {_shown(value)}")
+        return float(value)
+
+    def count(self, value: Any, name: str, *, least: int, most: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+            raise self.fail(f"{name} must be an integer from {least} to {most:,}, got {_shown(value)}")
+        return value
+
+    def text(self, value: Any, name: str) -> str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool) or not str(value).strip():
+            raise self.fail(f"{name} must be a non-empty string, got {_shown(value)}")
+        return str(value)[:200]
+
+    def listed(self, value: Any, name: str) -> list[Any]:
+        if not isinstance(value, list) or not 2 <= len(value) <= MAX_MEASURED:
+            raise self.fail(f"{name} must be a list of 2 to {MAX_MEASURED:,} values, got {_shown(value)}")
+        return value
+
+
+def _device(r: _FileReader, dev: Any) -> Device:
+    dev = r.mapping(dev, "device.", _FIELDS["device."])
+    memory_gib = r.number(r.need(dev, "memory_gib", "device."), "device.memory_gib", most=MAX_MEMORY_GIB)
+    peaks = r.mapping(r.need(dev, "peak_tflops", "device."), "device.peak_tflops.", DTYPE_NAMES)
+    if not peaks:
+        raise r.fail(f"device.peak_tflops needs at least one of {', '.join(DTYPE_NAMES)}")
+    efficiency = {"matmul": 0.7, "attention": 0.55, "memory": 0.8}
+    for kind, value in r.mapping(dev.get("efficiency", {}), "device.efficiency.", EFFICIENCY_KINDS).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise r.fail(f"device.efficiency.{kind} must be in (0, 1], got {_shown(value)}")
+        efficiency[kind] = float(value)
+    reserved_gib = r.number(dev.get("reserved_gib", 2.0), "device.reserved_gib", zero=True, most=MAX_MEMORY_GIB)
+    if reserved_gib >= memory_gib:
+        raise r.fail(f"device.reserved_gib must be less than device.memory_gib ({memory_gib:g}), got {reserved_gib:g}")
+    return Device(
+        name=r.text(dev.get("name", "device"), "device.name"),
+        memory=memory_gib * GIB,
+        peak_flops={k: r.number(v, f"device.peak_tflops.{k}", most=MAX_TFLOPS) * 1e12 for k, v in peaks.items()},
+        hbm_bandwidth=r.number(r.need(dev, "hbm_gbps", "device."), "device.hbm_gbps", most=MAX_GBPS) * GB,
+        efficiency=efficiency,
+        kernel_overhead=r.number(dev.get("kernel_overhead_us", 4.0), "device.kernel_overhead_us", zero=True,
+                                 most=MAX_OVERHEAD_US) * 1e-6,
+        reserved=reserved_gib * GIB,
+    )
+
+
+def _measured(r: _FileReader, value: Any, where: str) -> Measured:
+    m = r.mapping(value, f"{where}.", _FIELDS["measured"])
+    sizes = r.listed(r.need(m, "bytes", f"{where}."), f"{where}.bytes")
+    seconds = r.listed(r.need(m, "seconds", f"{where}."), f"{where}.seconds")
+    if len(sizes) != len(seconds):
+        raise r.fail(f"{where}.bytes and {where}.seconds must have the same length, got {len(sizes)} and "
+                     f"{len(seconds)}")
+    sizes = [r.count(b, f"{where}.bytes[{i}]", least=1, most=MAX_MESSAGE_BYTES) for i, b in enumerate(sizes)]
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise r.fail(f"{where}.bytes must be strictly ascending, got {_shown(sizes)}")
+    return Measured(
+        ranks=r.count(r.need(m, "ranks", f"{where}."), f"{where}.ranks", least=2, most=MAX_NODES),
+        bytes=tuple(sizes),
+        seconds=tuple(r.number(s, f"{where}.seconds[{i}]", most=MAX_MEASURED_SECONDS) for i, s in enumerate(seconds)),
+    )
+
+
+def _link(r: _FileReader, links: dict[str, Any], tier: str) -> Link:
+    where = f"links.{tier}"
+    spec = r.mapping(r.need(links, tier, "links."), f"{where}.", _FIELDS["link"])
+    bandwidth = r.number(r.need(spec, "bandwidth_gbps", f"{where}."), f"{where}.bandwidth_gbps", most=MAX_GBPS)
+    latency = r.number(spec.get("latency_us", 0.0), f"{where}.latency_us", zero=True, most=MAX_LATENCY_US)
+    measured = spec.get("measured")
+    return Link(bandwidth=bandwidth * GB, latency=latency * 1e-6,
+                measured=None if measured is None else _measured(r, measured, f"{where}.measured"))
+
+
+def cluster_from_dict(data: dict[str, Any], *, source: str = "cluster") -> Cluster:
+    """Build and validate a `Cluster` from the file format above; errors name the file and the bad field, and
+    say what would be valid (unknown fields are refused: a misspelt optional field would silently be ignored)."""
+    r = _FileReader(source)
+    data = r.mapping(data, "", _FIELDS[""])
+    device = _device(r, r.need(data, "device", ""))
+    links = r.mapping(r.need(data, "links", ""), "links.", _FIELDS["links."])
+    return Cluster(
+        name=r.text(data.get("name", source), "name"),
+        device=device,
+        devices_per_node=r.count(r.need(data, "devices_per_node", ""), "devices_per_node", least=1,
+                                 most=MAX_DEVICES_PER_NODE),
+        nodes=r.count(data.get("nodes", 1), "nodes", least=1, most=MAX_NODES),
+        intra=_link(r, links, "intra"),
+        inter=_link(r, links, "inter"),
+    )
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
@@ -218,20 +321,30 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def _parse_error(exc: Exception) -> str:
+    """A YAML or TOML parse error in one line: what went wrong and where."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def load_cluster(spec: str) -> Cluster:
-    """A preset name (see `PRESETS`) or a path to a .yaml/.yml/.toml file."""
+    """A preset name (see `PRESETS`) or a path to a .yaml/.yml/.toml file (a regular file of at most 1 MiB)."""
     from autopar.cluster.presets import PRESETS
 
     if spec in PRESETS:
         return PRESETS[spec]
-    path = Path(spec)
-    if not path.exists():
+    if not spec or not os.path.lexists(spec):
         raise ValueError(f"unknown cluster {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file")
-    text = path.read_text()
+    text = read_text(spec, what="cluster file", limit=CLUSTER_FILE_LIMIT)
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if Path(spec).suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"{spec}: cannot parse cluster file: {exc}") from exc
+        raise ValueError(f"{spec}: cannot parse cluster file: {_parse_error(exc)}") from None
+    except RecursionError:
+        raise ValueError(f"{spec}: cannot parse cluster file: nested too deeply") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{spec}: a cluster file holds a mapping (name, device, links, ...)")
+        raise ValueError(f"{spec}: a cluster file holds a mapping (name, device, links, ...), got {_shown(data)}")
     return cluster_from_dict(data, source=spec)

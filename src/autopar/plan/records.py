@@ -33,14 +33,16 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
 
-MAX_DEVICES = 1 << 20
-MAX_BATCH = 1 << 24
-MAX_SEQ = 1 << 20
-MAX_CHUNKS = 128
+# Bounds of plan fields and of the CLI's flags alike: generous for real models and clusters, finite so that no
+# command hangs, runs out of memory or overflows on a mistyped value (README.md, "Bounds").
+MAX_DEVICES = 131_072
+MAX_BATCH = 16_777_216
+MAX_SEQ = 1_048_576
+MAX_CHUNKS = 1_024
 MAX_DIM = 1 << 40
-# model overrides a plan may carry, with the largest value any real model needs (and that builds in bounded time)
-OVERRIDE_LIMITS = {"layers": 16_384, "hidden": 131_072, "heads": 4_096, "vocab": 4_194_304, "ffn": 1_048_576,
-                   "kv_heads": 4_096, "experts": 4_096}
+# model overrides, with the largest value any real model needs (and that builds in bounded time)
+OVERRIDE_LIMITS = {"layers": 2_048, "hidden": 131_072, "heads": 1_024, "vocab": 4_194_304, "ffn": 1_048_576,
+                   "kv_heads": 1_024, "experts": 4_096}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

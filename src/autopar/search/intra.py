@@ -371,6 +371,8 @@ def plan_intra(
     kinds: tuple[str, ...] = ("ilp", *BASELINES),
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    found: dict[str, IntraPlan | None] | None = None,
 ) -> dict[str, IntraPlan | None]:
     """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model.
 
@@ -378,9 +380,24 @@ def plan_intra(
     search over the counts (`micro_batch_counts`) finds the fewest that fit, then more are tried while they get
     faster. A count that does not divide over the mesh (None) rules out every larger one too. A kind with no
     fitting plan returns its least-memory attempt (its Estimate says it does not fit). Each micro-batch size is
-    traced once and shared by all kinds."""
+    traced once and shared by all kinds.
+
+    Anytime: ``found`` (when given) holds each kind's best plan so far, updated after every attempt, so a caller
+    on another thread can take it at any moment; ``should_stop`` ends the search between attempts, like the
+    time limit."""
+    budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
-        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, time_limit, progress)
+        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
+                           {} if found is None else found)
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    deadline: float  # time.perf_counter() at which the search stops
+    should_stop: Callable[[], bool]
+
+    def left(self) -> bool:
+        return time.perf_counter() < self.deadline and not self.should_stop()
 
 
 @contextmanager
@@ -404,12 +421,13 @@ def _plan_intra(
     global_batch: int,
     dtype: str,
     kinds: tuple[str, ...],
-    time_limit: float,
+    budget: _Budget,
     progress: Callable[[str], None] | None,
+    best: dict[str, IntraPlan | None],
 ) -> dict[str, IntraPlan | None]:
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
-    deadline = time.perf_counter() + time_limit
+    deadline = budget.deadline
     spaces: dict[int, Space] = {}
 
     def space_at(m: int) -> Space:
@@ -421,7 +439,6 @@ def _plan_intra(
             spaces[m] = build_space(trace_at(size), mesh, cluster, like=like)
         return spaces[m]
 
-    best: dict[str, IntraPlan | None] = {}
     for kind in kinds:
         tried: dict[int, IntraPlan | None] = {}
 
@@ -429,10 +446,12 @@ def _plan_intra(
             m = counts[i]
             if m not in tried:
                 tried[m] = _best_of_kind(space_at(m), kind, m, global_batch // m, global_batch, dtype, deadline)
+                candidates = [p for p in tried.values() if p is not None]
+                best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far, at any moment
             return tried[m]
 
         lo, hi, first_fit = 0, len(counts) - 1, None
-        while lo <= hi and time.perf_counter() < deadline:
+        while lo <= hi and budget.left():
             mid = (lo + hi) // 2
             found = attempt(mid)
             if found is None:
@@ -445,7 +464,7 @@ def _plan_intra(
                 lo = mid + 1
         if first_fit is not None:
             i = first_fit
-            while i + 1 < len(counts) and time.perf_counter() < deadline:
+            while i + 1 < len(counts) and budget.left():
                 following = attempt(i + 1)
                 if following is None or _rank(following) >= _rank(tried[counts[i]]):
                     break
