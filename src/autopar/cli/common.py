@@ -11,6 +11,7 @@ import torch
 
 from autopar.capture import Graph, trace
 from autopar.files import check_writable
+from autopar.plan import Plan, load_plan
 from autopar.plan.records import MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
 
@@ -115,6 +116,19 @@ def load_and_trace(args: argparse.Namespace) -> TracedModel:
     check_workload(args, seq=zoo.seq)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
+
+
+def load_runnable(path: str) -> Plan:
+    """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model before any
+    rank starts; every error names the file."""
+    from autopar.runtime import check_runnable
+
+    plan = load_plan(path)
+    try:
+        check_runnable(plan)
+    except (ValueError, NotImplementedError) as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    return plan
 
 
 def mesh_shape(text: str | None, gpus: int | None) -> tuple[int, ...]:

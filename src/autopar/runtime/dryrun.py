@@ -21,15 +21,17 @@ from autopar.runtime.train import LEARNING_RATE, Workload, global_batch, loss_of
 from autopar.runtime.validate import check_runnable
 
 
-def dryrun(plan: Plan) -> dict[str, Any]:
-    """Counted against predicted collectives of rank 0 for one step of ``plan``."""
+def dryrun(plan: Plan, *, checked: bool = False) -> dict[str, Any]:
+    """Counted against predicted collectives of rank 0 for one step of ``plan`` (``checked``: `check_runnable`
+    has passed already)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autopar.zoo import load
 
-    check_runnable(plan)
+    if not checked:
+        check_runnable(plan)
     work = Workload.of(plan)
     if len(plan.stages) > 1:
         raise NotImplementedError("dryrun of pipeline plans is not supported yet (the schedule exchanges shapes "
