@@ -52,18 +52,18 @@ def _check_chain(plan: Plan, planned) -> None:  # noqa: ANN001
 
 
 def _check_divisible(model: nn.Module, plan: Plan) -> None:
-    sizes = plan.grid if plan.is_pipeline else plan.mesh.shape
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for entry in plan.modules:
-        for layout in entry.params:
-            shape = params[layout.name].shape
-            for axis, placement in enumerate(layout.placements):
-                if isinstance(placement, Shard) and shape[placement.dim] % sizes[axis]:
-                    raise ValueError(f"parameter {layout.name!r} is split on dim {placement.dim} ({shape[placement.dim]}) "
-                                     f"over {sizes[axis]} devices, which does not divide it")
+    """Tensor-parallel splits must be even (each tp rank computes its part of the layer); FSDP's dp shards may be
+    uneven, since FSDP2 pads them."""
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for entry in plan.modules:
+        for layout in entry.params:
+            shape, placement = params[layout.name].shape, layout.on(1)
+            if isinstance(placement, Shard) and shape[placement.dim] % tp:
+                raise ValueError(f"parameter {layout.name!r} is split on dim {placement.dim} ({shape[placement.dim]}) "
+                                 f"over tp {tp}, which does not divide it")
     for name, module in model.named_modules():
         for attribute in ("heads", "kv_heads", "num_attention_heads", "num_key_value_heads"):
             count = getattr(module, attribute, None)
