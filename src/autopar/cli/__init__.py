@@ -1,1 +1,1 @@
-"""The ``autopar`` command line; see ../shared/CLI.md for the contract."""
+"""The ``autopar`` command line; docs/cli.md is the contract."""
