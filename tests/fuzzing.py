@@ -111,24 +111,39 @@ def _address_space() -> int:
     return 0
 
 
+@dataclass
+class Alarm:
+    fired: float | None = None  # when the time limit first fired
+
+
 @contextlib.contextmanager
 def limits(seconds: float = CASE_SECONDS, memory: int = CASE_MEMORY):
-    """SIGALRM raises `Hang` after ``seconds``; the address space may grow by ``memory`` bytes."""
+    """SIGALRM raises `Hang` after ``seconds`` and again every second after that (code that swallows one, a C
+    callback or a ``__del__``, meets the next); the address space may grow by ``memory`` bytes. A case still
+    running two minutes after its limit ends the whole process with every thread's stack (faulthandler): the
+    suite fails instead of hanging CI."""
+    import faulthandler
 
-    def alarm(signum, frame):  # noqa: ANN001, ARG001
+    alarm = Alarm()
+
+    def handler(signum, frame):  # noqa: ANN001, ARG001
+        if alarm.fired is None:
+            alarm.fired = time.perf_counter()
         raise Hang(f"still running after {seconds:g} s")
 
-    previous = signal.signal(signal.SIGALRM, alarm)
+    previous = signal.signal(signal.SIGALRM, handler)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = _address_space() + memory
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    faulthandler.dump_traceback_later(seconds + 120, exit=True, file=sys.__stderr__)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
-        yield
+        yield alarm
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
@@ -165,8 +180,9 @@ def run_main(argv: Sequence[str], *, seconds: float = CASE_SECONDS, intercept_ra
     outcome = Outcome(list(argv))
     start = time.perf_counter()
     guard = stop_at_rank_start() if intercept_ranks else contextlib.nullcontext()
+    alarm = Alarm()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), guard, limits(seconds):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), guard, limits(seconds) as alarm:
             code = main(list(argv))
         outcome.code = code if isinstance(code, int) else 1
     except SystemExit as exc:
@@ -184,6 +200,11 @@ def run_main(argv: Sequence[str], *, seconds: float = CASE_SECONDS, intercept_ra
         outcome.where, outcome.innermost, outcome.trace = _locate(exc)
     finally:
         _cleanup_process_group()
+    if alarm.fired is not None and not outcome.hang:  # the first Hang was swallowed (or became another error)
+        outcome.hang = True
+        outcome.exception = (f"Hang: still running after {seconds:g} s; the time limit's exception was lost "
+                             f"in the product's code and the case ended {time.perf_counter() - alarm.fired:.0f} s "
+                             f"later with {outcome.exception or f'exit {outcome.code}'}")
     outcome.seconds = time.perf_counter() - start
     outcome.stdout, outcome.stderr = out.getvalue(), err.getvalue()
     return outcome
