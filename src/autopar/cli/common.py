@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,17 +119,24 @@ def load_and_trace(args: argparse.Namespace) -> TracedModel:
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
 
 
-def load_runnable(path: str) -> Plan:
-    """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model before any
-    rank starts; every error names the file."""
+def load_runnable(path: str, *, rehearse: bool = True) -> Plan:
+    """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model (and, with
+    ``rehearse``, applied on a fake process group) before any rank starts; every error names the file."""
     from autopar.runtime import check_runnable
 
     plan = load_plan(path)
+    with naming(path):
+        check_runnable(plan, rehearse=rehearse)
+    return plan
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Errors raised inside are prefixed with ``path``, the file they are about."""
     try:
-        check_runnable(plan)
+        yield
     except (ValueError, NotImplementedError) as exc:
         raise type(exc)(f"{path}: {exc}") from None
-    return plan
 
 
 def mesh_shape(text: str | None, gpus: int | None) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from autopar.cli.run import comm_table
-from autopar.cli.common import load_runnable
+from autopar.cli.common import load_runnable, naming
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +28,9 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     from autopar.runtime.dryrun import dryrun
 
-    result = {"plan": args.plan, **dryrun(load_runnable(args.plan), checked=True)}
+    plan = load_runnable(args.plan, rehearse=False)  # dryrun's own step is the rehearsal
+    with naming(args.plan):
+        result = {"plan": args.plan, **dryrun(plan, checked=True)}
     if not result["ok"]:
         if args.json:
             print(json.dumps(result, indent=2))

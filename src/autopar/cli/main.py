@@ -56,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # --help, --version (0) or a bad argument (2, reported in one line)
         return exc.code if isinstance(exc.code, int) else 2
+    if extra:  # named by the command they were given to, as every other error is
+        print(f"autopar {args.command}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         result: Any = args.handler(args)

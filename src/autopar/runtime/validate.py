@@ -10,23 +10,31 @@ built on the meta device (no memory) and traced once:
 - every split dimension divides by the devices that split it, and attention heads (and key/value heads) divide by
   tp, since the runtime gives each tp rank whole heads;
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
-  micro-batch instead of the whole batch, which is not what one process trains.
+  micro-batch instead of the whole batch, which is not what one process trains;
+- recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
+- a single-stage plan applies and trains a step on a fake process group of its full size (`rehearsal`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from autopar.plan import Plan
-from autopar.runtime.apply import check_matches, check_supported
-from autopar.runtime.train import Workload
+from autopar.runtime.apply import check_matches, check_supported, checkpoint_segments, parallelize, recompute
+from autopar.runtime.train import LEARNING_RATE, Workload, global_batch, loss_of
 
 
-def check_runnable(plan: Plan) -> None:
+def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     """Raise ValueError (or NotImplementedError for what the runtime cannot apply yet) naming the module and the
-    reason if ``plan`` cannot train exactly what one process trains."""
+    reason if ``plan`` cannot train exactly what one process trains. With ``rehearse``, a single-stage plan is
+    also applied and stepped once on a fake process group of its full size (`rehearsal`), so that what would fail
+    on the ranks fails here, before any starts."""
+    from autopar.runtime.pipeline import stage_layers
     from autopar.zoo import load
 
     check_supported(plan)
@@ -38,6 +46,94 @@ def check_runnable(plan: Plan) -> None:
     _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
     _check_divisible(model, plan)
     _check_batch_norm(model, plan)
+    for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
+        recompute(model, dict(stage.recompute))
+    checkpoint_segments(model, [list(segment) for stage in plan.stages for segment in stage.segments])
+    if plan.pp > 1:
+        stage_layers(model, plan)
+    elif rehearse:
+        rehearsal(plan)
+
+
+def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None:
+    """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
+    (no memory, no arithmetic), and run one training step; with ``count``, the collectives rank 0 issued.
+
+    The model is built on the meta device and parallelised exactly as `autopar run` does; DDP, whose constructor
+    reads weight values, is replaced by the by-hand all-reduce in the same buckets. Any error is raised as a
+    ValueError that says the plan could not be applied."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.runtime.comm import CollectiveCounter
+    from autopar.zoo import load
+
+    if dist.is_initialized():
+        raise RuntimeError("a rehearsal needs its own fake process group; a process group is already initialised")
+    work = Workload.of(plan)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
+    try:
+        model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
+                     **work.overrides).module.train()
+        parallel = parallelize(model, plan, ddp=False)
+        where = _track_modules(parallel.module)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _materialise(parallel.module)  # FSDP and DTensor shard meta weights; their shards become fakes here
+            optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
+            counter = CollectiveCounter(parallel.axes)
+            with counter if count else contextlib.nullcontext():
+                _step(parallel, optimizer, work, global_batch(work, 0), dp=plan.grid[0])
+    except (ValueError, NotImplementedError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever PyTorch raised: the plan does not apply to this model
+        text = str(exc).strip().splitlines()
+        inside = f" in module {where[-1]!r}" if "where" in locals() and where else ""
+        raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
+                         f"{type(exc).__name__}: {text[0] if text else ''}") from None
+    finally:
+        dist.destroy_process_group()
+    return counter.summary() if count else None
+
+
+def _track_modules(root: nn.Module) -> list[str]:
+    """The names of the modules whose forward is running, innermost last (hooks on every module), so that an
+    error raised by PyTorch inside a forward can name the module it came from."""
+    stack: list[str] = []
+
+    def leave(*_: Any) -> None:  # returns None: a forward hook's return value would replace the output
+        if stack:
+            stack.pop()
+
+    for name, module in root.named_modules():
+        module.register_forward_pre_hook(lambda *_, n=name or "<root>": stack.append(n))
+        module.register_forward_hook(leave)
+    return stack
+
+
+def _materialise(module: nn.Module) -> None:
+    """Meta weights to fake ones, keeping weights that several modules share shared."""
+    owners = [(m, key, p) for m in module.modules() for key, p in m._parameters.items() if p is not None]
+    module.to_empty(device="cpu")
+    first: dict[int, nn.Parameter] = {}
+    for m, key, old in owners:
+        if id(old) in first:
+            m._parameters[key] = first[id(old)]
+        else:
+            first[id(old)] = m._parameters[key]
+
+
+def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *, dp: int) -> None:  # noqa: ANN001
+    """One training step of rank 0 (data-parallel coordinate 0) of a single-stage plan, losses left unread (they
+    are fake)."""
+    share = work.micro_batch // dp
+    m = work.micro_batches
+    for k in range(m):
+        inputs = {key: value[k * work.micro_batch : k * work.micro_batch + share] for key, value in batch.items()}
+        with parallel.micro_batch(k, m):
+            (loss_of(parallel.module(**inputs)) / m).backward()
+    parallel.finish_backward()
+    optimizer.step()
 
 
 def _check_chain(plan: Plan, planned) -> None:  # noqa: ANN001
