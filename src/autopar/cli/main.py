@@ -1,18 +1,38 @@
-"""Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it."""
+"""Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it.
+
+Ctrl-C at any point, imports included, ends with one line and status 130; SIGTERM with one line and status 143.
+The command modules (and torch with them) are imported inside `main`, under those handlers.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
 
-COMMANDS = (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
+INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every clean-up (ranks, temporary folders) runs."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def commands() -> tuple[ModuleType, ...]:
+    from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
+
+    return (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,20 +42,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
+    for command in commands():
         command.register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except _Terminated:
+        print("autopar: terminated", file=sys.stderr)
+        return TERMINATED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         result: Any = args.handler(args)
-    except KeyboardInterrupt:
-        print("autopar: interrupted", file=sys.stderr)
-        return 130
     except (ValueError, KeyError, ImportError, RuntimeError, OSError, NotImplementedError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"autopar {args.command}: error: {message}", file=sys.stderr)
