@@ -7,6 +7,9 @@ rank and the cause (``rank 1 was killed by SIGKILL``, ``rank 0 failed: ValueErro
 is logged at INFO. Ranks start with SIGINT ignored, so Ctrl-C in a terminal reaches the launcher alone; any
 exception in the launcher (KeyboardInterrupt included) stops the ranks (SIGTERM, then SIGKILL after a grace period),
 and on Linux a rank dies with its launcher.
+
+torch is imported inside the functions that use it: a spawned rank imports this module first, and ties its life to
+the launcher's before it spends seconds importing torch.
 """
 
 from __future__ import annotations
@@ -22,14 +25,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class Rendezvous:
 
     def join(self, rank: int, *, backend: str) -> None:
         """In a rank: the default process group over the launcher's store."""
+        import torch.distributed as dist
+
         if backend == "gloo" and self.host == LOOPBACK and not os.environ.get("GLOO_SOCKET_IFNAME"):
             interface = loopback_interface()
             if interface:
@@ -109,6 +112,8 @@ def sigterm_raises() -> Iterator[None]:
 
 @contextmanager
 def _rendezvous(host: str, world: int) -> Iterator[Rendezvous]:
+    import torch.distributed as dist
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -144,17 +149,20 @@ class _Ranks:
             self.stop()
 
     def start(self, target: Callable[..., Any], rendezvous: Rendezvous, args: tuple[Any, ...]) -> None:
-        with _sigint_ignored():  # inherited: Ctrl-C in a terminal reaches the launcher, which stops the ranks
+        with _sigint_ignored():  # inherited: Ctrl-C in a terminal reaches the launcher alone, which stops the ranks
             for rank in range(rendezvous.world):
-                reader, writer = self.context.Pipe(duplex=False)
-                process = self.context.Process(
-                    target=_rank_entry, args=(target, rank, rendezvous, args, writer, os.getpid()),
-                    name=f"autopar-rank-{rank}",
-                )
+                mine, theirs = self.context.Pipe()
+                process = self.context.Process(target=_rank_entry, args=(rank, theirs, os.getpid()),
+                                               name=f"autopar-rank-{rank}")
                 self.processes.append(process)
-                self.pipes.append(reader)
+                self.pipes.append(mine)
                 process.start()
-                writer.close()
+                theirs.close()
+        # the work goes through the pipe once SIGINT is heard again: a large plan blocks this send until the rank
+        # has read it, seconds into the rank's imports
+        for pipe in self.pipes:
+            with suppress(BrokenPipeError, ConnectionResetError):  # a rank already gone: wait() names it
+                pipe.send((target, rendezvous, args))
 
     def wait(self) -> list[Any]:
         live = dict(enumerate(self.processes))
@@ -180,20 +188,19 @@ class _Ranks:
             del pipes[rank]
 
     def _error(self, failed: list[int]) -> RankError:
-        """The first cause among ranks that ended together: a signal, then an error of the rank's own, then an
-        error of the process group (usually a peer gone)."""
-
+        """The cause among ranks that ended together: a signal first, then the error raised earliest (a peer of a
+        failed rank raises too, later: gloo's "Connection closed by peer")."""
         causes = []
         for rank in failed:
             code, message = self.processes[rank].exitcode, self.messages.get(rank)
             if code < 0:
-                causes.append((0, rank, f"was killed by {_signal_name(-code)}"))
+                causes.append((0, 0.0, rank, f"was killed by {_signal_name(-code)}"))
             elif message and message[0] == "error":
                 log.info("rank %d traceback:\n%s", rank, message[2])
-                causes.append((2 if message[3] else 1, rank, f"failed: {message[1]}"))
+                causes.append((1, message[3], rank, f"failed: {message[1]}"))
             else:
-                causes.append((1, rank, f"exited with status {code}"))
-        _, rank, text = min(causes)
+                causes.append((2, 0.0, rank, f"exited with status {code}"))
+        *_, rank, text = min(causes)
         return RankError(rank, text)
 
     def stop(self) -> None:
@@ -211,16 +218,15 @@ class _Ranks:
             pipe.close()
 
 
-def _rank_entry(  # noqa: PLR0913 - the spawned process's whole context
-    target: Callable[..., Any], rank: int, rendezvous: Rendezvous, args: tuple[Any, ...], pipe: Connection,
-    launcher: int,
-) -> None:
+def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
     _die_with_launcher(launcher)
     try:
+        target, rendezvous, args = pipe.recv()
         value = target(rank, rendezvous, *args)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, in one line
-        pipe.send(("error", _one_line(exc), traceback.format_exc(), isinstance(exc, dist.DistError)))
-        pipe.close()
+        with suppress(OSError):
+            pipe.send(("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
+            pipe.close()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)  # no interpreter teardown: a process group torn down mid-collective aborts noisily
