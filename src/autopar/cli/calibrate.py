@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -12,6 +11,7 @@ import yaml
 from autopar.cli.render import binary_bytes, table
 from autopar.cluster.detect import FIT_FROM, calibrate
 from autopar.cluster.spec import cluster_to_dict
+from autopar.files import check_writable, write_atomic
 
 
 def register(subparsers: Any) -> None:
@@ -22,16 +22,19 @@ def register(subparsers: Any) -> None:
         "and bus bandwidth, and write a cluster file usable as --cluster.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="ranks to spawn (2 or more)")
-    parser.add_argument("--out", type=Path, help="write the fitted cluster here (YAML)")
+    parser.add_argument("--out", help="write the fitted cluster here (YAML); checked before measuring")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
+    out = args.out
+    if out is not None:
+        check_writable(out, flag="--out")
     result = calibrate(args.nproc, progress=None if args.json else lambda m: print(m, file=sys.stderr))
     data = cluster_to_dict(result.cluster)
-    if args.out:
-        args.out.write_text(yaml.safe_dump(data, sort_keys=False))
+    if out is not None:
+        write_atomic(out, yaml.safe_dump(data, sort_keys=False))
     report = {
         "cluster": data,
         "ranks": result.ranks,
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             "latency_us": result.latency * 1e6,
             "max_relative_error_from_4mib": result.fit_error,
         },
-        "out": str(args.out) if args.out else None,
+        "out": args.out,
         "wall_seconds": result.wall_seconds,
     }
     if args.json:
@@ -55,6 +58,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "",
         f"fitted bus bandwidth {result.bandwidth / 1e9:.3f} GB/s, latency {result.latency * 1e6:.0f} us per step; "
         f"line within {result.fit_error:.0%} of measurements >= 4 MiB",
-        f"{result.ranks} ranks, {result.wall_seconds:.1f} s" + (f"; wrote {args.out}" if args.out else ""),
+        f"{result.ranks} ranks, {result.wall_seconds:.1f} s" + (f"; wrote {args.out}" if out is not None else ""),
     ]
     return "\n".join(lines)

@@ -1,4 +1,8 @@
-"""Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it."""
+"""Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it.
+
+Ctrl-C at any point, imports included, ends with one line and status 130; SIGTERM with one line and status 143.
+The command modules (and torch with them) are imported inside `main`, under those handlers.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,31 @@ import argparse
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from autopar import __version__
-from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
 from autopar.cli.render import Outcome
 
-COMMANDS = (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
+INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every clean-up (ranks, temporary folders) runs."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def commands() -> tuple[ModuleType, ...]:
+    from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
+
+    return (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,12 +68,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
+    for command in commands():
         command.register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except _Terminated:
+        print("autopar: terminated", file=sys.stderr)
+        return TERMINATED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -65,12 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         result: Any = args.handler(args)
-    except KeyboardInterrupt:
-        print("autopar: interrupted", file=sys.stderr)
-        return 130
     except (ValueError, KeyError, ImportError, RuntimeError, OSError, NotImplementedError) as exc:
+        from autopar.cluster.ranks import RankError
+
         print(f"autopar {args.command}: error: {_message(exc, getattr(args, 'plan', None))}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, RankError) else 2  # a rank's failure is not the input's
     outcome = result if isinstance(result, Outcome) else Outcome(result)
     try:  # strict JSON: a NaN or an infinity is refused rather than printed as invalid JSON
         text = outcome.result if isinstance(outcome.result, str) else json.dumps(outcome.result, indent=2,

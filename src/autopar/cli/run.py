@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--check-comm counts the last step and needs --steps 3 or more (got {args.steps}): "
                          "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
     plan = load_runnable(args.plan)
-    log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm)
+    log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm,
+                   checked=True)
     data: dict[str, Any] = {
         "plan": args.plan,
         "nproc": args.nproc,

@@ -1,7 +1,8 @@
 """Cluster detector (MAP section 4.2): measure a live process group and fit its link model.
 
-Ranks are spawned on this machine with gloo (NCCL where GPUs are present), time all-reduce over message sizes from
-1 KiB to 64 MiB, and rank 0 reports the median of each size. The fit is the line t = a + f * M / B of the ring
+Ranks are spawned on this machine with gloo (NCCL where GPUs are present), meet on a loopback rendezvous, time
+all-reduce over message sizes from 1 KiB to 64 MiB, and rank 0 reports the median of each size; a rank that dies
+ends the measurement at once (`autopar.cluster.ranks`). The fit is the line t = a + f * M / B of the ring
 model (f = 2(n-1)/n) by least squares in relative error over messages of 4 MiB and more, where the bandwidth term
 dominates; the per-step latency comes from the smallest message. The measured table is kept too: gloo's mid sizes
 stray from any single line, and the collective cost model interpolates the table where one is present.
@@ -10,8 +11,6 @@ stray from any single line, and the collective cost model interpolates the table
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -20,10 +19,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar.cluster.collectives import Collective, bus_factor
 from autopar.cluster.presets import PRESETS
+from autopar.cluster.ranks import Rendezvous, run_ranks, sigterm_raises
 from autopar.cluster.spec import Cluster, Link, Measured
 
 log = logging.getLogger(__name__)
@@ -44,18 +43,19 @@ class Calibration:
     wall_seconds: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], queue: "mp.SimpleQueue") -> None:
+def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...]) -> list[float]:
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= rendezvous.world else "gloo"
+    rendezvous.join(rank, backend=backend)
+    try:
+        results = _time_all_reduce(sizes, torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+        dist.barrier()  # no rank tears the group down while a peer still finishes its last collective
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float]:
     results = []
     for size in sizes:
         buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
@@ -71,27 +71,17 @@ def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], queue: "mp
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         results.append(statistics.median(times))
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def measure(nproc: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
-    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks."""
+    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks (rank 0's timings).
+
+    A rank that dies or raises stops the others and raises `RankError` naming it, within a second."""
     if nproc < 2:
         raise ValueError(f"--nproc must be at least 2 to measure a link, got {nproc}")
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    port = _free_port()
-    processes = [context.Process(target=_worker, args=(r, nproc, port, sizes, queue)) for r in range(nproc)]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(timeout=300)
-    failed = [p.exitcode for p in processes if p.exitcode != 0]
-    if failed or queue.empty():
-        raise RuntimeError(f"calibration ranks failed (exit codes {failed}); rerun with -v for details")
-    return list(queue.get())
+    with sigterm_raises():
+        return list(run_ranks(_worker, nproc, args=(sizes,))[0])
 
 
 def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[float, float, float]:

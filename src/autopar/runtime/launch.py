@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
+from autopar.cluster.ranks import Rendezvous, run_ranks, sigterm_raises
+from autopar.plan import Plan
 from autopar.runtime.apply import parallelize
 from autopar.runtime.comm import CollectiveCounter
 from autopar.runtime.train import LEARNING_RATE, StepLog, Workload, build_model, train
@@ -16,14 +16,12 @@ from autopar.runtime.validate import check_runnable
 
 
 def _rank_main(
-    rank: int, nproc: int, rendezvous: str, plan: dict[str, Any], steps: int, check: bool, check_comm: bool, out: str
+    rank: int, rendezvous: Rendezvous, plan: Plan, steps: int, check: bool, check_comm: bool, out: str
 ) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # a file rendezvous in a fresh directory: no port to pick, so no race with other jobs on the machine
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=nproc)
+    rendezvous.join(rank, backend="nccl" if torch.cuda.is_available() else "gloo")
     try:
         work = Workload.of(plan)
         model = build_model(work)
@@ -54,22 +52,21 @@ def _rank_main(
 
 
 def run_plan(
-    plan: dict[str, Any], *, nproc: int, steps: int, check: bool = False, check_comm: bool = False
+    plan: Plan, *, nproc: int, steps: int, check: bool = False, check_comm: bool = False, checked: bool = False
 ) -> StepLog:
     """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``, every
-    rank's collectives in the last step with ``check_comm``)."""
-    check_runnable(plan)
+    rank's collectives in the last step with ``check_comm``; ``checked``: `check_runnable` has passed already).
+
+    A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
+    them too, and the temporary folder of the ranks' results is removed in every case."""
+    if not checked:
+        check_runnable(plan)
     devices = plan.devices
     if devices != nproc:
         raise ValueError(f"the plan is for {devices} devices; run it with --nproc {devices}")
-    with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        try:
-            rendezvous = str(Path(tmp) / "rendezvous")
-            mp.spawn(_rank_main, args=(nproc, rendezvous, plan, steps, check, check_comm, out), nprocs=nproc, join=True)
-        except mp.ProcessRaisedException as exc:  # a rank failed: report its own error in one line
-            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-            raise RuntimeError(f"a rank failed: {lines[-1] if lines else exc}") from None
+        run_ranks(_rank_main, nproc, args=(plan, steps, check, check_comm, out))
         data = torch.load(out)
         for r in range(1, nproc):  # merge the other stages' gradients into rank 0's
             path = Path(f"{out}.grads{r}")

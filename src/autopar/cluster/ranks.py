@@ -1,0 +1,289 @@
+"""Local ranks: spawn N processes, meet on a loopback rendezvous, and supervise them until every one has ended.
+
+The launcher opens the rendezvous itself (a TCP store on a socket bound to 127.0.0.1 before any rank starts: no
+port to pick, so no race) and each rank's gloo sockets bind to the loopback interface unless GLOO_SOCKET_IFNAME
+names another. A rank that dies or raises ends every rank within a second and raises one `RankError` naming the
+rank and the cause (``rank 1 was killed by SIGKILL``, ``rank 0 failed: ValueError: ...``); the rank's traceback
+is logged at INFO. Ranks start with SIGINT ignored, so Ctrl-C in a terminal reaches the launcher alone; any
+exception in the launcher (KeyboardInterrupt included) stops the ranks (SIGTERM, then SIGKILL after a grace period),
+and on Linux a rank dies with its launcher.
+
+torch is imported inside the functions that use it: a spawned rank imports this module first, and ties its life to
+the launcher's before it spends seconds importing torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+GRACE_SECONDS = 2.0  # from SIGTERM to SIGKILL when stopping ranks
+POLL_SECONDS = 0.2  # a signal taken by another thread is seen by the main thread within this
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+_IFF_LOOPBACK = 0x8
+_PR_SET_PDEATHSIG = 1
+
+
+class RankError(RuntimeError):
+    """A rank died or raised; the message is one line naming the rank and the cause."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(f"rank {rank} {cause}")
+        self.rank = rank
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the ranks meet: the launcher's TCP store."""
+
+    host: str
+    port: int
+    world: int
+
+    def join(self, rank: int, *, backend: str) -> None:
+        """In a rank: the default process group over the launcher's store."""
+        import torch.distributed as dist
+
+        if backend == "gloo" and self.host == LOOPBACK and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            interface = loopback_interface()
+            if interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=self.world)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux), or None where it cannot be told."""
+    for _, name in socket.if_nameindex():
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & _IFF_LOOPBACK:
+            return name
+    return None
+
+
+def run_ranks(target: Callable[..., Any], world: int, *, args: Sequence[Any] = (), host: str = LOOPBACK) -> list[Any]:
+    """Run ``target(rank, rendezvous, *args)`` on ``world`` spawned ranks; each rank's return value, in rank order.
+
+    ``target`` must be importable by name (spawned ranks unpickle it). Raises `RankError` for the first rank that
+    dies or raises, after every rank has been stopped."""
+    with _rendezvous(host, world) as rendezvous, _Ranks() as ranks:
+        ranks.start(target, rendezvous, tuple(args))
+        return ranks.wait()
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises ``SystemExit(143)`` in the main thread (where it would otherwise end the
+    process at once), so that clean-up code runs; a handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def _rendezvous(host: str, world: int) -> Iterator[Rendezvous]:
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(max(world, 16))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                          timeout=RENDEZVOUS_TIMEOUT)
+    log.info("rendezvous on %s:%d for %d ranks", host, port, world)
+    try:
+        yield Rendezvous(host, port, world)
+    finally:
+        del store
+
+
+class _Ranks:
+    """Spawned rank processes, each with a pipe that carries its result or its error to the launcher."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.processes: list[Any] = []
+        self.pipes: list[Connection] = []
+        self.messages: dict[int, tuple[Any, ...]] = {}
+
+    def __enter__(self) -> _Ranks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _signals_deferred():
+            self.stop()
+
+    def start(self, target: Callable[..., Any], rendezvous: Rendezvous, args: tuple[Any, ...]) -> None:
+        with _sigint_ignored():  # inherited: Ctrl-C in a terminal reaches the launcher alone, which stops the ranks
+            for rank in range(rendezvous.world):
+                mine, theirs = self.context.Pipe()
+                process = self.context.Process(target=_rank_entry, args=(rank, theirs, os.getpid()),
+                                               name=f"autopar-rank-{rank}")
+                self.processes.append(process)
+                self.pipes.append(mine)
+                process.start()
+                theirs.close()
+        # the work goes through the pipe once SIGINT is heard again: a large plan blocks this send until the rank
+        # has read it, seconds into the rank's imports
+        for pipe in self.pipes:
+            with suppress(BrokenPipeError, ConnectionResetError):  # a rank already gone: wait() names it
+                pipe.send((target, rendezvous, args))
+
+    def wait(self) -> list[Any]:
+        live = dict(enumerate(self.processes))
+        pipes = dict(enumerate(self.pipes))
+        while live:
+            ready = set(wait([*pipes.values(), *(p.sentinel for p in live.values())], timeout=POLL_SECONDS))
+            for rank in [r for r, pipe in pipes.items() if pipe in ready]:
+                self._receive(rank, pipes)
+            ended = [rank for rank, p in live.items() if p.sentinel in ready]
+            for rank in ended:
+                live.pop(rank).join()
+                while rank in pipes and pipes[rank].poll():
+                    self._receive(rank, pipes)
+            failed = [rank for rank in ended if self.processes[rank].exitcode != 0]
+            if failed:
+                raise self._error(failed)
+        return [self.messages.get(rank, ("ok", None))[1] for rank in range(len(self.processes))]
+
+    def _receive(self, rank: int, pipes: dict[int, Connection]) -> None:
+        try:
+            self.messages[rank] = pipes[rank].recv()
+        except (EOFError, OSError):
+            del pipes[rank]
+
+    def _error(self, failed: list[int]) -> RankError:
+        """The cause among ranks that ended together: a signal first, then the error raised earliest (a peer of a
+        failed rank raises too, later: gloo's "Connection closed by peer")."""
+        causes = []
+        for rank in failed:
+            code, message = self.processes[rank].exitcode, self.messages.get(rank)
+            if code < 0:
+                causes.append((0, 0.0, rank, f"was killed by {_signal_name(-code)}"))
+            elif message and message[0] == "error":
+                log.info("rank %d traceback:\n%s", rank, message[2])
+                causes.append((1, message[3], rank, f"failed: {message[1]}"))
+            else:
+                causes.append((2, 0.0, rank, f"exited with status {code}"))
+        *_, rank, text = min(causes)
+        return RankError(rank, text)
+
+    def stop(self) -> None:
+        alive = [p for p in self.processes if p.pid is not None and p.exitcode is None]
+        for process in alive:
+            process.terminate()
+        deadline = time.monotonic() + GRACE_SECONDS
+        for process in alive:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in alive:
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
+    _die_with_launcher(launcher)
+    try:
+        target, rendezvous, args = pipe.recv()
+        value = target(rank, rendezvous, *args)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, in one line
+        with suppress(OSError):
+            pipe.send(("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
+            pipe.close()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)  # no interpreter teardown: a process group torn down mid-collective aborts noisily
+    pipe.send(("ok", value))
+    pipe.close()
+
+
+def _die_with_launcher(launcher: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            log.debug("prctl(PR_SET_PDEATHSIG) unavailable; a rank may outlive a killed launcher")
+    if os.getppid() != launcher:  # the launcher died while this rank started
+        os._exit(1)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while ranks are spawned: an ignored signal stays ignored across exec, and Python installs no
+    KeyboardInterrupt handler where it finds SIGINT ignored. (A Ctrl-C in these few milliseconds is lost.)"""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait while the ranks are stopped, then take their usual course."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield  # not ours to change (another thread, or a handler installed outside Python)
+        return
+    pending: list[int] = []
+    for signum in previous:
+        signal.signal(signum, lambda number, frame: pending.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
