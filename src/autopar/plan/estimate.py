@@ -7,7 +7,6 @@ negative) or an error naming the field.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -118,6 +117,3 @@ class Estimate:
                 collectives.append(CollectiveUse.from_dict(entry))
         return cls(**scalars, memory=memory, collectives=tuple(collectives))
 
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
