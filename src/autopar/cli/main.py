@@ -1,7 +1,7 @@
 """Entry point: ``autopar <command> ...``. Library code never prints; commands return data and this renders it.
 
 Ctrl-C at any point, imports included, ends with one line and status 130; SIGTERM with one line and status 143.
-The command modules (and torch with them) are imported inside `main`, under those handlers.
+The command modules (and torch with them) are imported inside `main`, under those handlers (`cli/signals.py`).
 """
 
 from __future__ import annotations
@@ -10,25 +10,14 @@ import argparse
 import json
 import logging
 import re
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 from autopar import __version__
 from autopar.cli.render import Outcome
-
-INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that every clean-up (ranks, temporary folders) runs."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated
+from autopar.cli.signals import SignalHandling
 
 
 def commands() -> tuple[ModuleType, ...]:
@@ -74,19 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("autopar: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except _Terminated:
-        print("autopar: terminated", file=sys.stderr)
-        return TERMINATED
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    with SignalHandling() as signals:
+        try:
+            commands()  # imports every command, torch with them: a signal meanwhile ends the process at once
+            signals.importing = False
+            return _main(argv)
+        except BaseException as exc:
+            outcome = signals.after(exc)
+            if outcome is None:
+                raise
+            print(outcome[1], file=sys.stderr)
+            return outcome[0]
 
 
 def _main(argv: Sequence[str] | None) -> int:
