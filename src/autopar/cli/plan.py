@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from autopar.capture import trace
@@ -109,31 +111,36 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
 
 def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tuple[int, ...],
                    progress: Any) -> tuple[dict[str, Any], bool]:
-    """The intra-op search on a worker thread (HiGHS releases the GIL), so that Ctrl-C returns at once with the
-    best plan of each kind found so far; the baselines go first, being quick. (plans, whether interrupted)"""
-    stop, partial, outcome = threading.Event(), {}, {}
+    """The intra-op search, the quick baselines first; Ctrl-C ends it at the next step, keeping the best plan of
+    each kind found so far (a solve under way finishes first, within its share of the budget; a second Ctrl-C
+    interrupts at once). The solver stays in this thread: HiGHS cannot be stopped mid-solve, and one left running
+    in a worker thread aborted the process at exit. (plans, whether interrupted)"""
+    with _stop_on_interrupt() as stop:
+        found = plan_intra(
+            lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
+            cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=(*BASELINES, "ilp"),
+            time_limit=args.budget_s, progress=progress, should_stop=stop.is_set,
+        )
+    return found, stop.is_set()
 
-    def work() -> None:
-        try:
-            outcome["found"] = plan_intra(
-                lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
-                cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=(*BASELINES, "ilp"),
-                time_limit=args.budget_s, progress=progress, should_stop=stop.is_set, found=partial,
-            )
-        except BaseException as exc:  # noqa: BLE001  # handed to the caller's thread
-            outcome["error"] = exc
 
-    worker = threading.Thread(target=work, name="autopar-intra", daemon=True)
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.1)
-    except KeyboardInterrupt:
+@contextlib.contextmanager
+def _stop_on_interrupt() -> Iterator[threading.Event]:
+    """An event Ctrl-C sets (the search then stops at its next step with its best plan); a second Ctrl-C raises
+    KeyboardInterrupt as usual. Outside the main thread signals cannot be handled: the event is never set."""
+    stop = threading.Event()
+
+    def handle(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
         stop.set()
-        return dict(partial), True
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["found"], False
+
+    previous = signal.signal(signal.SIGINT, handle) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield stop
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _rank_intra(plan: Any) -> tuple:
@@ -209,21 +216,14 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     cluster = load_cluster(args.cluster).with_devices(args.gpus)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
-    stop = threading.Event()
     progress = _progress(show, start)
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
     limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module))
-    previous = None
-    if threading.current_thread() is threading.main_thread():  # Ctrl-C ends the search, keeping the best plan
-        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
+    with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     seconds = time.perf_counter() - start
     if show:
         print("\r\033[K", end="", file=sys.stderr, flush=True)

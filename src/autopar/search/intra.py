@@ -372,7 +372,6 @@ def plan_intra(
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-    found: dict[str, IntraPlan | None] | None = None,
 ) -> dict[str, IntraPlan | None]:
     """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model.
 
@@ -382,13 +381,11 @@ def plan_intra(
     fitting plan returns its least-memory attempt (its Estimate says it does not fit). Each micro-batch size is
     traced once and shared by all kinds.
 
-    Anytime: ``found`` (when given) holds each kind's best plan so far, updated after every attempt, so a caller
-    on another thread can take it at any moment; ``should_stop`` ends the search between attempts, like the
-    time limit."""
+    Anytime: ``should_stop`` ends the search between attempts, like the time limit, with each kind's best plan
+    so far."""
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
-        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
-                           {} if found is None else found)
+        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress, {})
 
 
 @dataclass(frozen=True, slots=True)
