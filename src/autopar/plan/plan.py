@@ -101,14 +101,8 @@ class Plan:
         """The (dp, tp) of the first stage."""
         return (self.stages[0].dp, self.stages[0].tp)
 
-    def layouts(self) -> dict[str, ModuleLayout]:
-        return {m.fqn: m for m in self.modules}
-
     def with_workload(self, workload: Workload) -> Plan:
         return replace(self, workload=workload)
-
-    def with_estimate(self, estimate: Estimate | None) -> Plan:
-        return replace(self, estimate=estimate)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``plan`` object of a plan file (its estimate goes beside it)."""
