@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +21,9 @@ class FieldError(ValueError):
         self.field, self.problem = field, problem
 
 
-def quote(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def quote(value: Any) -> str:
+    """The value as an error shows it: bounded in length and in work, however large the value."""
+    return reprlib.repr(value)
 
 
 @contextlib.contextmanager
