@@ -385,7 +385,7 @@ def plan_intra(
     so far."""
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
-        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress, {})
+        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,12 +420,12 @@ def _plan_intra(
     kinds: tuple[str, ...],
     budget: _Budget,
     progress: Callable[[str], None] | None,
-    best: dict[str, IntraPlan | None],
 ) -> dict[str, IntraPlan | None]:
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
     deadline = budget.deadline
     spaces: dict[int, Space] = {}
+    best: dict[str, IntraPlan | None] = {}  # each kind's best plan so far
 
     def space_at(m: int) -> Space:
         if m not in spaces:
@@ -444,7 +444,7 @@ def _plan_intra(
             if m not in tried:
                 tried[m] = _best_of_kind(space_at(m), kind, m, global_batch // m, global_batch, dtype, deadline)
                 candidates = [p for p in tried.values() if p is not None]
-                best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far, at any moment
+                best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far
             return tried[m]
 
         lo, hi, first_fit = 0, len(counts) - 1, None
