@@ -19,7 +19,7 @@ def _space(name: str, *, gpus: int = 8, mesh: tuple[int, ...] | None = None, **o
     return graph, blocks, cost
 
 
-def test_gpt_layer_is_four_blocks_of_three_candidates() -> None:
+def test_gpt_layer_is_four_blocks_of_four_candidates() -> None:
     graph, blocks, cost = _space("gpt3-125m", layers=3)
     layer = [b for b in blocks.blocks if b.layer == "layers.1"]
     modules = [graph.nodes[b.leader].module for b in layer]
@@ -27,11 +27,11 @@ def test_gpt_layer_is_four_blocks_of_three_candidates() -> None:
     ops = {graph.nodes[i].op for i in layer[0].nodes}
     assert any("scaled_dot_product" in op for op in ops)  # the attention core joins the QKV block
     for block in layer:
-        assert sorted(cost.describe(block, c) for c in cost.candidates(block)) == ["k", "m", "n"]
+        assert sorted(cost.describe(block, c) for c in cost.candidates(block)) == ["R", "k", "m", "n"]
     combos = 1
     for block in layer:
         combos *= len(cost.candidates(block))
-    assert combos == 81
+    assert combos == 4**4
 
 
 def test_every_node_is_in_exactly_one_block() -> None:
@@ -47,7 +47,7 @@ def test_moe_expert_block_has_the_expert_dim() -> None:
     assert expert, "the expert matmuls lead blocks"
     for block in expert:
         names = sorted(cost.describe(block, c) for c in cost.candidates(block))
-        assert names == ["b", "k", "m", "n"]  # b is the expert dim: one more candidate than a dense layer
+        assert names == ["R", "b", "k", "m", "n"]  # b is the expert dim: one more candidate than a dense layer
         dims = op_dims(graph.nodes[block.leader]).dims
         assert dims[0].size == 8 and dims[0].split is Split.FREE
 

@@ -129,7 +129,7 @@ def test_analyze_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     block = data["blocks"][1]
     assert set(block) >= {"id", "layer", "ops", "leading_op", "candidates"}
     assert block["layer"] == 0 and block["leading_op"] == "aten.addmm.default"
-    assert sorted(block["candidates"]) == ["k", "m", "n"]
+    assert sorted(block["candidates"]) == ["R", "k", "m", "n"]  # R: whole on the axis (an embedding under Megatron)
     assert data["blocks"][0]["layer"] is None  # the embedding is no repeated layer
     assert data["unique_segments"] == 3
     assert [s["count"] for s in data["segments"]] == [1, 4, 1]

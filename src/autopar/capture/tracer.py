@@ -70,6 +70,9 @@ def trace(
 # Live records. A live source is ("out", entry, index) for an op output, ("in", index) for a model input, or None.
 
 _Source = tuple[Any, ...] | None
+# ops whose schema declares a new tensor but which return a view of their input (no copy, no kernel): `matmul`
+# reshapes its 2-D product back to 3-D with `_unsafe_view`
+_VIEWS_IN_EFFECT = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 @dataclass(slots=True)
@@ -306,7 +309,8 @@ class _Recorder(tp.TorchDispatchMode):
         ins = _tensor_leaves((args, kwargs))
         outs = _tensor_leaves(out)
         returns = func._schema.returns
-        is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        is_view = func in _VIEWS_IN_EFFECT or (
+            bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
         fwd = forward_flops(func, args, kwargs, out)
         seen: set[int] = set()
         read = 0

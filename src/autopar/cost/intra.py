@@ -18,6 +18,7 @@ Megatron-SP move; all-reduce when no dim divides), and gathers a dim it cannot s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
@@ -82,9 +83,15 @@ class BlockCost:
 class IntraCost:
     """Prices blocks of one graph on one mesh; results are cached per block content and candidate."""
 
-    def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None) -> None:
+    def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None,
+                 scatter_partials: bool = True) -> None:
         """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
-        carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes."""
+        carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes.
+
+        ``scatter_partials``: where an op cannot take a pending Partial sum, reduce-scatter it onto one of the op's
+        free dims and run the op split (Megatron's sequence parallelism generalised), or, when False, all-reduce it
+        to whole and run the op replicated (Megatron's tensor parallelism without SP, as the runtime applies it)."""
+        self.scatter_partials = scatter_partials
         self.bg = blocks
         self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
         self.state = like.state if like is not None else blocks.graph.state  # parameters do not depend on batch
@@ -107,10 +114,50 @@ class IntraCost:
             found = [c + (k,) for c in found for k in [*splittable, None]]
         valid = [c for c in found if apply(dims, c, leader.inputs, leader.outputs, self.sizes) is not None]
         split = [c for c in valid if all(k is not None for k in c)]
-        if split:
-            return split
+        if split:  # and whole on one axis (Megatron keeps embeddings and tied heads whole over tp)
+            return split + [c for c in valid if sum(k is None for k in c) == 1]
         best = max((sum(k is not None for k in c) for c in valid), default=0)
         return [c for c in valid if sum(k is not None for k in c) == best] or [(None,) * len(self.sizes)]
+
+    def roles(self, block: ParallelBlock) -> dict[str, int | None]:
+        """The leading op's batch dim (at its activation input's dim 0), output-feature dim and contracted dim."""
+        leader = self.nodes[block.leader]
+        act = next((j for j, s in enumerate(leader.sources) if s.state is None), None)
+        roles: dict[str, int | None] = {"batch": None, "column": None, "row": None}
+        for k, d in enumerate(op_dims(leader).dims):
+            if d.split is Split.FIXED:
+                continue
+            in_act = act is not None and d.inputs[act] is not None
+            if in_act and d.inputs[act] == 0 and d.split is Split.FREE and roles["batch"] is None:
+                roles["batch"] = k
+            elif not in_act and d.split is Split.FREE and roles["column"] is None:
+                roles["column"] = k
+            elif d.split is Split.PARTIAL and roles["row"] is None:
+                roles["row"] = k
+        return roles
+
+    def megatron(self, blocks: Iterable[ParallelBlock]) -> list[tuple[Candidate, Candidate]]:
+        """Megatron-LM's layout of ``blocks`` (in execution order) as the runtime applies it, per block the
+        candidate and its fallback. On the mesh's last axis (tp): a contraction reading a column-parallel block's
+        output is row-parallel (its contracted dim split), any other contraction column-parallel (its output
+        features split), except an embedding and a contraction whose weight another module owns (a head tied to
+        the embedding), which stay whole. The other axes split the batch. The fallback splits the batch on every
+        axis (a layer Megatron cannot split stays data-parallel)."""
+        column: dict[int, bool] = {}
+        found = []
+        for block in blocks:
+            roles = self.roles(block)
+            leader = self.nodes[block.leader]
+            producer = next((self.bg.owner[s.node] for s in leader.sources if s.state is None and s.node >= 0), None)
+            is_row = producer is not None and producer != block.id and column.get(producer, False)
+            whole = "embedding" in leader.op or any(
+                s.state is not None and self._is_param(s.state) and self.param_owner.get(s.state) != block.id
+                for s in leader.sources)
+            column[block.id] = not (is_row or whole)
+            last = None if whole else roles["row"] if is_row else roles["column"]
+            batch = (roles["batch"],) * (len(self.sizes) - 1)
+            found.append(((*batch, last), (roles["batch"],) * len(self.sizes)))
+        return found
 
     def describe(self, block: ParallelBlock, candidate: Candidate) -> str:
         """``"n"`` on a 1-D mesh, ``"m,n"`` on 2-D: the leading op's dim (by role) each axis splits."""
@@ -247,7 +294,7 @@ class IntraCost:
         if primary is None:
             return apply(dims, (None,) * len(self.sizes), node.inputs, node.outputs, self.sizes)  # type: ignore[return-value]
         src = node.sources[primary]
-        have = next(iter(versions[(src.node, src.index)]))
+        have = _settled(versions[(src.node, src.index)])
         assignment: list = []
         for axis, p in enumerate(have):
             if isinstance(p, Shard):
@@ -276,6 +323,8 @@ class IntraCost:
             ]
             if all(isinstance(self._current(versions, s, axis), Partial) for s, _ in float_inputs):
                 return PASS
+        if not self.scatter_partials:
+            return None
         n = self.sizes[axis]
         for k, d in enumerate(dims.dims):
             if d.split is Split.FREE and d.inputs[primary] is not None and d.size % n == 0:
@@ -286,7 +335,7 @@ class IntraCost:
         if source.state is not None or source.node < 0:
             return REPLICATE
         have = versions.get((source.node, source.index))
-        return next(iter(have))[axis] if have else REPLICATE
+        return _settled(have)[axis] if have else REPLICATE
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _ways(self, layout: Layout) -> int:
@@ -351,6 +400,13 @@ class IntraCost:
             return (node.id, index)
         source = node.sources[index]
         return source.state if kind == "param" else (source.node, source.index)  # type: ignore[return-value]
+
+
+def _settled(versions: dict[Layout, None]) -> Layout:
+    """The layout an op follows among those a value is available in: once a pending Partial sum has been reduced
+    (for an earlier consumer), later consumers read the reduced version rather than reducing it again."""
+    reduced = [layout for layout in versions if not any(isinstance(p, Partial) for p in layout)]
+    return reduced[-1] if reduced else next(iter(versions))
 
 
 class _NodeView:

@@ -35,6 +35,7 @@ from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
 from autopar.plan import Block, ModuleLayout, ParamLayout, Plan, Workload
 from autopar.plan import Mesh as PlanMesh
 from autopar.search.ilp import Edge, Solution, solve
+from autopar.sharding import Transfer
 from autopar.sharding.layout import Shard
 
 log = logging.getLogger(__name__)
@@ -73,19 +74,21 @@ class Space:
         return self.cost.mesh
 
 
-def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None) -> Space:
+def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None,
+                scatter_partials: bool = True) -> Space:
     """The space of ``graph`` on ``mesh``. With ``like`` (the same model traced at another batch size, on the
-    same mesh) the block structure, segments and classes are reused and only the shapes are new."""
+    same mesh) the block structure, segments and classes are reused and only the shapes are new.
+    ``scatter_partials``: see `IntraCost`."""
     if like is not None and _same_structure(like, graph):
         old = like.blocks
         blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
-        cost = IntraCost(blocks, mesh, cluster, like=like.cost)
+        cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials)
         candidates = [cost.candidates(b) for b in like.representative]
         return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
                      like.classes)
     blocks = build_blocks(graph)
     segments = find_segments(blocks.blocks)
-    cost = IntraCost(blocks, mesh, cluster)
+    cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials)
     var_of = [-1] * len(blocks.blocks)
     index: dict[tuple[str, int], int] = {}
     representative: list[ParallelBlock] = []
@@ -272,14 +275,10 @@ def estimate_choice(
         weights, grads, optim = weights + n * w, grads + n * g, optim + n * o
         saved += n * bc.saved
         temporary = max(temporary, bc.temporary)
-        for key, producer in cls.inputs:
-            pv = space.var_of[producer.id]
-            transfer = ic.transfer(
-                cls.block, key, producer, space.candidates[pv][choice[pv]], space.candidates[cls.var][choice[cls.var]]
-            )
-            comm += n * m * transfer.seconds
-            for kind, axis, nbytes in transfer.collectives:
-                uses[(kind, names[axis], nbytes)] += n * m
+    for transfer in conversions(space, choice):
+        comm += m * transfer.seconds
+        for kind, axis, nbytes in transfer.collectives:
+            uses[(kind, names[axis], nbytes)] += m
     device = ic.cluster.device
     iteration = compute + comm
     model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
@@ -302,48 +301,57 @@ def estimate_choice(
     )
 
 
+def conversions(space: Space, choice: tuple[int, ...]) -> list[Transfer]:
+    """The conversions of values between blocks per micro-batch, each value converted once per layout it is read
+    in: two blocks reading one value in one layout (gate and up projections of one norm's output) share its
+    conversion, and their gradients, summed by autograd, are converted back once. (The ILP's edge terms charge each
+    reading block its own conversion: a bound the estimate of the chosen plan then tightens.)"""
+    ic = space.cost
+    done: dict[tuple, Transfer] = {}
+    for block in space.blocks.blocks:
+        v = space.var_of[block.id]
+        cand = space.candidates[v][choice[v]]
+        consumed = ic.block_cost(block, cand)
+        for key, (need, grad) in consumed.entries.items():
+            value = ic.locate(block, key)
+            owner = ic.param_owner[value] if isinstance(value, str) else space.blocks.owner[value[0]]
+            producer = space.blocks.blocks[owner]
+            pv = space.var_of[owner]
+            what = (_origin(space.graph, value), need, grad)
+            if what not in done:
+                done[what] = ic.transfer(block, key, producer, space.candidates[pv][choice[pv]], cand)
+    return list(done.values())
+
+
+def _origin(graph: Graph, value: tuple[int, int] | str) -> tuple:
+    """A value named by what it views and its own shape: two views of one tensor to one shape (each linear layer
+    flattening the same input) are one value."""
+    if isinstance(value, str):
+        return (value,)
+    node_id, index = value
+    shape = graph.node(node_id).outputs[index].shape
+    while node_id >= 0 and graph.node(node_id).is_view:
+        source = graph.node(node_id).sources[0]
+        if source.state is not None:
+            break
+        node_id, index = source.node, source.index
+    return (node_id, index, shape)
+
+
 # ---- baselines ------------------------------------------------------------------------------------------------
-
-
-def _role_dims(space: Space, block: ParallelBlock) -> dict[str, int | None]:
-    """The leading op's batch dim (at its activation input's dim 0), output-feature dim and contracted dim."""
-    leader = space.graph.node(block.leader)
-    dims = op_dims(leader).dims
-    act = next((j for j, s in enumerate(leader.sources) if s.state is None), None)
-    roles: dict[str, int | None] = {"batch": None, "column": None, "row": None}
-    for k, d in enumerate(dims):
-        if d.split is Split.FIXED:
-            continue
-        in_act = act is not None and d.inputs[act] is not None
-        if in_act and d.inputs[act] == 0 and d.split is Split.FREE and roles["batch"] is None:
-            roles["batch"] = k
-        elif not in_act and d.split is Split.FREE and roles["column"] is None:
-            roles["column"] = k
-        elif d.split is Split.PARTIAL and roles["row"] is None:
-            roles["row"] = k
-    return roles
 
 
 def baseline_choice(space: Space, kind: str) -> tuple[int, ...] | None:
     """Candidate per variable for a baseline; None when the model does not allow it on this mesh (a batch that
-    does not divide, say)."""
-    axes = len(space.mesh.sizes)
-    column: dict[int, bool] = {}
+    does not divide, say). ``megatron`` is `IntraCost.megatron`'s layout."""
+    ic, axes = space.cost, len(space.mesh.sizes)
+    if kind == "megatron":
+        options = ic.megatron(space.representative)
+    else:
+        options = [((ic.roles(block)["batch"],) * axes,) for block in space.representative]
     choice = []
-    for v, block in enumerate(space.representative):
-        roles = _role_dims(space, block)
-        wanted: list[int | None] = [roles["batch"]] * axes
-        if kind == "megatron":
-            leader = space.graph.node(block.leader)
-            producer = next(
-                (space.blocks.owner[s.node] for s in leader.sources if s.state is None and s.node >= 0), None
-            )
-            is_row = producer is not None and column.get(producer, False) and producer != block.id
-            is_embedding = "embedding" in leader.op
-            column[block.id] = not is_row and not is_embedding
-            wanted[-1] = roles["row"] if (is_row or is_embedding) else roles["column"]
-        options = [tuple(wanted), (roles["batch"],) * axes]  # a layer Megatron cannot split stays data-parallel
-        found = next((space.candidates[v].index(c) for c in options if c in space.candidates[v]), None)
+    for v, wanted in enumerate(options):
+        found = next((space.candidates[v].index(c) for c in wanted if c in space.candidates[v]), None)
         if found is None:
             return None
         choice.append(found)
@@ -424,17 +432,23 @@ def _plan_intra(
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
     deadline = budget.deadline
-    spaces: dict[int, Space] = {}
+    spaces: dict[tuple[int, bool], Space] = {}
+    traced: dict[int, Graph] = {}
     best: dict[str, IntraPlan | None] = {}  # each kind's best plan so far
 
-    def space_at(m: int) -> Space:
-        if m not in spaces:
+    def space_at(m: int, kind: str) -> Space:
+        # Megatron's baseline is priced as the runtime applies it (no sequence parallelism: partial sums are
+        # all-reduced); the search may scatter them (`IntraCost`)
+        key = (m, kind != "megatron")
+        if key not in spaces:
             size = global_batch // m
-            if progress:
-                progress(f"micro-batch {size} x {m}: tracing and pricing")
-            like = next(iter(spaces.values()), None)
-            spaces[m] = build_space(trace_at(size), mesh, cluster, like=like)
-        return spaces[m]
+            if m not in traced:
+                if progress:
+                    progress(f"micro-batch {size} x {m}: tracing and pricing")
+                traced[m] = trace_at(size)
+            like = next((s for (_, scatter), s in spaces.items() if scatter == key[1]), None)
+            spaces[key] = build_space(traced[m], mesh, cluster, like=like, scatter_partials=key[1])
+        return spaces[key]
 
     for kind in kinds:
         tried: dict[int, IntraPlan | None] = {}
@@ -442,7 +456,7 @@ def _plan_intra(
         def attempt(i: int, kind: str = kind, tried: dict = tried) -> IntraPlan | None:
             m = counts[i]
             if m not in tried:
-                tried[m] = _best_of_kind(space_at(m), kind, m, global_batch // m, global_batch, dtype, deadline)
+                tried[m] = _best_of_kind(space_at(m, kind), kind, m, global_batch // m, global_batch, dtype, deadline)
                 candidates = [p for p in tried.values() if p is not None]
                 best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far
             return tried[m]
@@ -497,7 +511,7 @@ def _best_of_kind(
                 solution = solve(terms.memory, legal, None, time_limit=5.0)
                 if not solution.feasible:
                     continue
-            choice = solution.choice
+            choice = _better(space, solution.choice, baseline_choice(space, "dp"), zero, m, global_batch, dtype)
         else:
             choice = baseline_choice(space, kind)
             if choice is None:
@@ -516,6 +530,19 @@ def _best_of_kind(
     if best is not None:
         best.floor = lowest
     return best
+
+
+def _better(space: Space, found: tuple[int, ...], fallback: tuple[int, ...] | None, zero: int, m: int,
+            global_batch: int, dtype: str) -> tuple[int, ...]:
+    """The solver's assignment, or ``fallback`` (data parallelism) where the estimate prices that faster within the
+    same memory: the ILP charges every reading block its own conversion of a shared value (`conversions`), so its
+    optimum can be a little off the estimate's."""
+    if fallback is None or fallback == found:
+        return found
+    a, b = (estimate_choice(space, c, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
+            for c in (found, fallback))
+    prefer_b = b.memory.fits >= a.memory.fits and b.iteration_seconds < a.iteration_seconds
+    return fallback if prefer_b else found
 
 
 # ---- naming and output ----------------------------------------------------------------------------------------
