@@ -326,10 +326,12 @@ class IntraCost:
         if not self.scatter_partials:
             return None
         n = self.sizes[axis]
-        for k, d in enumerate(dims.dims):
-            if d.split is Split.FREE and d.inputs[primary] is not None and d.size % n == 0:
-                return k
-        return None
+        free = [k for k, d in enumerate(dims.dims)
+                if d.split is Split.FREE and d.inputs[primary] is not None and d.size % n == 0]
+        # the sequence first (the dim before the features: Megatron's sequence parallelism), then any other
+        sequence = len(node.inputs[primary].shape) - 2
+        free.sort(key=lambda k: dims.dims[k].inputs[primary] != sequence)
+        return free[0] if free else None
 
     def _current(self, versions, source, axis: int):  # noqa: ANN001, ANN202
         if source.state is not None or source.node < 0:
@@ -391,6 +393,20 @@ class IntraCost:
             return next((p.key for p in cost.params if self.locate(producer, p.key) == value), None)
         node, index = value
         return ("out", producer.nodes.index(node), index)
+
+    def origin(self, value: tuple[int, int] | str) -> tuple:
+        """A value named by what it views and its own shape: two views of one tensor to one shape (each linear
+        layer flattening the same input) are one value, converted once for all its readers."""
+        if isinstance(value, str):
+            return (value,)
+        node_id, index = value
+        shape = self.nodes[node_id].outputs[index].shape
+        while node_id >= 0 and self.nodes[node_id].is_view:
+            source = self.nodes[node_id].sources[0]
+            if source.state is not None:
+                break
+            node_id, index = source.node, source.index
+        return (node_id, index, shape)
 
     def locate(self, block: ParallelBlock, key: Key) -> tuple[int, int] | str:
         """The node output (node id, index), or the parameter FQN, that a relative key names in ``block``."""

@@ -140,18 +140,36 @@ class IntraLayers:
         if found is None:
             self._build()
             name = self.model.layers[row].name
-            ic = self._cost(tp_axis)  # block signatures do not depend on the mesh: every axis's IntraCost shares them
+            ic = self._cost(tp_axis, False)  # block signatures do not depend on the mesh: every IntraCost shares them
             found = self._row_keys[row] = tuple(
                 (ic.signature(b), self._outside(b, name)) for b in self.rows.get(name, []))
         return found
 
-    def _cost(self, placement: AxisPlacement) -> IntraCost:
-        found = self._costs.get(placement)
+    def _cost(self, placement: AxisPlacement, sp: bool) -> IntraCost:
+        """The block model on the tp axis; partial sums are scattered by sequence under sequence parallelism and
+        all-reduced without it, as the runtime's Megatron layouts do."""
+        found = self._costs.get((placement, sp))
         if found is None:
             like = next(iter(self._costs.values()), None)
             mesh = Mesh(("tp",), (placement.size,), (placement,))
-            found = self._costs[placement] = IntraCost(self.bg, mesh, self.model.cluster, like=like)
+            found = self._costs[(placement, sp)] = IntraCost(self.bg, mesh, self.model.cluster, like=like,
+                                                             scatter_partials=sp)
         return found
+
+    def megatron(self, row: int, tp_axis: AxisPlacement, *, samples: float, sp: bool) -> dict | None:
+        """Row ``row`` under Megatron's layout (`IntraCost.megatron`) on the tp axis, priced by the block model:
+        recompute level -> `LayerPrice` for one device running ``samples`` samples. None where the row has no
+        blocks."""
+        self._build()
+        blocks = self.rows.get(self.model.layers[row].name, [])
+        if not blocks:
+            return None
+        ic = self._cost(tp_axis, sp)
+        choice = tuple(wanted if ic.block_cost(b, wanted) is not None else fallback
+                       for b, (wanted, fallback) in zip(blocks, ic.megatron(blocks)))
+        scale = samples / self.model.traced_batch
+        return {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, sp)
+                for level in ("none", "selective", "full")}
 
     # ---- choosing a layout -------------------------------------------------------------------------------------
     def layout(self, row: int, tp_axis: AxisPlacement, when: Conditions, megatron: LayerPrice) -> LayerLayout | None:
@@ -179,7 +197,7 @@ class IntraLayers:
             if not solution.feasible:
                 return None
             indices = solution.choice
-        ic, blocks, name = self._cost(tp_axis), terms.blocks, self.model.layers[row].name
+        ic, blocks, name = self._cost(tp_axis, when.sp), terms.blocks, self.model.layers[row].name
         choice = tuple(terms.candidates[v][i] for v, i in enumerate(indices))
         scale = when.samples / self.model.traced_batch
         prices = {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, when.sp)
@@ -202,7 +220,7 @@ class IntraLayers:
         blocks = self.rows.get(name, [])
         if not blocks or tp_axis.size == 1:
             return None
-        ic = self._cost(tp_axis)
+        ic = self._cost(tp_axis, when.sp)
         scale = when.samples / self.model.traced_batch
         cands = [ic.candidates(b) for b in blocks]
         per_param = self._per_param(when)
@@ -338,8 +356,13 @@ class IntraLayers:
                      scale: float) -> list[tuple[str, float, str]]:
         index = {b.id: v for v, b in enumerate(blocks)}
         calls: list[tuple[str, float, str]] = []
+        done: set[tuple] = set()  # a value read by several blocks in one layout is converted once
         for b, cand in zip(blocks, choice):
             for key_in, producer in self._inner_inputs(ic, b, [cand], index):
+                what = (ic.origin(ic.locate(b, key_in)), *ic.block_cost(b, cand).entries[key_in])
+                if what in done:
+                    continue
+                done.add(what)
                 move = ic.transfer(b, key_in, producer, choice[index[producer.id]], cand)
                 calls += _phased(move.collectives, move.forward_moves, scale)
         return calls
@@ -356,9 +379,14 @@ class IntraLayers:
         saved = sum(p.saved for p in parts)
         temporary = max(p.temporary for p in parts)
         forward_calls = [(k, n, "b") for k, n, phase in calls if phase == "f"]
-        if level == "full":  # the forward replays in the backward, its conversions too
+        tail = next(((k, n, "b") for k, n, phase in reversed(parts[-1].calls) if phase == "f"), None)
+        if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
+            # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
             backward += forward
-            calls = calls + forward_calls
+            replay = list(forward_calls)
+            if tail is not None:
+                replay.remove(tail)
+            calls = calls + replay
             temporary = max(temporary, saved)
             saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
         elif level == "selective":

@@ -72,11 +72,12 @@ def price_layer(
 ) -> LayerPrice:  # noqa: ANN001
     """Price ``layer`` for one device running ``scale`` times the traced batch, TP-sharded nodes split ``tp``
     ways; ``tp_seconds(kind, nbytes)`` prices one collective on the stage's tp axis."""
-    forward = backward = 0.0
+    forward = backward = temporary = 0.0
     for node in layer.nodes:
-        shard = (tp if (node.id in layer.sharded or sp) else 1) / scale
-        forward += node_seconds(node, device, backward=False, shard=shard)
-        backward += node_seconds(node, device, backward=True, shard=shard)
+        ways = tp if (node.id in layer.sharded or sp) else 1
+        forward += node_seconds(node, device, backward=False, shard=ways / scale)
+        backward += node_seconds(node, device, backward=True, shard=ways / scale)
+        temporary = max(temporary, node.output_bytes / ways * scale)  # the largest single output on a device
     calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
     tail = None
     if tp > 1:
@@ -96,7 +97,6 @@ def price_layer(
             tail = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "f")
     forward_calls = Counter((kind.value, nbytes) for kind, nbytes, phase in calls if phase == "f")
     saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
-    temporary = layer.largest_output / tp * scale
     if layer.repeated and recompute == "full":
         backward += forward
         # the forward replays in the backward, its collectives too, except the layer's last one: checkpointing

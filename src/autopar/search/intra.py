@@ -317,25 +317,10 @@ def conversions(space: Space, choice: tuple[int, ...]) -> list[Transfer]:
             owner = ic.param_owner[value] if isinstance(value, str) else space.blocks.owner[value[0]]
             producer = space.blocks.blocks[owner]
             pv = space.var_of[owner]
-            what = (_origin(space.graph, value), need, grad)
+            what = (ic.origin(value), need, grad)
             if what not in done:
                 done[what] = ic.transfer(block, key, producer, space.candidates[pv][choice[pv]], cand)
     return list(done.values())
-
-
-def _origin(graph: Graph, value: tuple[int, int] | str) -> tuple:
-    """A value named by what it views and its own shape: two views of one tensor to one shape (each linear layer
-    flattening the same input) are one value."""
-    if isinstance(value, str):
-        return (value,)
-    node_id, index = value
-    shape = graph.node(node_id).outputs[index].shape
-    while node_id >= 0 and graph.node(node_id).is_view:
-        source = graph.node(node_id).sources[0]
-        if source.state is not None:
-            break
-        node_id, index = source.node, source.index
-    return (node_id, index, shape)
 
 
 # ---- baselines ------------------------------------------------------------------------------------------------

@@ -92,6 +92,10 @@ class Transfer:
 FREE = Transfer(0.0, 0.0)
 
 
+def _whole_on(layout: Layout, axes: list[int]) -> Layout:
+    return tuple(REPLICATE if a in axes else p for a, p in enumerate(layout))
+
+
 class LayoutCosts:
     """Conversion costs on one mesh laid over one cluster (cached)."""
 
@@ -104,6 +108,10 @@ class LayoutCosts:
     def _convert(
         self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout, gradient: Layout | None = None
     ) -> Transfer:
+        single = [a for a, n in enumerate(self.sizes) if n == 1]
+        if single:  # an axis of one device holds every layout whole: nothing moves on it
+            source, target = _whole_on(source, single), _whole_on(target, single)
+            gradient = None if gradient is None else _whole_on(gradient, single)
         fwd, fwd_moves = self._path(shape, itemsize, source, target)
         if gradient is None or fwd == INF:
             return Transfer(fwd, 0.0, fwd_moves, len(fwd_moves))

@@ -1,0 +1,85 @@
+"""Megatron's layout priced by the block model (`cost.intra`) equals the row model (`cost.layers` + `price_layer`)
+that `autopar estimate` and the pipeline search use, layer by layer and for whole models: the intra-op search's
+Megatron baseline and `autopar estimate` are one model, not two that disagree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.capture import trace
+from autopar.cluster import build_mesh
+from autopar.cluster.spec import load_cluster
+from autopar.cost import ParallelConfig, estimate
+from autopar.cost.pipeline import PipelineModel
+from autopar.search.intra import baseline_choice, build_space, estimate_choice
+from autopar.zoo import load
+
+MODELS = {
+    "gpt": ("gpt3-125m", {"layers": 2, "hidden": 256, "heads": 8, "vocab": 512, "seq": 64}),
+    "llama": ("llama-7b", {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 8, "ffn": 512, "vocab": 512,
+                           "seq": 64}),
+}
+FIELDS = ("forward", "backward", "comm_forward", "comm_backward", "activations", "temporary", "params")
+
+
+def _graph(kind: str, batch: int = 2):
+    name, overrides = MODELS[kind]
+    zoo = load(name, batch=batch, dtype=torch.bfloat16, **overrides)
+    return trace(zoo.module, example_kwargs=zoo.inputs)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def traced(request):  # noqa: ANN001, ANN201
+    return request.param, _graph(request.param)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 + 1e-6 * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_each_layer_costs_the_same_in_both_models(traced, tp: int) -> None:  # noqa: ANN001
+    _, graph = traced
+    model = PipelineModel(graph, load_cluster("a100-80g-sxm").with_devices(tp), traced_batch=2)
+    mesh = model._mesh(1, 1, tp)
+    rows = [i for i, layer in enumerate(model.layers) if layer.repeated]
+    assert rows
+    for row in rows:
+        blocks = model.intra_layers.megatron(row, mesh.axis("tp"), samples=2, sp=False)
+        for level in ("none", "selective", "full"):
+            rows_price = model.price(row, tp=tp, samples=2, recompute=level, sp=False, mesh=mesh)
+            block_price = blocks[level]
+            for name in FIELDS:
+                assert _close(getattr(rows_price, name), getattr(block_price, name)), (row, level, name)
+            assert sorted(rows_price.collectives) == sorted((k, float(n), c) for k, n, c in block_price.collectives)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_estimate_equals_the_intra_op_megatron_baseline(traced, tp: int) -> None:  # noqa: ANN001
+    _, graph = traced
+    cluster = load_cluster("a100-80g-sxm").with_devices(tp)
+    rows = estimate(graph, cluster, ParallelConfig(tp=tp, mbs=2), global_batch=2)
+    space = build_space(graph, build_mesh(cluster, {"x0": tp}), cluster, scatter_partials=False)
+    blocks = estimate_choice(space, baseline_choice(space, "megatron"), zero=0, micro_batches=1, global_batch=2,
+                             dtype="bf16")
+    assert blocks.iteration_seconds == pytest.approx(rows.iteration_seconds, rel=0.02)
+    assert blocks.compute_seconds == pytest.approx(rows.compute_seconds, rel=0.02)
+    assert blocks.memory.total == pytest.approx(rows.memory.total, rel=0.02)
+    assert sorted((c.kind, c.bytes, c.count) for c in blocks.collectives) == \
+        sorted((c.kind, c.bytes, c.count) for c in rows.collectives)
+
+
+def test_scattering_partials_is_a_different_layout() -> None:
+    """Scattering partial sums (sequence-parallel style) changes the collectives: the baseline must not."""
+    graph = _graph("gpt")
+    cluster = load_cluster("a100-80g-sxm").with_devices(4)
+    mesh = build_mesh(cluster, {"x0": 4})
+    kinds = []
+    for scatter in (False, True):
+        space = build_space(graph, mesh, cluster, scatter_partials=scatter)
+        found = estimate_choice(space, baseline_choice(space, "megatron"), zero=0, micro_batches=1, global_batch=2,
+                                dtype="bf16")
+        kinds.append({c.kind for c in found.collectives})
+    assert kinds[0] == {"all_reduce"}
+    assert "reduce_scatter" in kinds[1]
