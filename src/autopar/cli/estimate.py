@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
 def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, config: ParallelConfig,
                 global_batch: int) -> None:
     """The configuration as a plan file, in the form the planner writes (even stages, its layouts)."""
-    from autopar.cli.plan import workload
+    from autopar.cli.plan import refusal, workload
     from autopar.plan import save_plan
     from autopar.search.pipeline import Found, pipeline_plan
 
@@ -113,6 +113,9 @@ def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, co
     result = model.estimate(pipeline, global_batch=global_batch)
     plan = pipeline_plan(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
                          global_batch=global_batch, workload=workload(args, zoo))
+    reason = refusal(plan)
+    if reason is not None:  # a plan file is for `autopar run`: one it would refuse is not written
+        raise ValueError(f"plan not written to {args.out}: `autopar run` cannot run it: {reason}")
     save_plan(args.out, plan)
 
 

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_plan(name),
                    baselines=baselines, seconds=seconds, fits=fits)
     data["interrupted"] = interrupted
+    data["not_runnable"] = refusal(chosen.to_plan(name).with_workload(workload(args, zoo))) if fits else None
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}
@@ -237,16 +238,59 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         return pipeline_plan(model, f, name=name, kind=kind, global_batch=args.batch)
 
     baselines = {k: (_entry(typed(k, f)) if f is not None else None) for k, f in found.items() if k != args.search}
+    chosen, refused = _runnable_choice(args, zoo, chosen, typed, limit)
     fits = chosen.result.estimate.memory.fits
     data = _result(args, zoo, cluster, params=graph.num_params, plan=typed(args.search, chosen),
                    baselines=baselines, seconds=seconds, fits=fits)
     data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
                 runners_up=[_layout(f, chosen) for f in chosen.runners_up],
-                not_runnable=limit(chosen.config))  # why `autopar run` refuses it, or null
+                not_runnable=refused)  # why `autopar run` refuses it, or null
     if fits:
         return data if args.json else render_pipeline(data, out=args.out)
     data["fit"] = fit_advice(model, chosen.config, global_batch=args.batch, memory=chosen.result.estimate.memory)
     return _no_fit(args, data, render_pipeline(data, out=None))
+
+
+def refusal(plan: Plan) -> str | None:
+    """Why `autopar run` would refuse ``plan`` for its model, or None: the runtime's own checks
+    (`runtime.check_runnable`), with a single-stage plan applied and stepped once on a fake process group of its
+    full size, so that a plan fails when it is planned rather than after ranks start."""
+    from autopar.runtime.validate import check_runnable
+
+    try:
+        check_runnable(plan)
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+def _runnable_choice(args: argparse.Namespace, zoo: Any, chosen: Any, typed: Any, limit: Any) -> tuple[Any, str | None]:
+    """The search's plan and why `autopar run` would refuse it (or None). A fitting plan is checked on the model
+    itself (`refusal`); with ``--runnable`` the runners-up are tried in order when it would be refused, and when
+    none can run the answer is an error naming the reason, never a plan that fails on the ranks."""
+    if not chosen.result.estimate.memory.fits:
+        return chosen, limit(chosen.config)  # not offered to run: the coarse reason is enough
+    work = workload(args, zoo)
+    reasons = []
+    for found in [chosen, *chosen.runners_up] if args.runnable else [chosen]:
+        if not found.result.estimate.memory.fits:
+            continue
+        reason = limit(found.config) or refusal(typed(args.search, found).with_workload(work))
+        if reason is None:
+            return (_promoted(found, chosen) if found is not chosen else chosen), None
+        reasons.append(reason)
+    if args.runnable:
+        raise ValueError(f"none of the {len(reasons)} best fitting plans found can run on {args.model}: "
+                         f"{reasons[0]}")
+    return chosen, reasons[0]
+
+
+def _promoted(found: Any, chosen: Any) -> Any:
+    """A runner-up taking the chosen plan's place: the search's figures carry over."""
+    from dataclasses import replace
+
+    rest = [f for f in chosen.runners_up if f is not found]
+    return replace(found, evaluated=chosen.evaluated, runners_up=rest)
 
 
 def _can_pipeline(module: Any) -> bool:
@@ -311,8 +355,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         lines += ["  (the dim each op's tp axis splits: m rows, n output features, k the contracted dim, "
                   "b experts or batch)", ""]
     if data.get("not_runnable"):
-        lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']} (--runnable searches only "
-                  "plans it can run)", ""]
+        lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']} (--runnable returns the "
+                  "best plan it can run)", ""]
     lines += [estimate_text(e), ""]
     return "\n".join(lines + _runners_up(data) + _comparison(data, out))
 
@@ -372,9 +416,10 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         table(["module", "split", "input", "output", "params"], rows, align="lllll"),
         *notes,
         "",
-        estimate_text(e),
-        "",
     ]
+    if data.get("not_runnable"):
+        lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']}", ""]
+    lines += [estimate_text(e), ""]
     return "\n".join(lines + _comparison(data, out))
 
 
