@@ -190,8 +190,12 @@ def test_records_check_themselves_when_built_in_python(pipeline) -> None:
 
 def test_batch_norm_is_refused_under_data_parallelism(tmp_path, capsys) -> None:
     path = tmp_path / "wrn.json"
-    assert main(["estimate", "wrn-50-1", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "1", "--pp", "1",
-                 "--mbs", "2", "--out", str(path)]) == 0
+    args = ["estimate", "wrn-50-1", "--cluster", "cpu", "--batch", "4", "--tp", "1", "--pp", "1", "--out", str(path)]
+    # refused when planned: no plan file is written
+    assert main([*args, "--gpus", "2", "--mbs", "2"]) == 2
+    assert "is a BatchNorm2d: under data parallelism over 2 ranks" in capsys.readouterr().err
+    assert not path.exists()
+    # one process, one micro-batch: the statistics are the ones one process computes
+    assert main([*args, "--gpus", "1", "--mbs", "4"]) == 0
     capsys.readouterr()
-    with pytest.raises(ValueError, match="is a BatchNorm2d: under data parallelism over 2 ranks"):
-        check_runnable(load_plan(path))
+    check_runnable(load_plan(path))
