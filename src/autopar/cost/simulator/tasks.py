@@ -1,0 +1,281 @@
+"""The task-graph simulator's core (FlexFlow §5, Algorithms 1-2): typed tasks in, a timeline out.
+
+A task runs on one stream of one device for ``seconds`` (plus a ``tail``: tensor-parallel collectives that end a
+compute task, during which its compute stream waits on the tp stream). It starts when every task in ``after`` has
+ended and its stream has finished the task before it:
+
+    start(t) = max(0, max_{p in after(t)} end(p), end(previous task on t's stream))
+    end(t)   = start(t) + (seconds(t) + tail(t))
+
+Streams are FIFO in issue order: a stream runs its tasks in the order they appear in the task list (the order the
+program enqueues them, as a CUDA or NCCL stream does). FlexFlow's device queues order tasks by ready time; with one
+program per device the issue order is fixed, so the simulation is a longest-path pass in topological order.
+
+Full simulation (`simulate`) builds the dependency graph (``after`` plus each stream's chain), orders it (Kahn) and
+times every task. Delta simulation (`Timeline.resimulate`) takes new durations for some tasks of the same graph and
+re-times only tasks downstream of them, in the same topological order, stopping wherever an end time comes out
+unchanged. Both evaluate the same expression per task, and ``max`` and one addition are exact functions of their
+inputs, so the delta timeline equals the full one bit for bit.
+
+Read-offs on device d over [0, iteration], iteration = max_t end(t):
+
+- compute(d): time its compute stream runs kernels (tasks' ``seconds``; tails excluded);
+- exposed comm(d): time inside the union of d's communication intervals (tails, tp/dp/pp tasks of d, transfers it
+  receives) and outside its compute intervals;
+- bubble(d) = iteration - compute(d) - exposed comm(d): time d neither computes nor communicates;
+- the critical device is the one with the largest compute + exposed comm (the least bubble; lowest index on ties),
+  and the estimate's split is its three terms, which add up to the iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+log = logging.getLogger(__name__)
+
+
+class Stream(str, Enum):
+    """A device's streams: one runs kernels, the others NCCL communicators (one NCCL stream each)."""
+
+    COMPUTE = "compute"
+    TP = "tp"  # tensor-parallel collectives: the compute stream waits for them (critical path)
+    DP = "dp"  # data-parallel gradient sync and FSDP/ZeRO gathers
+    PP = "pp"  # pipeline sends to the neighbouring stages
+
+
+class Kind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECOMPUTE = "R"
+    SEND = "send"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One task. ``after`` names tasks by their index in the task list (earlier or later ones)."""
+
+    kind: Kind
+    device: int
+    stream: Stream
+    seconds: float
+    tail: float = 0.0  # compute tasks: tp collectives at their end (the stream waits for them)
+    after: tuple[int, ...] = ()
+    peer: int = -1  # a send: the receiving device
+    stage: int = -1
+    micro_batch: int = -1
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.seconds < math.inf and 0.0 <= self.tail < math.inf):
+            raise ValueError(f"task seconds and tail must be finite and not negative, got {self.seconds!r} and "
+                             f"{self.tail!r} ({self.kind.value} on device {self.device})")
+        if (self.stream is Stream.COMPUTE) != (self.kind in COMPUTE_KINDS):
+            raise ValueError(f"a {self.kind.value} task cannot run on the {self.stream.value} stream")
+        if self.tail and self.stream is not Stream.COMPUTE:
+            raise ValueError("only compute tasks have a tp tail")
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """The dependency graph of a task list: predecessors (``after`` and the stream chain), successors, and one
+    topological order with each task's position in it."""
+
+    preds: tuple[tuple[int, ...], ...]
+    succs: tuple[tuple[int, ...], ...]
+    order: tuple[int, ...]
+    position: tuple[int, ...]
+
+
+def graph(tasks: Sequence[Task]) -> Graph:
+    n = len(tasks)
+    preds: list[list[int]] = [list(t.after) for t in tasks]
+    last: dict[tuple[int, Stream], int] = {}
+    for i, t in enumerate(tasks):
+        for p in t.after:
+            if not 0 <= p < n or p == i:
+                raise ValueError(f"task {i} ({t.kind.value} on device {t.device}) waits for task {p}, which is "
+                                 f"{'itself' if p == i else 'not in the list'}")
+        key = (t.device, t.stream)
+        previous = last.get(key)
+        if previous is not None:
+            preds[i].append(previous)
+        last[key] = i
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(i)
+    waiting = [len(ps) for ps in preds]
+    ready = [i for i in range(n) if not waiting[i]]
+    order: list[int] = []
+    while ready:  # Kahn's algorithm
+        i = ready.pop()
+        order.append(i)
+        for s in succs[i]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                ready.append(s)
+    if len(order) < n:
+        stuck = next(i for i in range(n) if waiting[i])
+        t = tasks[stuck]
+        raise ValueError(f"the tasks' dependencies form a cycle (task {stuck}: {t.kind.value} of stage {t.stage}, "
+                         f"micro-batch {t.micro_batch} on device {t.device} never becomes ready)")
+    position = [0] * n
+    for k, i in enumerate(order):
+        position[i] = k
+    return Graph(preds=tuple(map(tuple, preds)), succs=tuple(map(tuple, succs)), order=tuple(order),
+                 position=tuple(position))
+
+
+def simulate(tasks: Sequence[Task]) -> Timeline:
+    """Full simulation: build the graph and time every task in topological order."""
+    tasks = tuple(tasks)
+    g = graph(tasks)
+    duration = [t.seconds + t.tail for t in tasks]
+    start = [0.0] * len(tasks)
+    end = [0.0] * len(tasks)
+    preds = g.preds
+    for i in g.order:
+        s = 0.0
+        for p in preds[i]:
+            e = end[p]
+            if e > s:
+                s = e
+        start[i] = s
+        end[i] = s + duration[i]
+    return Timeline(tasks, g, duration, start, end)
+
+
+class Timeline:
+    """Start and end of every task, with what read-offs need (iteration, per-device busy time and split)."""
+
+    __slots__ = ("tasks", "graph", "duration", "start", "end")
+
+    def __init__(self, tasks: tuple[Task, ...], g: Graph, duration: list[float], start: list[float],
+                 end: list[float]) -> None:
+        self.tasks, self.graph, self.duration, self.start, self.end = tasks, g, duration, start, end
+
+    @property
+    def iteration(self) -> float:
+        return max(self.end, default=0.0)
+
+    @property
+    def devices(self) -> int:
+        return 1 + max((t.device for t in self.tasks), default=-1)
+
+    def resimulate(self, changed: Mapping[int, Task]) -> Timeline:
+        """Delta simulation: the timeline with tasks ``changed`` (index -> task of new ``seconds``/``tail``, same
+        device, stream, kind and ``after``), re-timing only what they affect."""
+        tasks = list(self.tasks)
+        duration = self.duration[:]
+        for i, task in changed.items():
+            old = tasks[i]
+            if (task.kind, task.device, task.stream, task.after) != (old.kind, old.device, old.stream, old.after):
+                raise ValueError(f"task {i} changes more than its time: delta simulation keeps the task graph")
+            tasks[i] = task
+            duration[i] = task.seconds + task.tail
+        start, end = self.start[:], self.end[:]
+        if changed:
+            _propagate(self.graph, changed, duration, start, end)
+        return Timeline(tuple(tasks), self.graph, duration, start, end)
+
+    def busy(self, device: int) -> dict[Stream, float]:
+        """Seconds each stream of ``device`` is busy (a compute task's tail counts on the tp stream)."""
+        found = dict.fromkeys(Stream, 0.0)
+        for t in self.tasks:
+            if t.device == device:
+                found[t.stream] += t.seconds
+                if t.tail:
+                    found[Stream.TP] += t.tail
+        return found
+
+    def split(self, device: int) -> tuple[float, float, float]:
+        """(compute, exposed comm, bubble) of ``device``; they add up to the iteration."""
+        compute_spans, comm_spans = self._spans(device)
+        compute = sum(b - a for a, b in compute_spans)
+        exposed = _outside(_union(comm_spans), compute_spans)
+        return compute, exposed, max(0.0, self.iteration - compute - exposed)
+
+    def critical(self) -> int:
+        """The device with the largest compute + exposed comm (lowest index on ties)."""
+        best, found = -1.0, 0
+        for d in range(self.devices):
+            compute, exposed, _ = self.split(d)
+            if compute + exposed > best:
+                best, found = compute + exposed, d
+        return found
+
+    def _spans(self, device: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        compute: list[tuple[float, float]] = []
+        comm: list[tuple[float, float]] = []
+        for i, t in enumerate(self.tasks):
+            s, e = self.start[i], self.end[i]
+            if t.device == device:
+                if t.stream is Stream.COMPUTE:
+                    compute.append((s, s + t.seconds))
+                    if t.tail:
+                        comm.append((e - t.tail, e))
+                elif e > s:
+                    comm.append((s, e))
+            elif t.peer == device and e > s:
+                comm.append((s, e))
+        compute.sort()
+        return compute, comm
+
+
+def _propagate(g: Graph, changed: Mapping[int, Task], duration: list[float], start: list[float],
+               end: list[float]) -> None:
+    """Re-time, in topological order, the changed tasks and every task whose predecessor's end moved."""
+    dirty = bytearray(len(duration))
+    for i in changed:
+        dirty[i] = 1
+    order, preds, succs = g.order, g.preds, g.succs
+    for k in range(min(g.position[i] for i in changed), len(order)):
+        i = order[k]
+        if not dirty[i]:
+            continue
+        s = 0.0
+        for p in preds[i]:
+            e = end[p]
+            if e > s:
+                s = e
+        start[i] = s
+        e = s + duration[i]
+        if e != end[i]:
+            end[i] = e
+            for q in succs[i]:
+                dirty[q] = 1
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _outside(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of sorted disjoint ``spans`` not covered by sorted disjoint ``cover``."""
+    total, j = 0.0, 0
+    for a, b in spans:
+        length = b - a
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            length -= min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
+        total += length
+    return total
