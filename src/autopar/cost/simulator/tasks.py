@@ -8,7 +8,8 @@ ended and its stream has finished the task before it:
     end(t)   = start(t) + (seconds(t) + tail(t))
 
 Streams are FIFO in issue order: a stream runs its tasks in the order they appear in the task list (the order the
-program enqueues them, as a CUDA or NCCL stream does). FlexFlow's device queues order tasks by ready time; with one
+program enqueues them, as a CUDA or NCCL stream does). Sends queue per receiving device (ProcessGroupNCCL runs
+point-to-point work on one communicator, and stream, per pair of ranks), whatever their direction. FlexFlow's device queues order tasks by ready time; with one
 program per device the issue order is fixed, so the simulation is a longest-path pass in topological order.
 
 Full simulation (`simulate`) builds the dependency graph (``after`` plus each stream's chain), orders it (Kahn) and
@@ -44,7 +45,8 @@ class Stream(str, Enum):
     COMPUTE = "compute"
     TP = "tp"  # tensor-parallel collectives: the compute stream waits for them (critical path)
     DP = "dp"  # data-parallel gradient sync and FSDP/ZeRO gathers
-    PP = "pp"  # pipeline sends to the neighbouring stages
+    PP_FORWARD = "pp_forward"  # sends of activations to the next stage
+    PP_BACKWARD = "pp_backward"  # sends of gradients to the previous stage
 
 
 class Kind(str, Enum):
@@ -82,6 +84,8 @@ class Task:
             raise ValueError(f"a {self.kind.value} task cannot run on the {self.stream.value} stream")
         if self.tail and self.stream is not Stream.COMPUTE:
             raise ValueError("only compute tasks have a tp tail")
+        if (self.kind is Kind.SEND) != (self.peer >= 0) or (self.peer >= 0) != self.stream.name.startswith("PP"):
+            raise ValueError("a send, and only a send, has a peer and runs on a pp stream")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +102,13 @@ class Graph:
 def graph(tasks: Sequence[Task]) -> Graph:
     n = len(tasks)
     preds: list[list[int]] = [list(t.after) for t in tasks]
-    last: dict[tuple[int, Stream], int] = {}
+    last: dict[tuple, int] = {}
     for i, t in enumerate(tasks):
         for p in t.after:
             if not 0 <= p < n or p == i:
                 raise ValueError(f"task {i} ({t.kind.value} on device {t.device}) waits for task {p}, which is "
                                  f"{'itself' if p == i else 'not in the list'}")
-        key = (t.device, t.stream)
+        key = (t.device, t.peer) if t.peer >= 0 else (t.device, t.stream)  # sends: one queue per peer
         previous = last.get(key)
         if previous is not None:
             preds[i].append(previous)
