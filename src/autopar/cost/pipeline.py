@@ -229,7 +229,7 @@ class StageReport:
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
     counted: Counter = field(default_factory=Counter)  # (kind, axis, bytes) -> calls per iteration on each device
-    times: StageTimes | None = None  # the split of its figures the simulator takes (`cost.simulator`)
+    parts: _Split | None = None  # what the simulator needs beyond the figures above (`cost.simulator`)
 
     @property
     def collectives(self) -> tuple[CollectiveUse, ...]:
@@ -343,10 +343,9 @@ class PipelineModel:
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
             stage_uses: Counter[tuple[str, str, float]] = Counter()
-            split = _Split()  # the simulator's view of the same figures
+            split = _Split(view=view)  # the simulator's view of the same figures
             for row in range(stage.start, stage.end):
                 price = view.price(row, stage.recompute_of(row))
-                split.add(row, price, view.price(row, "none"))
                 fwd, bwd = fwd + price.forward, bwd + price.backward
                 comm += price.comm_forward + price.comm_backward
                 saved += price.activations
@@ -357,7 +356,7 @@ class PipelineModel:
             if stage.segments:
                 extra = segment_costs(stage, view.price)
                 bwd, comm = bwd + extra.backward, comm + extra.comm
-                split.recompute, split.recompute_tp = split.recompute + extra.backward, split.recompute_tp + extra.comm
+                split.replayed, split.replayed_tp = extra.backward, extra.comm
                 saved += extra.kept
                 temp = max(temp, extra.transient)
                 for (kind, nbytes), calls in extra.collectives.items():
@@ -398,10 +397,10 @@ class PipelineModel:
                 other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
             )
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses,
-                                       times=split.times(self.layers, stage, config.zero)))
+                                       parts=split))
         devices = _per_device(reports, pp) if chunks > 1 else reports
         simulate = not self.screen if simulate is None else simulate
-        simulation = _simulate(config, reports, m, overlap) if simulate else None
+        simulation = self._simulate(config, reports, m, overlap) if simulate else None
         iteration, compute, exposed, bubble = _timing(simulation, reports, devices, m, chunks)
         worst = max(devices, key=lambda r: r.memory.total / r.memory.budget)
         model_flops = (self.graph.flops_forward + self.graph.flops_backward) * m * config.micro_batch / self.traced_batch
@@ -419,6 +418,13 @@ class PipelineModel:
             micro_batches=m,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
+
+    def _simulate(self, config: PipelineConfig, reports: list[StageReport], m: int,
+                  overlap: bool) -> PipelineSimulation:
+        stages = tuple(r.parts.times(self.layers, s, config.zero) for r, s in zip(reports, config.stages))
+        spec = PipelineSpec(stages=stages, micro_batches=m, schedule=config.schedule, chunks=config.chunks,
+                            zero=config.zero, overlap=overlap)
+        return PipelineSimulation.full(spec)
 
     def stage_view(self, config: PipelineConfig, index: int, *, global_batch: int) -> StageView:
         """Stage ``index`` of ``config`` on one of its devices: its mesh, samples per device, micro-batches in
@@ -522,72 +528,62 @@ class PipelineModel:
                                                                                             self.cluster)
                 total += same * count * seconds
                 uses[(kind.value, "dp", nbytes)] += same * count
-        # per unit in order (ZeRO 1-3: the stage's repeated rows, then the root unit; ZeRO 0: the buckets): bytes,
-        # whether it is the root, one all-gather's and one reduction's seconds
-        reduction = Collective.ALL_REDUCE if zero == 0 else Collective.REDUCE_SCATTER
-        return total, uses, tuple((nbytes, root, calls[(nbytes, root)].get(Collective.ALL_GATHER, 0.0),
-                                   calls[(nbytes, root)][reduction]) for nbytes, root in units)
+        # for the simulator, the units in order (ZeRO 1-3: the stage's repeated rows, then the root unit; ZeRO 0:
+        # the buckets) as (bytes, root), with one call's seconds of each kind by (bytes, root)
+        return total, uses, (tuple(units), calls)
 
 
 @dataclass(slots=True)
 class _Split:
-    """A stage's figures per micro-batch as the simulator takes them, recorded while the stage is priced: compute
-    and tp collectives of the forward, the backward and the recomputation apart, one send, the once-per-iteration
-    sums, and the dp units (`_price_sync`)."""
+    """What a stage's simulation needs beyond its report, recorded while it is priced (cheaply: the searches' screen
+    never reads it): its view (to re-read its rows' prices), one send, the once-per-iteration sums, the segments'
+    replays, and the dp units (`_price_sync`)."""
 
-    forward: float = 0.0
-    backward: float = 0.0
-    recompute: float = 0.0
-    forward_tp: float = 0.0
-    backward_tp: float = 0.0
-    recompute_tp: float = 0.0
+    view: StageView
     send: float = 0.0
     tp_once: float = 0.0
     pp_once: float = 0.0
-    units: tuple = ()  # (bytes, root, one all-gather's seconds, one reduction's seconds) per unit
-    rows: dict = field(default_factory=dict)  # row -> (forward, backward) compute without recomputation
-
-    def add(self, row: int, price: LayerPrice, base: LayerPrice) -> None:
-        """Row ``row`` at its recomputation level (``price``) and at none (``base``): recomputation is the
-        difference of their backwards."""
-        self.forward += price.forward
-        self.forward_tp += price.comm_forward
-        self.backward += base.backward
-        self.backward_tp += base.comm_backward
-        self.recompute += max(0.0, price.backward - base.backward)
-        self.recompute_tp += max(0.0, price.comm_backward - base.comm_backward)
-        self.rows[row] = (base.forward, base.backward)
+    replayed: float = 0.0  # checkpointed segments: replayed forward compute, per micro-batch
+    replayed_tp: float = 0.0  # and their collectives
+    units: tuple = ()  # ((bytes, root) per unit in order, {(bytes, root): {kind: one call's seconds}}) or ()
 
     def times(self, layers: list[LayerCost], stage: Stage, zero: int) -> StageTimes:
-        return StageTimes(forward=self.forward, backward=self.backward, recompute=self.recompute,
-                          forward_tp=self.forward_tp, backward_tp=self.backward_tp, recompute_tp=self.recompute_tp,
-                          send=self.send, units=self._units(layers, stage, zero), tp_once=self.tp_once,
+        """The stage's figures apart: each row at its recomputation level and at none, recomputation being the
+        difference of their backwards (and of their collectives)."""
+        f = ftp = b = btp = 0.0
+        r, rtp = self.replayed, self.replayed_tp
+        rows = {}
+        for row in range(stage.start, stage.end):
+            level = stage.recompute_of(row)
+            price = self.view.price(row, level)
+            base = price if level == "none" else self.view.price(row, "none")
+            f, ftp, b, btp = f + price.forward, ftp + price.comm_forward, b + base.backward, btp + base.comm_backward
+            r += max(0.0, price.backward - base.backward)
+            rtp += max(0.0, price.comm_backward - base.comm_backward)
+            rows[row] = (base.forward, base.backward)
+        return StageTimes(forward=f, backward=b, recompute=r, forward_tp=ftp, backward_tp=btp, recompute_tp=rtp,
+                          send=self.send, units=self._units(layers, stage, zero, rows), tp_once=self.tp_once,
                           pp_once=self.pp_once)
 
-    def _units(self, layers: list[LayerCost], stage: Stage, zero: int) -> tuple[Unit, ...]:
+    def _units(self, layers: list[LayerCost], stage: Stage, zero: int,
+               rows: dict[int, tuple[float, float]]) -> tuple[Unit, ...]:
         """Each unit's shares of the stage's compute: a DDP bucket's share of the gradient bytes (ZeRO 0); an FSDP
         unit's share of the rows it holds (its repeated row, or the root's other rows), over the units' total."""
         if not self.units:
             return ()
-        sizes = [nbytes for nbytes, _, _, _ in self.units]
-        shares = [(b, b) for b in sizes]
+        units, calls = self.units
+        shares = [(n, n) for n, _ in units]
         if zero:
-            repeated = [r for r in range(stage.start, stage.end) if layers[r].repeated]
-            rest = [self.rows[r] for r in range(stage.start, stage.end) if not layers[r].repeated]
-            shares = [self.rows[r] for r in repeated] + [(sum(f for f, _ in rest), sum(b for _, b in rest))]
-            shares = shares[:len(self.units)]
+            repeated = [rows[r] for r in range(stage.start, stage.end) if layers[r].repeated]
+            rest = [rows[r] for r in range(stage.start, stage.end) if not layers[r].repeated]
+            shares = (repeated + [(sum(f for f, _ in rest), sum(b for _, b in rest))])[:len(units)]
             if not all(sum(x) > 0 for x in zip(*shares)):
-                shares = [(b, b) for b in sizes]
+                shares = [(n, n) for n, _ in units]
         forward = sum(f for f, _ in shares) or 1.0
         backward = sum(b for _, b in shares) or 1.0
-        return tuple(Unit(forward=f / forward, backward=b / backward, gather=gather, reduce=reduce, root=root)
-                     for (f, b), (_, root, gather, reduce) in zip(shares, self.units))
-
-
-def _simulate(config: PipelineConfig, reports: list[StageReport], m: int, overlap: bool) -> PipelineSimulation:
-    spec = PipelineSpec(stages=tuple(r.times for r in reports), micro_batches=m, schedule=config.schedule,
-                        chunks=config.chunks, zero=config.zero, overlap=overlap)
-    return PipelineSimulation.full(spec)
+        reduction = Collective.ALL_REDUCE if zero == 0 else Collective.REDUCE_SCATTER
+        return tuple(Unit(forward=f / forward, backward=b / backward, gather=calls[u].get(Collective.ALL_GATHER, 0.0),
+                          reduce=calls[u][reduction], root=u[1]) for (f, b), u in zip(shares, units))
 
 
 def _timing(simulation: PipelineSimulation | None, reports: list[StageReport], devices: list[StageReport], m: int,

@@ -85,28 +85,20 @@ class _Entry:
 
 
 class Tasks:
-    """A spec's tasks as columns; ``afters`` grow until the graph is complete."""
+    """A spec's tasks, each a row (kind, device, stream, stage, micro-batch, recipe, after): the recipe says how
+    its seconds follow from its stage's figures (`seconds_of`); ``after`` grows until the graph is complete."""
 
     def __init__(self) -> None:
-        self.kinds: list[Kind] = []
-        self.devices: list[int] = []
-        self.streams: list[Stream] = []
-        self.stages: list[int] = []
-        self.micro_batches: list[int] = []
-        self.recipes: list[tuple] = []  # how its seconds follow from its stage's figures (`seconds_of`)
-        self.afters: list[list[int]] = []
+        self.rows: list[tuple[Kind, int, Stream, int, int, tuple, list[int]]] = []
         self.peers: dict[int, int] = {}  # send -> receiving device
 
     def add(self, kind: Kind, device: int, stream: Stream, stage: int, micro_batch: int, recipe: tuple,
             after: Sequence[int] = ()) -> int:
-        self.kinds.append(kind)
-        self.devices.append(device)
-        self.streams.append(stream)
-        self.stages.append(stage)
-        self.micro_batches.append(micro_batch)
-        self.recipes.append(recipe)
-        self.afters.append(list(after))
-        return len(self.kinds) - 1
+        self.rows.append((kind, device, stream, stage, micro_batch, recipe, list(after)))
+        return len(self.rows) - 1
+
+    def after(self, index: int) -> list[int]:
+        return self.rows[index][6]
 
 
 def build(spec: PipelineSpec) -> Tasks:
@@ -245,9 +237,9 @@ def _sends(spec: PipelineSpec, tasks: Tasks, ranks: Sequence[Program], first: di
             send = sends[action] = tasks.add(Kind.SEND, rank, stream, action.stage, action.micro_batch,
                                              ("S", -1, 1), after)
             tasks.peers[send] = receiver
-            tasks.afters[first[target]].append(send)
+            tasks.after(first[target]).append(send)
     for program in ranks:
         for action, waits in zip(program.actions, program.waits):
             for k in waits:
                 if program.actions[k] in sends:
-                    tasks.afters[first[action]].append(sends[program.actions[k]])
+                    tasks.after(first[action]).append(sends[program.actions[k]])

@@ -27,13 +27,17 @@ class PipelineSimulation:
         b = build(spec)
         tasks = []
         owners: list[list[int]] = [[] for _ in spec.stages]
-        for i, (kind, device, stream, stage, micro_batch, recipe, after) in enumerate(
-                zip(b.kinds, b.devices, b.streams, b.stages, b.micro_batches, b.recipes, b.afters)):
-            seconds, tail = seconds_of(spec.stages[stage], recipe)
-            tasks.append(Task(kind=kind, device=device, stream=stream, seconds=seconds, tail=tail, after=tuple(after),
-                              peer=b.peers.get(i, -1), stage=stage, micro_batch=micro_batch))
+        times: dict[tuple, tuple[float, float]] = {}  # (stage, recipe) -> (seconds, tail)
+        peers = b.peers
+        for i, (kind, device, stream, stage, micro_batch, recipe, after) in enumerate(b.rows):
+            key = (stage, recipe)
+            found = times.get(key)
+            if found is None:
+                found = times[key] = seconds_of(spec.stages[stage], recipe)
+            tasks.append(Task(kind=kind, device=device, stream=stream, seconds=found[0], tail=found[1],
+                              after=tuple(after), peer=peers.get(i, -1), stage=stage, micro_batch=micro_batch))
             owners[stage].append(i)
-        return cls(spec, simulate(tasks), tuple(map(tuple, owners)), tuple(b.recipes))
+        return cls(spec, simulate(tasks), tuple(map(tuple, owners)), tuple(row[5] for row in b.rows))
 
     def change(self, stage: int, times: StageTimes) -> PipelineSimulation:
         """The simulation with stage ``stage``'s figures replaced (Algorithm 2): only its tasks get new seconds

@@ -60,6 +60,7 @@ class Kind(str, Enum):
 
 
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE})
+PP_STREAMS = frozenset({Stream.PP_FORWARD, Stream.PP_BACKWARD})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,11 +81,13 @@ class Task:
         if not (0.0 <= self.seconds < math.inf and 0.0 <= self.tail < math.inf):
             raise ValueError(f"task seconds and tail must be finite and not negative, got {self.seconds!r} and "
                              f"{self.tail!r} ({self.kind.value} on device {self.device})")
-        if (self.stream is Stream.COMPUTE) != (self.kind in COMPUTE_KINDS):
+        compute = self.stream is Stream.COMPUTE
+        if compute != (self.kind in COMPUTE_KINDS):
             raise ValueError(f"a {self.kind.value} task cannot run on the {self.stream.value} stream")
-        if self.tail and self.stream is not Stream.COMPUTE:
+        if self.tail and not compute:
             raise ValueError("only compute tasks have a tp tail")
-        if (self.kind is Kind.SEND) != (self.peer >= 0) or (self.peer >= 0) != self.stream.name.startswith("PP"):
+        sends = self.peer >= 0
+        if sends != (self.kind is Kind.SEND) or sends != (self.stream in PP_STREAMS):
             raise ValueError("a send, and only a send, has a peer and runs on a pp stream")
 
 
@@ -101,32 +104,34 @@ class Graph:
 
 def graph(tasks: Sequence[Task]) -> Graph:
     n = len(tasks)
-    preds: list[list[int]] = [list(t.after) for t in tasks]
+    preds: list[list[int]] = []
+    succs: list[list[int]] = [[] for _ in range(n)]
     last: dict[tuple, int] = {}
     for i, t in enumerate(tasks):
-        for p in t.after:
+        mine = list(t.after)
+        for p in mine:
             if not 0 <= p < n or p == i:
                 raise ValueError(f"task {i} ({t.kind.value} on device {t.device}) waits for task {p}, which is "
                                  f"{'itself' if p == i else 'not in the list'}")
         key = (t.device, t.peer) if t.peer >= 0 else (t.device, t.stream)  # sends: one queue per peer
         previous = last.get(key)
         if previous is not None:
-            preds[i].append(previous)
+            mine.append(previous)
         last[key] = i
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for i, ps in enumerate(preds):
-        for p in ps:
+        preds.append(mine)
+    for i, mine in enumerate(preds):
+        for p in mine:
             succs[p].append(i)
-    waiting = [len(ps) for ps in preds]
+    waiting = [len(mine) for mine in preds]
     ready = [i for i in range(n) if not waiting[i]]
     order: list[int] = []
     while ready:  # Kahn's algorithm
         i = ready.pop()
         order.append(i)
-        for s in succs[i]:
-            waiting[s] -= 1
-            if not waiting[s]:
-                ready.append(s)
+        for q in succs[i]:
+            waiting[q] -= 1
+            if not waiting[q]:
+                ready.append(q)
     if len(order) < n:
         stuck = next(i for i in range(n) if waiting[i])
         t = tasks[stuck]
@@ -161,11 +166,12 @@ def simulate(tasks: Sequence[Task]) -> Timeline:
 class Timeline:
     """Start and end of every task, with what read-offs need (iteration, per-device busy time and split)."""
 
-    __slots__ = ("tasks", "graph", "duration", "start", "end")
+    __slots__ = ("tasks", "graph", "duration", "start", "end", "_splits")
 
     def __init__(self, tasks: tuple[Task, ...], g: Graph, duration: list[float], start: list[float],
                  end: list[float]) -> None:
         self.tasks, self.graph, self.duration, self.start, self.end = tasks, g, duration, start, end
+        self._splits: list[tuple[float, float, float]] | None = None
 
     @property
     def iteration(self) -> float:
@@ -203,10 +209,9 @@ class Timeline:
 
     def split(self, device: int) -> tuple[float, float, float]:
         """(compute, exposed comm, bubble) of ``device``; they add up to the iteration."""
-        compute_spans, comm_spans = self._spans(device)
-        compute = sum(b - a for a, b in compute_spans)
-        exposed = _outside(_union(comm_spans), compute_spans)
-        return compute, exposed, max(0.0, self.iteration - compute - exposed)
+        if self._splits is None:
+            self._splits = self._all_splits()
+        return self._splits[device] if device < len(self._splits) else (0.0, 0.0, self.iteration)
 
     def critical(self) -> int:
         """The device with the largest compute + exposed comm (lowest index on ties)."""
@@ -217,22 +222,27 @@ class Timeline:
                 best, found = compute + exposed, d
         return found
 
-    def _spans(self, device: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        compute: list[tuple[float, float]] = []
-        comm: list[tuple[float, float]] = []
-        for i, t in enumerate(self.tasks):
-            s, e = self.start[i], self.end[i]
-            if t.device == device:
-                if t.stream is Stream.COMPUTE:
-                    compute.append((s, s + t.seconds))
-                    if t.tail:
-                        comm.append((e - t.tail, e))
-                elif e > s:
-                    comm.append((s, e))
-            elif t.peer == device and e > s:
-                comm.append((s, e))
-        compute.sort()
-        return compute, comm
+    def _all_splits(self) -> list[tuple[float, float, float]]:
+        n = self.devices
+        compute: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        comm: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        for t, s, e in zip(self.tasks, self.start, self.end):
+            if t.stream is Stream.COMPUTE:
+                compute[t.device].append((s, s + t.seconds))
+                if t.tail:
+                    comm[t.device].append((e - t.tail, e))
+            elif e > s:
+                comm[t.device].append((s, e))
+                if t.peer >= 0:
+                    comm[t.peer].append((s, e))
+        iteration = self.iteration
+        found = []
+        for spans, talks in zip(compute, comm):
+            spans.sort()
+            busy = sum(b - a for a, b in spans)
+            exposed = _outside(_union(talks), spans)
+            found.append((busy, exposed, max(0.0, iteration - busy - exposed)))
+        return found
 
 
 def _propagate(g: Graph, changed: Mapping[int, Task], duration: list[float], start: list[float],
