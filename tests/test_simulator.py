@@ -292,3 +292,26 @@ def test_streams_are_fifo_and_cycles_are_refused() -> None:
                   Task(kind=Kind.BACKWARD, device=0, stream=Stream.COMPUTE, seconds=1.0)])
     with pytest.raises(ValueError, match="finite"):
         Task(kind=Kind.FORWARD, device=0, stream=Stream.COMPUTE, seconds=float("nan"))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_collectives_are_those_gradient_sync_counts(zero: int, overlap: bool) -> None:
+    """Whether overlapped or not, each unit's all-gathers and reductions add up to `gradient_sync`'s calls."""
+    from autopar.cost.memory import gradient_sync
+
+    rng = random.Random(zero)
+    m = 5
+    stages = tuple(_random_stage(rng) for _ in range(3))
+    spec = PipelineSpec(stages=stages, micro_batches=m, zero=zero, overlap=overlap)
+    timeline = PipelineSimulation.full(spec).timeline
+    for v, st in enumerate(stages):
+        for kind, per_call in ((Kind.ALL_GATHER, "gather"), (Kind.ALL_REDUCE if zero == 0 else Kind.REDUCE_SCATTER,
+                                                             "reduce")):
+            expected = sum(getattr(u, per_call) * count for u in st.units
+                           for k, count in gradient_sync(zero, m, root=u.root) if k.value == kind.value)
+            seconds = sum(t.seconds for t in timeline.tasks
+                          if t.stage == v and t.kind is kind and t.stream is Stream.DP)
+            if kind is Kind.ALL_REDUCE:
+                seconds -= st.pp_once  # the tied weight's sum over pp runs on the dp stream too
+            assert seconds == pytest.approx(expected), (v, kind)

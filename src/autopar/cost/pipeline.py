@@ -21,10 +21,14 @@ device. A model built with ``screen=True`` prices by the closed form instead,
 
 for ``m`` micro-batches, ``T_d`` the time per micro-batch of device ``d`` (its stage's ``t_s``, or under
 interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise), sync after
-the last backward, never overlapped: it is what the searches rank thousands of configurations by (a simulation
-costs 1-100 ms where the closed form costs microseconds; `autopar plan` prices ~9,000 configurations for
-gpt3-175b on 1,024 GPUs). The plans a user sees, the chosen one, its runners-up and the baselines, are re-priced by
-the simulator, and the best simulated of the chosen and its runners-up is the plan (`autopar.cli.plan`).
+the last backward, never overlapped: it is what the searches rank thousands of configurations by. Pricing a
+configuration's stages takes about 2 ms; simulating it adds 1 ms to 1 s (a task per stage, micro-batch, FSDP unit
+and collective: 50,000 tasks for gpt3-175b at pp 8 under ZeRO 3), and `autopar plan` prices ~10,000
+configurations for gpt3-175b on 1,024 GPUs. Delta simulation (`PipelineSimulation.change`) re-times a one-stage
+change some 15x faster than a full simulation, but a change reaches most of a pipeline's later tasks and the
+searches change the depth, the micro-batch or ZeRO as often as one stage, so it does not bring simulation to the
+closed form's cost. The plans a user sees, the chosen one, its runners-up and the baselines, are re-priced by the
+simulator, and the best simulated of them is the plan (`autopar.cli.plan.simulated`).
 
 Memory per stage: model states of its parameters (what TP splits over ``tp_s``, sharded over ``dp_s`` by ZeRO),
 activations of the micro-batches in flight (1F1B: ``pp - s``, GPipe: ``m``, interleaved: Megatron's warm-up
