@@ -3,7 +3,9 @@ Megatron-LM grid point (interleaved points included) under the same cost model a
 cluster sizes.
 
 Run: python bench/pipeline.py [--quick]. Each case runs in a fresh Python process: model build, one trace at batch 1,
-layer analysis, the Megatron grid, Aceso over every pipeline depth (30 s budget), and the DP/FSDP baselines.
+layer analysis, the Megatron grid, Aceso over every pipeline depth (30 s budget), and the DP/FSDP baselines, all
+ranked by the closed form (the screen), then the plans and baselines re-priced by the simulator, as `autopar plan`
+does; the iteration times shown are simulated.
 Targets: gpt3-175b on 1,024 GPUs (batch 1536) and a 1,000-layer GPT on 8 GPUs each under 60 s; auto never slower
 than the grid. "n/fit" marks a plan that does not fit the devices (the ratio then compares memory overflow).
 """
@@ -20,6 +22,7 @@ import torch
 torch.set_num_threads(1)
 from autopar.capture import trace
 from autopar.cluster import load_cluster
+from autopar.cli.plan import simulated
 from autopar.cost.pipeline import PipelineModel
 from autopar.search.pipeline import auto
 from autopar.zoo import load
@@ -28,8 +31,8 @@ start = time.perf_counter()
 zoo = load(name, batch=1, **({"layers": layers} if layers else {}))
 build = time.perf_counter() - start
 graph = trace(zoo.module, example_kwargs=zoo.inputs)
-model = PipelineModel(graph, load_cluster("a100-80g-sxm").with_devices(gpus), traced_batch=1)
-found = auto(model, global_batch=batch, time_limit=30)
+model = PipelineModel(graph, load_cluster("a100-80g-sxm").with_devices(gpus), traced_batch=1, screen=True)
+found = simulated(model, auto(model, global_batch=batch, time_limit=30), global_batch=batch, own="auto")
 total = time.perf_counter() - start
 a, g = found["auto"], found["megatron"]
 c = a.config

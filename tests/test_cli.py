@@ -256,3 +256,61 @@ def test_refusal_names_the_module_a_plan_fails_in() -> None:
         reasons[tp] = refusal(pipeline_plan(model, found, name="gpt2", kind="estimate", global_batch=2, workload=work))
     assert reasons[1] is None
     assert reasons[2] is not None and "transformer.h.0.attn.c_attn" in reasons[2]
+
+
+def test_estimate_timeline_json_and_picture(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """The `timeline` object: per device the split adds up to the iteration, each stream's busy and idle time too,
+    and the estimate's split is the critical device's; --timeline draws PNG or SVG by the extension."""
+    import xml.etree.ElementTree as ET
+
+    pytest.importorskip("matplotlib")
+    argv = ["estimate", "gpt3-125m", "--layers", "4", "--seq", "256", "--gpus", "8", "--batch", "32", "--pp", "2",
+            "--chunks", "2", "--schedule", "interleaved", "--zero", "3"]
+    code, out, err = run_cli(capsys, *argv, "--timeline", str(tmp_path / "t.png"), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    timeline, e = data["timeline"], data["estimate"]
+    assert timeline["iteration_seconds"] == pytest.approx(e["iteration_seconds"])
+    assert [d["device"] for d in timeline["devices"]] == [0, 1] and timeline["devices"][0]["stages"] == [0, 2]
+    for device in timeline["devices"]:
+        parts = device["compute_seconds"] + device["exposed_comm_seconds"] + device["bubble_seconds"]
+        assert parts == pytest.approx(timeline["iteration_seconds"])
+        assert set(device["streams"]) == {"compute", "tp", "dp", "pp_forward", "pp_backward"}
+        for stream in device["streams"].values():
+            assert stream["busy_seconds"] + stream["idle_seconds"] == pytest.approx(timeline["iteration_seconds"])
+    critical = timeline["devices"][timeline["critical_device"]]
+    assert critical["compute_seconds"] == pytest.approx(e["compute_seconds"])
+    assert critical["bubble_seconds"] == pytest.approx(e["bubble_seconds"])
+    assert timeline["devices"][0]["streams"]["dp"]["busy_seconds"] > 0  # FSDP gathers and reduce-scatters
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = run_cli(capsys, *argv, "--timeline", str(tmp_path / "t.svg"))
+    assert code == 0, err
+    assert f"timeline written to {tmp_path / 't.svg'}" in out
+    assert ET.parse(tmp_path / "t.svg").getroot().tag == "{http://www.w3.org/2000/svg}svg"
+
+
+def test_timeline_refusals(capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked before any work: the extension, the folder, matplotlib; an intra-op plan has no pipeline."""
+    base = ["estimate", "gpt3-125m", "--layers", "2", "--gpus", "2", "--batch", "4", "--dp", "2"]
+    for path, needle in [(tmp_path / "t.pdf", "give a file ending in .svg or .png"),
+                         (tmp_path / "missing" / "t.svg", "does not exist"), (tmp_path, "give a file ending")]:
+        code, out, err = run_cli(capsys, *base, "--timeline", str(path))
+        assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "plan", "gpt3-125m", "--gpus", "4", "--search", "ilp", "--timeline",
+                           str(tmp_path / "t.svg"))
+    assert code == 2 and "--search ilp plans one mesh without a pipeline" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    code, out, err = run_cli(capsys, *base, "--timeline", str(tmp_path / "t.svg"))
+    assert code == 2 and out == "" and "pip install 'autopar[plot]'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t.svg").exists()
+
+
+def test_plan_timeline(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    code, out, err = run_cli(capsys, "plan", "gpt3-125m", "--layers", "4", "--gpus", "8", "--batch", "32",
+                             "--budget-s", "5", "--timeline", str(tmp_path / "p.svg"), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["timeline"]["iteration_seconds"] == pytest.approx(data["estimate"]["iteration_seconds"])
+    assert len(data["timeline"]["devices"]) == data["plan"]["mesh"]["shape"][0]
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")

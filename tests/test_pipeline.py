@@ -13,12 +13,15 @@ from autopar.search.pipeline import Evaluator, aceso, auto, even_stages, exhaust
 from autopar.zoo import load
 
 
-def _model(name: str, *, gpus: int, memory_gib: float | None = None, batch: int = 1, **overrides) -> PipelineModel:
+def _model(name: str, *, gpus: int, memory_gib: float | None = None, batch: int = 1, screen: bool = False,
+           **overrides) -> PipelineModel:
+    """``screen``: price by the closed form, as `autopar plan` runs its searches (the plans it shows are then
+    re-priced by the simulator)."""
     zoo = load(name, batch=batch, **overrides)
     cluster = load_cluster("a100-80g-sxm").with_devices(gpus)
     if memory_gib is not None:
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory_gib * GIB))
-    return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=batch)
+    return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=batch, screen=screen)
 
 
 @pytest.mark.parametrize(
@@ -60,7 +63,15 @@ def test_uneven_stages_and_bubble() -> None:
     e, u = model.estimate(even, global_batch=16), model.estimate(uneven, global_batch=16)
     assert u.stages[0].compute > e.stages[0].compute and u.stages[1].compute < e.stages[1].compute
     times = [s.seconds for s in u.stages]
-    assert u.estimate.bubble_seconds == pytest.approx(sum(times) - max(times))
+    screened = model.estimate(uneven, global_batch=16, simulate=False).estimate  # the closed form
+    assert screened.bubble_seconds == pytest.approx(sum(times) - max(times))
+    # the simulated 1F1B timeline: with the slower stage first, the second stage's forwards and backwards run while
+    # the first computes (its warm-up covers the round trip), so only the sends stay in the bubble
+    simulated = u.estimate
+    assert simulated.bubble_seconds < screened.bubble_seconds / 2
+    assert simulated.compute_seconds == pytest.approx(8 * u.stages[0].compute)
+    assert simulated.compute_seconds + simulated.exposed_comm_seconds + simulated.bubble_seconds == pytest.approx(
+        simulated.iteration_seconds)
     with pytest.raises(ValueError, match="contiguous"):
         PipelineConfig(stages=(Stage(start=0, end=3), Stage(start=4, end=rows)), micro_batch=2)
 
@@ -80,10 +91,14 @@ def test_interleaving_cuts_the_bubble_by_the_chunk_count_and_sends_more() -> Non
     plain = PipelineConfig(stages=even_stages(model, 4, tp=1, dp=1), micro_batch=2)
     woven = PipelineConfig(stages=even_stages(model, 8, tp=1, dp=1), micro_batch=2, schedule="interleaved", chunks=2)
     assert woven.pp == 4 and woven.devices == 4
-    p, w = model.estimate(plain, global_batch=16), model.estimate(woven, global_batch=16)
+    # the closed form (the searches' screen) divides the fill and drain by the chunk count; the simulated timeline
+    # does not credit it here, where the chunks are unequal (the embedding's and the head's are 2-3x the others):
+    # torch's interleaved order drains four backwards of the first chunk after the last device's work
+    p, w = (model.estimate(c, global_batch=16, simulate=False) for c in (plain, woven))
     device_times = [w.stages[d].seconds + w.stages[d + 4].seconds for d in range(4)]
     assert w.estimate.bubble_seconds == pytest.approx((sum(device_times) - max(device_times)) / 2)
     assert w.estimate.bubble_seconds < p.estimate.bubble_seconds
+    w = model.estimate(woven, global_batch=16)
 
     def sends(result) -> int:  # noqa: ANN001
         return sum(c.count for c in result.estimate.collectives if c.kind == "send_recv")
@@ -105,7 +120,7 @@ def test_interleaving_cuts_the_bubble_by_the_chunk_count_and_sends_more() -> Non
     ],
 )
 def test_auto_is_within_one_percent_of_exhaustive(name, gpus, memory_gib, overrides) -> None:
-    model = _model(name, gpus=gpus, memory_gib=memory_gib, **overrides)
+    model = _model(name, gpus=gpus, memory_gib=memory_gib, **overrides, screen=True)
     best = exhaustive(model, global_batch=8)
     found = auto(model, global_batch=8, time_limit=20)["auto"]
     assert found.result.estimate.memory.fits == best.result.estimate.memory.fits
@@ -114,7 +129,7 @@ def test_auto_is_within_one_percent_of_exhaustive(name, gpus, memory_gib, overri
 
 
 def test_auto_never_loses_to_the_megatron_grid() -> None:
-    model = _model("llama-7b", gpus=16, layers=8)
+    model = _model("llama-7b", gpus=16, layers=8, screen=True)
     found = auto(model, global_batch=64, time_limit=20)
     grid = megatron_grid(model, global_batch=64)
     assert found["auto"].score <= grid.score
@@ -178,7 +193,7 @@ def test_a_limited_search_keeps_to_what_the_runtime_runs() -> None:
 
     from autopar.search.pipeline import runtime_limit
 
-    model = _model("gpt3-1.3b", gpus=8, memory_gib=4, layers=8)
+    model = _model("gpt3-1.3b", gpus=8, memory_gib=4, layers=8, screen=True)
     free = auto(model, global_batch=64, time_limit=6)["auto"]
     assert any(runtime_limit(f.config) for f in (free, *free.runners_up))  # pipelines under ZeRO 2-3 come up
     limit = functools.partial(runtime_limit, pipelines=True)

@@ -78,9 +78,9 @@ def check_writable(path: str | os.PathLike[str], *, flag: str) -> None:
         raise ValueError(f"{flag} {shown}: exists and is not a regular file")
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder renamed into place, so a reader or an
-    interrupted write never sees half a file. Errors name ``path``, not the temporary file."""
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Write ``text`` (UTF-8) or bytes to ``path`` through a temporary file in the same folder renamed into place,
+    so a reader or an interrupted write never sees half a file. Errors name ``path``, not the temporary file."""
     shown = os.fspath(path)
     target = Path(shown)
     try:
@@ -89,7 +89,7 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
         raise ValueError(f"{shown}: cannot write: {exc.strerror or exc}") from None
     try:
         os.fchmod(fd, _mode_for(target))  # mkstemp makes 0600; a written file gets the usual permissions
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
             f.write(text)
         os.replace(tmp, target)
     except OSError as exc:

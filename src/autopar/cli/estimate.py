@@ -12,8 +12,9 @@ from autopar.cli.common import (
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text
+from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
 from autopar.cluster import load_cluster
-from autopar.cost import ParallelConfig, estimate
+from autopar.cost import ParallelConfig
 from autopar.cost.megatron import pipeline_config
 from autopar.cost.pipeline import PipelineModel
 from autopar.cost.types import RECOMPUTE, SCHEDULES
@@ -42,6 +43,8 @@ def register(subparsers: Any) -> None:
                         help="model chunks per device under --schedule interleaved (default 1)")
     parser.add_argument("--out", metavar="PLAN.json",
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="draw the simulated iteration per device to FILE (.svg or .png; needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -63,6 +66,7 @@ def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     check_out(args)
+    check_timeline(args.timeline)
     config, gpus = _config(args)
     cluster = load_cluster(args.cluster).with_devices(gpus)
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
@@ -75,10 +79,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
         raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
                          f"{sorted(model.split_widths)} (here {uneven[0]}): choose a --tp that divides them all")
-    result = estimate(graph, cluster, config, global_batch=global_batch, dtype=args.dtype)
+    if global_batch % (config.dp * config.mbs):
+        raise ValueError(f"--batch {global_batch} is not a multiple of dp x mbs = {config.dp} x {config.mbs}")
+    pipeline = pipeline_config(model, config)
+    priced = model.estimate(pipeline, global_batch=global_batch)  # simulated
+    result = priced.estimate
     fits = result.memory.fits
     if args.out and fits:  # a configuration that does not fit is no plan to run
-        _write_plan(args, zoo, graph, cluster, config, global_batch)
+        _write_plan(args, zoo, model, pipeline, priced, global_batch)
     data = {
         "model": zoo.config.name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": global_batch},
@@ -90,27 +98,27 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         },
         "params": graph.num_params,
         "estimate": result.to_dict(),
+        "timeline": timeline_data(priced.simulation),
         "fits": fits,
     }
+    if args.timeline:
+        write_timeline(priced.simulation, args.timeline, title=_head(data))
     if fits:
-        return data if args.json else render(data)
-    data["fit"] = fit_advice(model, pipeline_config(model, config), global_batch=global_batch, memory=result.memory)
-    text = render(data) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
+        return data if args.json else render(data, timeline=args.timeline)
+    data["fit"] = fit_advice(model, pipeline, global_batch=global_batch, memory=result.memory)
+    text = render(data, timeline=args.timeline) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
     if args.out:
         text += f"\n\nplan not written to {args.out}: it does not fit"
     return Outcome(data if args.json else text, 3, f"does not fit {gpus} x {cluster.name}: {summary(data['fit'])}")
 
 
-def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, config: ParallelConfig,
+def _write_plan(args: argparse.Namespace, zoo: Any, model: PipelineModel, pipeline: Any, result: Any,
                 global_batch: int) -> None:
     """The configuration as a plan file, in the form the planner writes (even stages, its layouts)."""
     from autopar.cli.plan import refusal, workload
     from autopar.plan import save_plan
     from autopar.search.pipeline import Found, pipeline_plan
 
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
-    pipeline = pipeline_config(model, config)
-    result = model.estimate(pipeline, global_batch=global_batch)
     plan = pipeline_plan(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
                          global_batch=global_batch, workload=workload(args, zoo))
     reason = refusal(plan)
@@ -119,13 +127,17 @@ def _write_plan(args: argparse.Namespace, zoo: Any, graph: Any, cluster: Any, co
     save_plan(args.out, plan)
 
 
-def render(data: dict[str, Any]) -> str:
+def _head(data: dict[str, Any]) -> str:
     e, p = data["estimate"], data["parallel"]
-    head = (
+    return (
         f"{data['model']} on {data['gpus']} x {data['cluster']}: tp {p['tp']} x pp {p['pp']} x dp {p['dp']}, "
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
         + (f", interleaved x{p['chunks']}" if p.get("chunks", 1) > 1 else "")
         + (", SP" if p["sp"] else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )
-    return head + "\n\n" + estimate_text(e)
+
+
+def render(data: dict[str, Any], *, timeline: str | None = None) -> str:
+    text = _head(data) + "\n\n" + estimate_text(data["estimate"])
+    return text + (f"\n\ntimeline written to {timeline}" if timeline else "")

@@ -50,7 +50,7 @@ def _options(model: PipelineModel, config: PipelineConfig, global_batch: int) ->
         if variant is None:
             options.append({"change": change, "already": True, "total_bytes": None, "fits": None})
             continue
-        memory = model.estimate(variant, global_batch=global_batch).estimate.memory
+        memory = model.estimate(variant, global_batch=global_batch, simulate=False).estimate.memory  # memory only
         options.append({"change": change, "already": False, "total_bytes": round(memory.total), "fits": memory.fits})
     return options
 
@@ -58,7 +58,7 @@ def _options(model: PipelineModel, config: PipelineConfig, global_batch: int) ->
 def _fsdp(model: PipelineModel, devices: int, global_batch: int) -> Any:
     config = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices, recompute="full"), micro_batch=devices,
                             zero=3)
-    return model.estimate(config, global_batch=global_batch).estimate.memory
+    return model.estimate(config, global_batch=global_batch, simulate=False).estimate.memory  # memory only
 
 
 def _device_counts(least: int, per_node: int, global_batch: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+from dataclasses import replace
 import math
 import signal
 import sys
@@ -20,11 +21,12 @@ from autopar.cli.common import (
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, binary_bytes, estimate_text, table
+from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
 from autopar.cluster import load_cluster
 from autopar.plan import Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.pipeline import pipeline_plan, pipeline_searches, runtime_limit
+from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
 from autopar.zoo import load
 
 PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
@@ -56,6 +58,9 @@ def register(subparsers: Any) -> None:
                         help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
                         "under ZeRO 0-1)")
     parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="pipeline searches: draw the plan's simulated iteration per device to FILE (.svg or "
+                        ".png; needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -68,6 +73,10 @@ def _default_mesh(args: argparse.Namespace, per_node: int) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     check_out(args)  # before any trace or search: a path that cannot be written fails now, not after the search
+    check_timeline(args.timeline)
+    if args.search == "ilp" and args.timeline:
+        raise ValueError("--timeline draws a pipeline plan's simulated iteration; --search ilp plans one mesh without "
+                         "a pipeline: leave --timeline out or choose a pipeline search")
     if args.search != "ilp":
         if args.mesh:
             raise ValueError("--mesh applies to --search ilp; pipeline searches choose each stage's dp x tp")
@@ -220,11 +229,13 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     progress = _progress(show, start)
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
-    model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype)
+    model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype, screen=True)  # searches: the closed form
     limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module))
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
+    progress("simulating the best plans")
+    found = simulated(model, found, global_batch=args.batch, own=args.search)
     seconds = time.perf_counter() - start
     if show:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
@@ -244,9 +255,12 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                    baselines=baselines, seconds=seconds, fits=fits)
     data.update(configurations_priced=chosen.evaluated, interrupted=stop.is_set(),
                 runners_up=[_layout(f, chosen) for f in chosen.runners_up],
-                not_runnable=refused)  # why `autopar run` refuses it, or null
+                not_runnable=refused,  # why `autopar run` refuses it, or null
+                timeline=timeline_data(chosen.result.simulation))
+    if args.timeline:
+        write_timeline(chosen.result.simulation, args.timeline, title=_title(data))
     if fits:
-        return data if args.json else render_pipeline(data, out=args.out)
+        return data if args.json else render_pipeline(data, out=args.out, timeline=args.timeline)
     data["fit"] = fit_advice(model, chosen.config, global_batch=args.batch, memory=chosen.result.estimate.memory)
     return _no_fit(args, data, render_pipeline(data, out=None))
 
@@ -293,6 +307,56 @@ def _promoted(found: Any, chosen: Any) -> Any:
     return replace(found, evaluated=chosen.evaluated, runners_up=rest)
 
 
+def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_batch: int,
+              own: str) -> dict[str, Found | None]:
+    """The searches rank configurations by the closed form (``model`` screens); what a user sees is simulated.
+    Each search's plan and runners-up (the best of the other layouts it priced) are re-priced by the simulator;
+    the best simulated of them becomes the plan, the others its runners-up, one per layout, best first. For auto,
+    whose space holds the baselines (the Megatron grid is its first step, DP and FSDP are single-stage points), they
+    are candidates too: its plan is never slower than a baseline it beat on the screen.
+    A configuration the simulator refuses (an interleaved micro-batch count torch's schedule refuses) drops out;
+    a baseline left with none is n/a, the search's own an error."""
+    priced = {kind: _repriced(model, f, global_batch) for kind, f in found.items()}
+    result: dict[str, Found | None] = {}
+    for kind, f in found.items():
+        ranked, reasons = priced[kind]
+        candidates = ranked + ([c for k, (cs, _) in priced.items() if k != own for c in cs[:1]]
+                               if kind == own == "auto" else [])
+        if not candidates:
+            if reasons and kind == own:
+                raise ValueError(f"the {kind} plan cannot be simulated: {reasons[0]}")
+            result[kind] = None
+            continue
+        best = min(candidates, key=lambda c: score(c.result))  # ties keep the search's order
+        seen, rest = {shape(best.config)}, []
+        for c in ranked:
+            if c is not best and shape(c.config) not in seen:
+                seen.add(shape(c.config))
+                rest.append(c)
+        result[kind] = replace(best, evaluated=f.evaluated, runners_up=rest)
+    return result
+
+
+def _repriced(model: PipelineModel, found: Found | None, global_batch: int) -> tuple[list[Found], list[str]]:
+    """``found`` and its runners-up simulated, best first, and why any could not be."""
+    priced, reasons = [], []
+    for c in (found, *found.runners_up) if found is not None else ():
+        try:
+            priced.append(replace(c, result=model.estimate(c.config, global_batch=global_batch, simulate=True),
+                                  runners_up=[]))
+        except ValueError as exc:
+            reasons.append(str(exc))
+    return sorted(priced, key=lambda c: score(c.result)), reasons
+
+
+def _title(data: dict[str, Any]) -> str:
+    plan = data["plan"]
+    grids = ", ".join(dict.fromkeys(f"{s['dp']} x {s['tp']}" for s in plan["stages"]))
+    return (f"{data['model']} on {data['gpus']} x {data['cluster']}: {data['search']} plan, "
+            f"{_count(len(plan['stages']), 'stage')} (dp x tp {grids}), micro-batch {plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO "
+            f"{plan['zero']}, {plan['schedule']}")
+
+
 def _can_pipeline(module: Any) -> bool:
     from autopar.runtime.pipeline import chain_kind
 
@@ -316,7 +380,7 @@ def _layout(found: Any, chosen: Any) -> dict[str, Any]:
     }
 
 
-def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
+def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: str | None = None) -> str:
     plan, e = data["plan"], data["estimate"]
     rows = []
     for k, stage in enumerate(plan["stages"]):
@@ -358,7 +422,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None) -> str:
         lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']} (--runnable returns the "
                   "best plan it can run)", ""]
     lines += [estimate_text(e), ""]
-    return "\n".join(lines + _runners_up(data) + _comparison(data, out))
+    written = [f"timeline written to {timeline}", ""] if timeline else []
+    return "\n".join(lines + _runners_up(data) + written + _comparison(data, out))
 
 
 def _runners_up(data: dict[str, Any]) -> list[str]:

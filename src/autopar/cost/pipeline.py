@@ -7,18 +7,32 @@ ways. The graph is traced once, at any batch ``b``: a transformer's or a CNN's w
 linear in the batch, so a node costs its roofline time with its work scaled by ``(B / dp_s) / b`` (and divided by
 ``tp_s`` where TP splits it; the per-kernel overhead is paid once), and TP collectives scale the same way. Per
 micro-batch, stage ``s`` takes ``t_s = f_s + b_s`` (compute, its TP communication, and the point-to-point sends to
-its neighbours); recomputation adds forward work to ``b_s``.
+its neighbours); recomputation adds forward work to ``b_s``. Gradient synchronisation over each stage's dp axis is
+counted as `autopar.cost.memory.gradient_sync` counts it: DDP buckets under ZeRO 0, per FSDP unit (each repeated
+layer, and the stage's other parameters) under ZeRO 1-3.
+
+The iteration is simulated (`autopar.cost.simulator`, FlexFlow's task-graph simulator): every stage x micro-batch
+x (forward, recomputation, backward), every send and every dp collective on per-device FIFO streams, in the order
+torch.distributed.pipelining runs the schedule, DDP buckets and FSDP units overlapped with the backward; the
+estimate's iteration and its compute / exposed communication / bubble split are the timeline's, on its critical
+device. A model built with ``screen=True`` prices by the closed form instead,
 
     iteration = m * max_d T_d + (sum_d T_d - max_d T_d) / v + max_d sync_d
 
 for ``m`` micro-batches, ``T_d`` the time per micro-batch of device ``d`` (its stage's ``t_s``, or under
-interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise): the first
-micro-batch crosses every device (warm-up and cool-down, cut by ``v`` when interleaved), the rest stream at the
-pace of the slowest. Gradient synchronisation over each stage's dp axis runs after the last backward, stages in
-parallel, as `autopar.cost.memory.gradient_sync` counts it: DDP buckets under ZeRO 0, per FSDP unit (each repeated
-layer, and the stage's other parameters) under ZeRO 1-3. Memory per stage: model states of its parameters (what TP
-splits over ``tp_s``, sharded over ``dp_s`` by ZeRO), activations of the micro-batches in flight (1F1B: ``pp - s``,
-GPipe: ``m``, interleaved: Megatron's warm-up count), the largest temporary, the device reserve.
+interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise), sync after
+the last backward, never overlapped: it is what the searches rank thousands of configurations by. Pricing a
+configuration's stages takes about 2 ms; simulating it adds 1 ms to 1 s (a task per stage, micro-batch, FSDP unit
+and collective: 50,000 tasks for gpt3-175b at pp 8 under ZeRO 3), and `autopar plan` prices ~10,000
+configurations for gpt3-175b on 1,024 GPUs. Delta simulation (`PipelineSimulation.change`) re-times a one-stage
+change some 15x faster than a full simulation, but a change reaches most of a pipeline's later tasks and the
+searches change the depth, the micro-batch or ZeRO as often as one stage, so it does not bring simulation to the
+closed form's cost. The plans a user sees, the chosen one, its runners-up and the baselines, are re-priced by the
+simulator, and the best simulated of them is the plan (`autopar.cli.plan.simulated`).
+
+Memory per stage: model states of its parameters (what TP splits over ``tp_s``, sharded over ``dp_s`` by ZeRO),
+activations of the micro-batches in flight (1F1B: ``pp - s``, GPipe: ``m``, interleaved: Megatron's warm-up
+count), the largest temporary, the device reserve.
 
 The collectives each stage's devices issue are counted per call (`StageReport.collectives`), the way the runtime
 issues them: ``autopar run --check-comm`` and ``autopar dryrun`` compare the two.
@@ -46,6 +60,7 @@ from autopar.cost.compute import node_seconds
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import ddp_buckets, gradient_itemsize, gradient_sync, model_states
+from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 
 
@@ -218,6 +233,7 @@ class StageReport:
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
     counted: Counter = field(default_factory=Counter)  # (kind, axis, bytes) -> calls per iteration on each device
+    parts: _Split | None = None  # what the simulator needs beyond the figures above (`cost.simulator`)
 
     @property
     def collectives(self) -> tuple[CollectiveUse, ...]:
@@ -242,13 +258,17 @@ class StageView:
 class PipelineEstimate:
     estimate: Estimate
     stages: list[StageReport] = field(default_factory=list)
+    # the simulated iteration its estimate reads; None when the closed form priced it (a search's screen)
+    simulation: PipelineSimulation | None = None
 
 
 class PipelineModel:
     """Prices pipeline configurations of one traced graph on one cluster (layer prices cached)."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16") -> None:
+    def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16",
+                 screen: bool = False) -> None:
         self.graph = graph
+        self.screen = screen  # estimate by the closed form unless asked to simulate (searches' screen)
         self.traced_batch = traced_batch
         self.cluster = cluster
         self.dtype = dtype
@@ -302,7 +322,11 @@ class PipelineModel:
             )
         return found
 
-    def estimate(self, config: PipelineConfig, *, global_batch: int) -> PipelineEstimate:
+    def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
+                 overlap: bool = True) -> PipelineEstimate:
+        """Price ``config``: simulated (`cost.simulator`, data-parallel collectives overlapped unless ``overlap``
+        is False) unless ``simulate`` is False, or it is None on a model built with ``screen=True``: then the
+        closed form prices it, and the result carries no simulation."""
         if config.devices != self.cluster.num_devices:
             raise ValueError(f"the configuration uses {config.devices} devices, the cluster has {self.cluster.num_devices}")
         if config.stages[-1].end != len(self.layers):
@@ -323,6 +347,7 @@ class PipelineModel:
             fwd = bwd = comm = saved = temp = 0.0
             params = 0
             stage_uses: Counter[tuple[str, str, float]] = Counter()
+            split = _Split(view=view)  # the simulator's view of the same figures
             for row in range(stage.start, stage.end):
                 price = view.price(row, stage.recompute_of(row))
                 fwd, bwd = fwd + price.forward, bwd + price.backward
@@ -335,6 +360,7 @@ class PipelineModel:
             if stage.segments:
                 extra = segment_costs(stage, view.price)
                 bwd, comm = bwd + extra.backward, comm + extra.comm
+                split.replayed, split.replayed_tp = extra.backward, extra.comm
                 saved += extra.kept
                 temp = max(temp, extra.transient)
                 for (kind, nbytes), calls in extra.collectives.items():
@@ -342,26 +368,30 @@ class PipelineModel:
             if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
                 sends = (index > 0) + (index < virtual - 1)
-                comm += 2 * sends * collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
+                split.send = collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
+                comm += 2 * sends * split.send
                 stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
             reduced = sum(layout.reduced for layout in view.layouts.values())
             if reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
                 nbytes = reduced * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
-                comm += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster) / m
+                seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
+                split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
             partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end)
                           if r not in view.layouts)  # a layout's own partial gradients are in ``reduced``
             if config.sp and stage.tp > 1 and partial:  # norm weights' gradients from sequence shards: summed
                 nbytes = partial * gradient_itemsize(self.dtype)
-                comm += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster) / m
+                seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
+                split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
             copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
             params += copy
-            sync = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy, view=view)
+            sync, split.units = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy, view=view)
             for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
                 # (under ZeRO 1-3 each rank sums its own shard of them)
                 nbytes = size * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
-                sync += collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
+                seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
+                split.pp_once, sync = split.pp_once + seconds, sync + seconds
                 stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
             uses.update(stage_uses)
             in_flight = view.in_flight
@@ -370,18 +400,12 @@ class PipelineModel:
                 parameters=weights, gradients=grads, optimizer=optim, activations=saved * in_flight,
                 other=temp + self.cluster.device.reserved, budget=self.cluster.device.memory,
             )
-            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses))
+            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses,
+                                       parts=split))
         devices = _per_device(reports, pp) if chunks > 1 else reports
-        times = [r.seconds for r in devices]
-        slowest = max(range(pp), key=lambda i: times[i])
-        # the first micro-batch crosses every device, the rest stream at the slowest device's pace; interleaving
-        # cuts the fill and drain by the chunk count (Narayanan et al. 2021)
-        bubble = (sum(times) - times[slowest]) / chunks
-        pipeline = m * times[slowest] + bubble
-        sync = max(r.sync for r in devices)
-        iteration = pipeline + sync
-        compute = m * devices[slowest].compute
-        exposed = iteration - compute - bubble
+        simulate = not self.screen if simulate is None else simulate
+        simulation = self._simulate(config, reports, m, overlap) if simulate else None
+        iteration, compute, exposed, bubble = _timing(simulation, reports, devices, m, chunks)
         worst = max(devices, key=lambda r: r.memory.total / r.memory.budget)
         model_flops = (self.graph.flops_forward + self.graph.flops_backward) * m * config.micro_batch / self.traced_batch
         per_device = model_flops / iteration / self.cluster.num_devices
@@ -397,7 +421,14 @@ class PipelineModel:
             collectives=_uses(uses),
             micro_batches=m,
         )
-        return PipelineEstimate(estimate=estimate, stages=reports)
+        return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
+
+    def _simulate(self, config: PipelineConfig, reports: list[StageReport], m: int,
+                  overlap: bool) -> PipelineSimulation:
+        stages = tuple(r.parts.times(self.layers, s, config.zero) for r, s in zip(reports, config.stages))
+        spec = PipelineSpec(stages=stages, micro_batches=m, schedule=config.schedule, chunks=config.chunks,
+                            zero=config.zero, overlap=overlap)
+        return PipelineSimulation.full(spec)
 
     def stage_view(self, config: PipelineConfig, index: int, *, global_batch: int) -> StageView:
         """Stage ``index`` of ``config`` on one of its devices: its mesh, samples per device, micro-batches in
@@ -464,24 +495,24 @@ class PipelineModel:
         return size / (stage.tp if config.sp else 1)
 
     def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter, *, extra: float = 0,  # noqa: ANN001
-              view: StageView | None = None) -> float:
+              view: StageView | None = None) -> tuple[float, tuple]:
         """Gradient synchronisation of one stage over its dp axis. ZeRO 1-3 run per FSDP unit: each repeated layer,
         and the stage's other parameters together (the root unit, with ``extra`` parameters: a tied weight's
         copy); ZeRO 0 all-reduces DDP buckets."""
         if stage.dp == 1:
-            return 0.0
+            return 0.0, ()
         layouts = view.layouts if view is not None else {}
         shapes = tuple(sorted((row, layout.prices["none"].params) for row, layout in layouts.items()))
         key = (stage.start, stage.end, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes)
         cached = self._syncs.get(key)
         if cached is None:
             cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes))
-        total, counted = cached
+        total, counted, units = cached
         uses.update(counted)
-        return total
+        return total, units
 
     def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float,  # noqa: ANN001
-                    layouts: dict[int, float]) -> tuple[float, Counter]:
+                    layouts: dict[int, float]) -> tuple[float, Counter, tuple]:
         uses: Counter[tuple[str, str, float]] = Counter()
         itemsize = gradient_itemsize(self.dtype)
         rows = [self.layers[r] for r in range(stage.start, stage.end)]
@@ -494,11 +525,84 @@ class PipelineModel:
             units = [(nbytes, True) for nbytes in ddp_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")
         total = 0.0
+        calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit
         for (nbytes, root), same in Counter(units).items():  # repeated layers are alike: price each size once
             for kind, count in gradient_sync(zero, m, root=root):
-                total += same * count * collective_seconds(kind, nbytes, axis, self.cluster)
+                seconds = calls.setdefault((nbytes, root), {})[kind] = collective_seconds(kind, nbytes, axis,
+                                                                                            self.cluster)
+                total += same * count * seconds
                 uses[(kind.value, "dp", nbytes)] += same * count
-        return total, uses
+        # for the simulator, the units in order (ZeRO 1-3: the stage's repeated rows, then the root unit; ZeRO 0:
+        # the buckets) as (bytes, root), with one call's seconds of each kind by (bytes, root)
+        return total, uses, (tuple(units), calls)
+
+
+@dataclass(slots=True)
+class _Split:
+    """What a stage's simulation needs beyond its report, recorded while it is priced (cheaply: the searches' screen
+    never reads it): its view (to re-read its rows' prices), one send, the once-per-iteration sums, the segments'
+    replays, and the dp units (`_price_sync`)."""
+
+    view: StageView
+    send: float = 0.0
+    tp_once: float = 0.0
+    pp_once: float = 0.0
+    replayed: float = 0.0  # checkpointed segments: replayed forward compute, per micro-batch
+    replayed_tp: float = 0.0  # and their collectives
+    units: tuple = ()  # ((bytes, root) per unit in order, {(bytes, root): {kind: one call's seconds}}) or ()
+
+    def times(self, layers: list[LayerCost], stage: Stage, zero: int) -> StageTimes:
+        """The stage's figures apart: each row at its recomputation level and at none, recomputation being the
+        difference of their backwards (and of their collectives)."""
+        f = ftp = b = btp = 0.0
+        r, rtp = self.replayed, self.replayed_tp
+        rows = {}
+        for row in range(stage.start, stage.end):
+            level = stage.recompute_of(row)
+            price = self.view.price(row, level)
+            base = price if level == "none" else self.view.price(row, "none")
+            f, ftp, b, btp = f + price.forward, ftp + price.comm_forward, b + base.backward, btp + base.comm_backward
+            r += max(0.0, price.backward - base.backward)
+            rtp += max(0.0, price.comm_backward - base.comm_backward)
+            rows[row] = (base.forward, base.backward)
+        return StageTimes(forward=f, backward=b, recompute=r, forward_tp=ftp, backward_tp=btp, recompute_tp=rtp,
+                          send=self.send, units=self._units(layers, stage, zero, rows), tp_once=self.tp_once,
+                          pp_once=self.pp_once)
+
+    def _units(self, layers: list[LayerCost], stage: Stage, zero: int,
+               rows: dict[int, tuple[float, float]]) -> tuple[Unit, ...]:
+        """Each unit's shares of the stage's compute: a DDP bucket's share of the gradient bytes (ZeRO 0); an FSDP
+        unit's share of the rows it holds (its repeated row, or the root's other rows), over the units' total."""
+        if not self.units:
+            return ()
+        units, calls = self.units
+        shares = [(n, n) for n, _ in units]
+        if zero:
+            repeated = [rows[r] for r in range(stage.start, stage.end) if layers[r].repeated]
+            rest = [rows[r] for r in range(stage.start, stage.end) if not layers[r].repeated]
+            shares = (repeated + [(sum(f for f, _ in rest), sum(b for _, b in rest))])[:len(units)]
+            if not all(sum(x) > 0 for x in zip(*shares)):
+                shares = [(n, n) for n, _ in units]
+        forward = sum(f for f, _ in shares) or 1.0
+        backward = sum(b for _, b in shares) or 1.0
+        reduction = Collective.ALL_REDUCE if zero == 0 else Collective.REDUCE_SCATTER
+        return tuple(Unit(forward=f / forward, backward=b / backward, gather=calls[u].get(Collective.ALL_GATHER, 0.0),
+                          reduce=calls[u][reduction], root=u[1]) for (f, b), u in zip(shares, units))
+
+
+def _timing(simulation: PipelineSimulation | None, reports: list[StageReport], devices: list[StageReport], m: int,
+            chunks: int) -> tuple[float, float, float, float]:
+    """(iteration, compute, exposed comm, bubble): the simulated timeline's, on its critical device
+    (`simulator.tasks`); without a simulation, the closed form's (`simulator.closed_form`), whose compute is the
+    slowest device's m micro-batches and exposed comm the rest beside the bubble."""
+    if simulation is None:
+        found = closed_form(seconds=[r.seconds for r in reports], sync=[r.sync for r in reports], micro_batches=m,
+                            chunks=chunks)
+        compute = m * devices[found.slowest].compute
+        return found.iteration, compute, found.iteration - compute - found.bubble, found.bubble
+    timeline = simulation.timeline
+    compute, exposed, bubble = timeline.split(timeline.critical())
+    return timeline.iteration, compute, exposed, bubble
 
 
 def _in_flight(schedule: str, index: int, pp: int, chunks: int, m: int) -> float:
