@@ -623,7 +623,8 @@ def pipeline_plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
         schedule=config.schedule, chunks=config.chunks, micro_batch_size=config.micro_batch,
-        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, stages=tuple(stages),
+        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, kernels=model.kernels,
+        stages=tuple(stages),
         modules=tuple(ModuleLayout(fqn=fqn, params=tuple(params.values())) for fqn, params in modules.items()),
         workload=workload, estimate=found.result.estimate,
     )
