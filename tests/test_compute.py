@@ -186,10 +186,8 @@ def test_a_bad_curve_in_a_cluster_file_names_the_field(tmp_path, curve, message:
     assert message in str(err.value)
 
 
-def test_presets_with_a_curve_use_it_for_every_contraction() -> None:
+def test_the_fitted_preset_prices_contractions_by_its_curve() -> None:
     device = PRESETS["a100-80g-sxm"].device
-    if not device.gemm_efficiency:
-        pytest.skip("the preset has no GEMM curve")
-    top = device.gemm_efficiency[-1][1]
-    assert all(0 < e <= 1 for _, e in device.gemm_efficiency)
-    assert math.isclose(device.matmul_efficiency(1e18), top)
+    assert len(device.gemm_efficiency) >= 2 and all(0 < e <= 1 for _, e in device.gemm_efficiency)
+    assert math.isclose(device.matmul_efficiency(1e18), device.gemm_efficiency[-1][1])
+    assert device.matmul_efficiency(1e9) == device.gemm_efficiency[0][1] <= device.gemm_efficiency[-1][1]
