@@ -13,10 +13,11 @@ Only device parameters are fitted, never a term per row:
   direction) within a node, one 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s) between nodes.
 
 Each row is priced through autopar's public estimate path (`fidelity.iteration` -> `autopar.cost.estimate`), so
-this script fits whatever iteration model autopar has when it runs; the models are traced once. The objective is
-the sum over rows of log(predicted / published)^2 (`scipy.optimize.least_squares`, bounds below: efficiencies
-within what an A100 reaches, a GEMM at most 90% of peak, HBM streams at most 92%, links at most 95% of line
-rate, kernel overhead 2 to 10 us).
+this script fits whatever iteration model autopar has when it runs; the models are traced once. The residual of a
+row is log(predicted / published); `scipy.optimize.least_squares` minimises their robust sum (soft L1 at scale
+0.05: squared below a 5% error, linear beyond, so a row the model misprices for reasons other than the device
+does not dominate; ``--loss linear`` for plain least squares) within bounds at what an A100 reaches: a GEMM at
+most 90% of peak, HBM streams at most 92%, links at most 95% of line rate, kernel overhead 2 to 10 us.
 """
 
 from __future__ import annotations
