@@ -83,6 +83,26 @@ def test_estimate_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert {c["axis"] for c in e["collectives"]} == {"tp", "dp", "pp"}
 
 
+def test_estimate_with_compiled_kernels_is_faster_and_says_so(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    argv = ["estimate", "gpt3-125m", "--layers", "2", "--seq", "256", "--gpus", "8", "--batch", "32", "--tp", "2",
+            "--mbs", "2"]
+    found = {}
+    for kernels in ("eager", "compiled"):
+        plan = tmp_path / f"{kernels}.json"
+        code, out, err = run_cli(capsys, *argv, "--kernels", kernels, "--json", "--out", str(plan))
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["parallel"]["kernels"] == kernels
+        assert json.loads(plan.read_text())["plan"]["kernels"] == kernels
+        found[kernels] = data["estimate"]
+    assert found["compiled"]["compute_seconds"] < found["eager"]["compute_seconds"]
+    assert found["compiled"]["collectives"] == found["eager"]["collectives"]  # no recomputation: the same calls
+    code, out, _ = run_cli(capsys, *argv, "--kernels", "compiled")
+    assert code == 0 and "compiled kernels" in out.splitlines()[0]
+    code, _, err = run_cli(capsys, *argv, "--kernels", "fused")
+    assert code == 2 and err == "autopar estimate: error: --kernels must be one of eager, compiled, got 'fused'\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -60,6 +60,19 @@ def test_the_plan_round_trips_through_its_file(pipeline, tmp_path) -> None:
     assert json.loads((tmp_path / "again.json").read_text())["plan"]["schema"] == 2
 
 
+def test_the_kernels_setting_round_trips_and_older_files_read_as_eager(pipeline, tmp_path) -> None:
+    assert pipeline["plan"]["kernels"] == "eager"
+    compiled = Plan.from_dict(_mutated(pipeline, lambda p: p.update(kernels="compiled"))["plan"])
+    assert compiled.kernels == "compiled"
+    save_plan(tmp_path / "compiled.json", compiled)
+    assert load_plan(tmp_path / "compiled.json") == compiled
+    assert json.loads((tmp_path / "compiled.json").read_text())["plan"]["kernels"] == "compiled"
+    older = _mutated(pipeline, lambda p: p.pop("kernels"))  # written before the field existed
+    assert load_plan(_write(tmp_path, older)).kernels == "eager"
+    with pytest.raises(FieldError, match="kernels must be one of eager, compiled, got 'jit'"):
+        dataclasses.replace(compiled, kernels="jit")
+
+
 def test_schema_1_files_still_read(pipeline, tmp_path) -> None:
     old = _mutated(pipeline, lambda p: p.update(schema=1))
     del old["plan"]["workload"]
@@ -125,6 +138,8 @@ FINDINGS = [
     ("a negative prediction", lambda p: p["stages"][0].update(seconds_per_micro_batch=-1.0),
      "stages[0].seconds_per_micro_batch must be a finite number of at least 0, got -1.0"),
     ("a misspelt field", lambda p: p.update(micro_batch=2), "plan has unknown field 'micro_batch'"),
+    ("kernels fused", lambda p: p.update(kernels="fused"), "kernels must be one of eager, compiled, got 'fused'"),
+    ("kernels true", lambda p: p.update(kernels=True), "kernels must be one of eager, compiled, got True"),
     ("heads tp does not divide", lambda p: p["workload"]["overrides"].update(heads=3, hidden=66),
      "has shape"),
 ]

@@ -364,3 +364,33 @@ def test_hugging_face_llama_plans_match_one_process_and_the_predicted_collective
     path = _pipeline_plan(tmp_path, "hf:llama-tiny", HF, tp=tp, dp=dp, zero=zero, recompute=recompute, pp=pp,
                           schedule=schedule, sp=sp)
     _run(path, pp * tp * dp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["--dp", "2", "--zero", "3", "--recompute", "selective"],  # FSDP2 units compiled, attention recomputed
+    ["--tp", "2", "--recompute", "full"],  # DTensor layers compiled inside their checkpoints
+    ["--pp", "2", "--mbs", "2"],  # pipeline stages of compiled layers
+])
+def test_plans_with_compiled_kernels_run_compiled_and_match_one_process(tmp_path, capsys, extra) -> None:
+    """Each repeated layer runs through torch.compile with fullgraph (a layer dynamo could not capture whole would
+    fail the run, not fall back to eager); losses and gradients match one eager process, and the collectives,
+    those inside compiled layers included, are the predicted ones."""
+    path = tmp_path / "compiled.json"
+    assert main(["estimate", *TINY, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--kernels", "compiled",
+                 *extra, "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert load_plan(path).kernels == "compiled"
+    _run(path, 2)
+
+
+def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_before_ranks_start(
+        tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    assert main(["estimate", *TINY, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--kernels", "compiled",
+                 "--tp", "2", "--recompute", "selective", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "recomputes attention selectively under tensor parallelism with compiled kernels" in err
+    assert len(err.splitlines()) == 1

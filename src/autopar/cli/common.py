@@ -13,7 +13,7 @@ import torch
 from autopar.capture import Graph, trace
 from autopar.files import check_writable
 from autopar.plan import Plan, load_plan
-from autopar.plan.records import MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
+from autopar.plan.records import KERNELS, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,6 +88,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ffn", type=bounded_int(MAX_FFN), help="MLP inner size")
     group.add_argument("--kv-heads", type=bounded_int(MAX_HEADS), help="key/value heads (grouped-query attention)")
     group.add_argument("--experts", type=bounded_int(MAX_EXPERTS), help="experts per mixture-of-experts layer")
+
+
+def add_kernels_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kernels", choices=KERNELS, default="eager",
+        help="how the memory-bound ops between matmuls run: eager (default), one kernel per op as PyTorch runs them, "
+        "or compiled, fused by torch.compile (autopar run compiles each repeated layer); priced and recorded in the "
+        "plan so")
 
 
 def check_out(args: argparse.Namespace) -> None:

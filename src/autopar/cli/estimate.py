@@ -7,8 +7,8 @@ from typing import Any
 
 from autopar.capture import trace
 from autopar.cli.common import (
-    DTYPES, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MODEL_OVERRIDES, add_model_arguments, bounded_int, check_out,
-    check_workload,
+    DTYPES, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments,
+    bounded_int, check_out, check_workload,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text
@@ -41,6 +41,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--chunks", type=bounded_int(MAX_CHUNKS), default=1,
                         help="model chunks per device under --schedule interleaved (default 1)")
+    add_kernels_argument(parser)
     parser.add_argument("--out", metavar="PLAN.json",
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
     parser.add_argument("--timeline", metavar="FILE",
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     check_workload(args, seq=zoo.seq)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype)
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype, kernels=args.kernels)
     uneven = sorted(w for w in model.split_widths if w % config.tp)
     if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
         raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         "parallel": {
             "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs, "recompute": config.recompute,
             "zero": config.zero, "sp": config.sp, "schedule": config.schedule, "chunks": config.chunks,
+            "kernels": args.kernels,
         },
         "params": graph.num_params,
         "estimate": result.to_dict(),
@@ -134,6 +136,7 @@ def _head(data: dict[str, Any]) -> str:
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
         + (f", interleaved x{p['chunks']}" if p.get("chunks", 1) > 1 else "")
         + (", SP" if p["sp"] else "")
+        + (", compiled kernels" if p.get("kernels") == "compiled" else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )
 

@@ -82,7 +82,8 @@ def _devices(model: PipelineModel, global_batch: int) -> dict[str, Any]:
         states = (here.parameters + here.gradients + here.optimizer) * cluster.num_devices
         least = max(least, math.ceil(states / here.budget))
     for n in _device_counts(least, cluster.devices_per_node, global_batch):
-        other = PipelineModel(model.graph, cluster.with_devices(n), traced_batch=model.traced_batch, dtype=model.dtype)
+        other = PipelineModel(model.graph, cluster.with_devices(n), traced_batch=model.traced_batch, dtype=model.dtype,
+                              kernels=model.kernels)
         memory = _fsdp(other, n, global_batch)
         if memory.fits:
             return {"least": least, "count": n, "total_bytes": round(memory.total), "fits": True}

@@ -16,8 +16,8 @@ from typing import Any
 
 from autopar.capture import trace
 from autopar.cli.common import (
-    DTYPES, MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_model_arguments, bounded_int, bounded_seconds, check_out,
-    check_workload, mesh_shape,
+    DTYPES, MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, bounded_int,
+    bounded_seconds, check_out, check_workload, mesh_shape,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, binary_bytes, estimate_text, table
@@ -54,6 +54,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--budget-s", type=bounded_seconds(MAX_BUDGET_S), default=60.0,
                         help="search time budget in seconds (default 60, at most a day)")
+    add_kernels_argument(parser)
     parser.add_argument("--runnable", action="store_true",
                         help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
                         "under ZeRO 0-1)")
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                           "status": chosen.solution.status}
     if fits:
         return data if args.json else render(data, out=args.out)
-    model = PipelineModel(chosen.space.graph, cluster, traced_batch=chosen.micro_batch_size, dtype=args.dtype)
+    model = PipelineModel(chosen.space.graph, cluster, traced_batch=chosen.micro_batch_size, dtype=args.dtype,
+                          kernels=args.kernels)
     data["fit"] = fit_advice(model, None, global_batch=args.batch, memory=chosen.estimate.memory)
     return _no_fit(args, data, render(data, out=None))
 
@@ -129,7 +131,7 @@ def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tupl
         found = plan_intra(
             lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
             cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=(*BASELINES, "ilp"),
-            time_limit=args.budget_s, progress=progress, should_stop=stop.is_set,
+            time_limit=args.budget_s, progress=progress, should_stop=stop.is_set, kernels=args.kernels,
         )
     return found, stop.is_set()
 
@@ -229,8 +231,9 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     progress = _progress(show, start)
 
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
-    model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype, screen=True)  # searches: the closed form
-    limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module))
+    model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype, kernels=args.kernels,
+                          screen=True)  # searches: the closed form
+    limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module), kernels=args.kernels)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
@@ -399,7 +402,8 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: s
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}",
         f"plan ({data['search']}): {_count(len(plan['stages']), 'pipeline stage')}, micro-batch "
-        f"{plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}; "
+        f"{plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}"
+        f"{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; "
         f"{_count(data['configurations_priced'], 'configuration')} priced in {data['search_seconds']:.1f} s"
         + (" (interrupted: best so far)" if data["interrupted"] else ""),
         "",
@@ -474,7 +478,8 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}: mesh {mesh}",
         f"plan ({data['search']}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
-        f"ZeRO {plan['zero']}; searched in {data['search_seconds']:.1f} s"
+        f"ZeRO {plan['zero']}{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; searched in "
+        f"{data['search_seconds']:.1f} s"
         + (" (interrupted: best so far)" if data.get("interrupted") else ""),
         "",
         "modules: split of each leading op per mesh axis, layouts of its input, output and parameters",

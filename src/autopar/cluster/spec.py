@@ -11,6 +11,9 @@ File format (YAML or TOML; units in the key names):
       peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}
       hbm_gbps: 2039
       efficiency: {matmul: 0.7, attention: 0.55, memory: 0.8}
+      # optional: GEMM efficiency by the GFLOPs of one kernel (interpolated in log GFLOPs, flat beyond the
+      # ends); without it every GEMM runs at efficiency.matmul
+      gemm_efficiency: {gflop: [10, 100, 1000], efficiency: [0.45, 0.65, 0.75]}
       kernel_overhead_us: 4
       reserved_gib: 2             # CUDA context, NCCL buffers, allocator fragmentation
     links:
@@ -88,6 +91,10 @@ class Device:
     efficiency: dict[str, float] = field(default_factory=lambda: {"matmul": 0.7, "attention": 0.55, "memory": 0.8})
     kernel_overhead: float = 4e-6  # seconds per kernel launch
     reserved: float = 2 * GIB  # bytes the framework holds outside the model
+    # GEMM efficiency by the FLOPs of one kernel: (flops, efficiency) points, flops ascending, efficiency not
+    # decreasing; interpolated in log(flops), flat beyond the ends. Empty: every contraction runs at
+    # efficiency["matmul"]
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         owner = f"device {self.name}"
@@ -107,6 +114,14 @@ class Device:
         if self.reserved >= self.memory:
             raise ValueError(f"{owner}: reserved ({self.reserved!r} bytes) must be less than memory "
                              f"({self.memory!r} bytes)")
+        check_curve(owner, self.gemm_efficiency)
+
+    def matmul_efficiency(self, flops: float) -> float:
+        """Fraction of peak a contraction kernel of ``flops`` FLOPs reaches: the GEMM curve at ``flops``
+        (`interpolate`), or ``efficiency["matmul"]`` where the device has no curve."""
+        if not self.gemm_efficiency:
+            return self.efficiency["matmul"]
+        return interpolate(self.gemm_efficiency, flops)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; bf16 falls back to fp16 (V100) and then to fp32."""
@@ -114,6 +129,44 @@ class Device:
             if candidate in self.peak_flops:
                 return self.peak_flops[candidate]
         raise ValueError(f"device {self.name} has no peak for {dtype}")
+
+
+MAX_CURVE = 64  # points of a GEMM efficiency curve
+
+
+def check_curve(owner: str, curve: Any) -> None:
+    """A GEMM efficiency curve: a tuple of 2 to 64 (flops, efficiency) pairs, flops positive, finite and strictly
+    ascending, efficiency in (0, 1] and not decreasing (a larger GEMM never runs further from peak)."""
+    if not isinstance(curve, tuple) or (curve and not 2 <= len(curve) <= MAX_CURVE):
+        raise ValueError(f"{owner}: gemm_efficiency must be a tuple of 2 to {MAX_CURVE} (flops, efficiency) "
+                         f"points, got {_shown(curve)}")
+    for k, point in enumerate(curve):
+        if not isinstance(point, tuple) or len(point) != 2:
+            raise ValueError(f"{owner}: gemm_efficiency[{k}] must be a (flops, efficiency) pair, got {_shown(point)}")
+        flops, efficiency = point
+        _positive(owner, f"gemm_efficiency[{k}] flops", flops)
+        if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+            raise ValueError(f"{owner}: gemm_efficiency[{k}] efficiency must be in (0, 1], got {_shown(efficiency)}")
+    for k, ((f0, e0), (f1, e1)) in enumerate(zip(curve, curve[1:])):
+        if f1 <= f0:
+            raise ValueError(f"{owner}: gemm_efficiency flops must be strictly ascending, got {f0:g} then {f1:g} "
+                             f"at points {k} and {k + 1}")
+        if e1 < e0:
+            raise ValueError(f"{owner}: gemm_efficiency must not decrease with flops, got {e0:g} then {e1:g} at "
+                             f"points {k} and {k + 1}")
+
+
+def interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear in ``log(x)`` through the points ``(x_i, y_i)`` (x ascending), flat beyond the ends:
+
+        y = y_i + (log x - log x_i) / (log x_(i+1) - log x_i) * (y_(i+1) - y_i)   for x_i <= x <= x_(i+1)
+    """
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (y1 - y0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,11 +215,14 @@ MAX_NODES = 131_072
 MAX_MEASURED = 1_024  # sizes in a measured table
 MAX_MESSAGE_BYTES = 2**50
 MAX_MEASURED_SECONDS = 3_600
+MAX_GFLOP = 1_000_000_000_000  # GFLOPs of one GEMM kernel: a zettaFLOP, beyond any real one
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 EFFICIENCY_KINDS = ("matmul", "attention", "memory")
 _FIELDS = {
     "": ("name", "devices_per_node", "nodes", "device", "links"),
-    "device.": ("name", "memory_gib", "peak_tflops", "hbm_gbps", "efficiency", "kernel_overhead_us", "reserved_gib"),
+    "device.": ("name", "memory_gib", "peak_tflops", "hbm_gbps", "efficiency", "gemm_efficiency", "kernel_overhead_us",
+                "reserved_gib"),
+    "device.gemm_efficiency.": ("gflop", "efficiency"),
     "links.": ("intra", "inter"),
     "link": ("bandwidth_gbps", "latency_us", "measured"),
     "measured": ("ranks", "bytes", "seconds"),
@@ -246,7 +302,34 @@ def _device(r: _FileReader, dev: Any) -> Device:
         kernel_overhead=r.number(dev.get("kernel_overhead_us", 4.0), "device.kernel_overhead_us", zero=True,
                                  most=MAX_OVERHEAD_US) * 1e-6,
         reserved=reserved_gib * GIB,
+        gemm_efficiency=_gemm_curve(r, dev.get("gemm_efficiency")),
     )
+
+
+def _gemm_curve(r: _FileReader, value: Any) -> tuple[tuple[float, float], ...]:
+    """``device.gemm_efficiency: {gflop: [...], efficiency: [...]}``: GFLOPs of one GEMM kernel, ascending, and
+    the fraction of peak it reaches, not decreasing; absent: every GEMM at ``efficiency.matmul``."""
+    if value is None:
+        return ()
+    where = "device.gemm_efficiency"
+    curve = r.mapping(value, f"{where}.", _FIELDS[f"{where}."])
+    gflop = r.listed(r.need(curve, "gflop", f"{where}."), f"{where}.gflop")
+    efficiency = r.listed(r.need(curve, "efficiency", f"{where}."), f"{where}.efficiency")
+    if len(gflop) != len(efficiency) or len(gflop) > MAX_CURVE:
+        raise r.fail(f"{where}.gflop and {where}.efficiency must have the same length (2 to {MAX_CURVE}), got "
+                     f"{len(gflop)} and {len(efficiency)}")
+    sizes = [r.number(g, f"{where}.gflop[{i}]", most=MAX_GFLOP) for i, g in enumerate(gflop)]
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise r.fail(f"{where}.gflop must be strictly ascending, got {_shown(sizes)}")
+    fractions = []
+    for i, e in enumerate(efficiency):
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise r.fail(f"{where}.efficiency[{i}] must be in (0, 1], got {_shown(e)}")
+        fractions.append(float(e))
+    if any(a > b for a, b in zip(fractions, fractions[1:])):
+        raise r.fail(f"{where}.efficiency must not decrease as gflop grows (a larger GEMM never runs further from "
+                     f"peak), got {_shown(fractions)}")
+    return tuple((g * 1e9, e) for g, e in zip(sizes, fractions))
 
 
 def _measured(r: _FileReader, value: Any, where: str) -> Measured:
@@ -316,6 +399,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "efficiency": dict(d.efficiency),
             "kernel_overhead_us": d.kernel_overhead * 1e6,
             "reserved_gib": d.reserved / GIB,
+            **({"gemm_efficiency": {"gflop": [f / 1e9 for f, _ in d.gemm_efficiency],
+                                    "efficiency": [e for _, e in d.gemm_efficiency]}}
+               if d.gemm_efficiency else {}),
         },
         "links": {"intra": link(cluster.intra), "inter": link(cluster.inter)},
     }

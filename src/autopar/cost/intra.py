@@ -5,7 +5,8 @@ first in-block input (`_follow`): it keeps a sharded dim sharded when its dimens
 Partial sum through when it is linear, reduce-scatters a Partial onto one of its free dims when it is not (the
 Megatron-SP move; all-reduce when no dim divides), and gathers a dim it cannot split. What comes out, per micro-batch:
 
-- compute: roofline time of each op with its work split ``shard`` ways, forward and backward (`compute.node_seconds`);
+- compute: roofline time of the block's ops with their work split ``shard`` ways, forward and backward, memory-bound
+  ops fused or not as ``kernels`` says (`compute.sequence_seconds`);
 - conversions inside the block, forward and their backward (`sharding.LayoutCosts`), including the gradient
   all-reduce of a whole input consumed by split work (a column-parallel layer's input);
 - activation bytes saved for backward and the largest single output, per device;
@@ -25,7 +26,7 @@ from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dim
 from autopar.capture import Node
 from autopar.cluster import Cluster, collective_seconds
 from autopar.cluster.mesh import Mesh
-from autopar.cost.compute import node_seconds
+from autopar.cost.compute import sequence_seconds
 from autopar.cost.memory import gradient_sync
 from autopar.sharding import (
     PASS,
@@ -84,15 +85,17 @@ class IntraCost:
     """Prices blocks of one graph on one mesh; results are cached per block content and candidate."""
 
     def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None,
-                 scatter_partials: bool = True) -> None:
+                 scatter_partials: bool = True, kernels: str = "eager") -> None:
         """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
         carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes.
 
         ``scatter_partials``: where an op cannot take a pending Partial sum, reduce-scatter it onto one of the op's
         free dims and run the op split (Megatron's sequence parallelism generalised), or, when False, all-reduce it
-        to whole and run the op replicated (Megatron's tensor parallelism without SP, as the runtime applies it)."""
+        to whole and run the op replicated (Megatron's tensor parallelism without SP, as the runtime applies it).
+        ``kernels``: how memory-bound ops run (`compute.sequence_seconds`)."""
         self.scatter_partials = scatter_partials
         self.bg = blocks
+        self.kernels = kernels
         self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
         self.state = like.state if like is not None else blocks.graph.state  # parameters do not depend on batch
         self.mesh = mesh
@@ -205,7 +208,7 @@ class IntraCost:
         cost = BlockCost()
         position = {i: pos for pos, i in enumerate(block.nodes)}
         versions: dict[tuple[int, int], dict[Layout, None]] = {}  # layouts a value is available in, in the block
-        device = self.cluster.device
+        priced: list[tuple[Node, float]] = []  # the block's nodes with their shard, priced together at the end
         for i in block.nodes:
             if i in block.branch:
                 continue
@@ -234,11 +237,12 @@ class IntraCost:
             for o, layout in enumerate(strategy.outputs):
                 versions[(i, o)] = {layout: None}
                 cost.exits[("out", position[i], o)] = layout
-            cost.compute_forward += node_seconds(node, device, backward=False, shard=strategy.shard)
-            cost.compute_backward += node_seconds(node, device, backward=True, shard=strategy.shard)
+            priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if not node.is_view and strategy.outputs:
                 cost.temporary = max(cost.temporary, node.output_bytes / self._ways(strategy.outputs[0]))
+        cost.compute_forward, cost.compute_backward = sequence_seconds(priced, self.cluster.device,
+                                                                       kernels=self.kernels)
         return cost
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout) -> None:  # noqa: ANN001

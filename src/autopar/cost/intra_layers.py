@@ -41,7 +41,7 @@ import numpy as np
 from autopar.analysis import ParallelBlock, build_blocks
 from autopar.cluster import Collective, collective_seconds
 from autopar.cluster.mesh import AxisPlacement, Mesh
-from autopar.cost.compute import node_seconds
+from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra import Candidate, IntraCost
 from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
 from autopar.sharding import REPLICATE, short_layout
@@ -153,7 +153,7 @@ class IntraLayers:
             like = next(iter(self._costs.values()), None)
             mesh = Mesh(("tp",), (placement.size,), (placement,))
             found = self._costs[(placement, sp)] = IntraCost(self.bg, mesh, self.model.cluster, like=like,
-                                                             scatter_partials=sp)
+                                                             scatter_partials=sp, kernels=self.model.kernels)
         return found
 
     def megatron(self, row: int, tp_axis: AxisPlacement, *, samples: float, sp: bool) -> dict | None:
@@ -280,12 +280,10 @@ class IntraLayers:
         if bc is not None:
             device = self.model.cluster.device
             graph = self.model.graph
-            forward = backward = attn_seconds = attn_saved = 0.0
-            for pos, strategy in bc.strategies.items():
-                node = graph.node(block.nodes[pos])
-                shard = strategy.shard / scale
-                forward += node_seconds(node, device, backward=False, shard=shard)
-                backward += node_seconds(node, device, backward=True, shard=shard)
+            attn_seconds = attn_saved = 0.0
+            priced = [(graph.node(block.nodes[pos]), strategy.shard / scale) for pos, strategy in bc.strategies.items()]
+            forward, backward = sequence_seconds(priced, device, kernels=self.model.kernels)
+            for (node, shard), strategy in zip(priced, bc.strategies.values()):
                 if "attention" in node.op:
                     attn_seconds += node_seconds(node, device, backward=False, shard=shard)
                     attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
@@ -379,7 +377,9 @@ class IntraLayers:
         saved = sum(p.saved for p in parts)
         temporary = max(p.temporary for p in parts)
         forward_calls = [(k, n, "b") for k, n, phase in calls if phase == "f"]
-        tail = next(((k, n, "b") for k, n, phase in reversed(parts[-1].calls) if phase == "f"), None)
+        # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
+        tail = next(((k, n, "b") for k, n, phase in reversed(parts[-1].calls) if phase == "f"), None) \
+            if self.model.kernels == "eager" else None
         if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
             # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
             backward += forward

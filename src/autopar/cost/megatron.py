@@ -16,9 +16,11 @@ from autopar.cost.types import Estimate, ParallelConfig
 
 
 def estimate(
-    graph: Graph, cluster: Cluster, config: ParallelConfig, *, global_batch: int, dtype: str = "bf16"
+    graph: Graph, cluster: Cluster, config: ParallelConfig, *, global_batch: int, dtype: str = "bf16",
+    kernels: str = "eager",
 ) -> Estimate:
-    """Price ``config`` for a model whose ``graph`` was traced at one micro-batch (batch = ``config.mbs``)."""
+    """Price ``config`` for a model whose ``graph`` was traced at one micro-batch (batch = ``config.mbs``), its
+    memory-bound ops run as ``kernels`` says (`autopar.cost.compute`)."""
     if config.devices != cluster.num_devices:
         raise ValueError(
             f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.devices} devices, but the cluster "
@@ -28,7 +30,7 @@ def estimate(
         raise ValueError(
             f"--batch {global_batch} is not a multiple of dp x mbs = {config.dp} x {config.mbs}"
         )
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=dtype)
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=dtype, kernels=kernels)
     return model.estimate(pipeline_config(model, config), global_batch=global_batch).estimate
 
 

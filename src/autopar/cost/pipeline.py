@@ -56,12 +56,12 @@ from functools import cached_property
 from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cost.checkpoint import check_segments, segment_costs
-from autopar.cost.compute import node_seconds
+from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import ddp_buckets, gradient_itemsize, gradient_sync, model_states
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
-from autopar.cost.types import RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
+from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +83,15 @@ class LayerPrice:
 
 
 def price_layer(
-    layer: LayerCost, device: Device, *, tp: int, scale: float, recompute: str, sp: bool, tp_seconds
+    layer: LayerCost, device: Device, *, tp: int, scale: float, recompute: str, sp: bool, tp_seconds,
+    kernels: str = "eager",
 ) -> LayerPrice:  # noqa: ANN001
     """Price ``layer`` for one device running ``scale`` times the traced batch, TP-sharded nodes split ``tp``
-    ways; ``tp_seconds(kind, nbytes)`` prices one collective on the stage's tp axis."""
-    forward = backward = temporary = 0.0
-    for node in layer.nodes:
-        ways = tp if (node.id in layer.sharded or sp) else 1
-        forward += node_seconds(node, device, backward=False, shard=ways / scale)
-        backward += node_seconds(node, device, backward=True, shard=ways / scale)
-        temporary = max(temporary, node.output_bytes / ways * scale)  # the largest single output on a device
+    ways, its kernels run as ``kernels`` says (`compute.sequence_seconds`); ``tp_seconds(kind, nbytes)`` prices
+    one collective on the stage's tp axis."""
+    shards = [(node, tp if (node.id in layer.sharded or sp) else 1) for node in layer.nodes]
+    forward, backward = sequence_seconds([(node, ways / scale) for node, ways in shards], device, kernels=kernels)
+    temporary = max((node.output_bytes / ways * scale for node, ways in shards), default=0.0)  # largest output
     calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
     tail = None
     if tp > 1:
@@ -108,7 +107,7 @@ def price_layer(
                 calls.append((Collective.ALL_GATHER, layer.sp_entry * scale, "b"))
             # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
             calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.sp_gathers]
-        if layer.row_outputs:
+        if layer.row_outputs and kernels == "eager":  # a compiled layer's forward replays whole (one function)
             tail = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "f")
     forward_calls = Counter((kind.value, nbytes) for kind, nbytes, phase in calls if phase == "f")
     saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
@@ -266,9 +265,12 @@ class PipelineModel:
     """Prices pipeline configurations of one traced graph on one cluster (layer prices cached)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16",
-                 screen: bool = False) -> None:
+                 screen: bool = False, kernels: str = "eager") -> None:
         self.graph = graph
         self.screen = screen  # estimate by the closed form unless asked to simulate (searches' screen)
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        self.kernels = kernels  # how memory-bound ops run: one kernel each, or fused (`compute.sequence_seconds`)
         self.traced_batch = traced_batch
         self.cluster = cluster
         self.dtype = dtype
@@ -319,6 +321,7 @@ class PipelineModel:
                 self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
                 sp=sp,
                 tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
+                kernels=self.kernels,
             )
         return found
 

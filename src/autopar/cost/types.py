@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.plan.estimate import CollectiveUse, Estimate, MemoryBreakdown
-from autopar.plan.records import RECOMPUTE, SCHEDULES
+from autopar.plan.records import KERNELS, RECOMPUTE, SCHEDULES
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "CollectiveUse", "Estimate", "MemoryBreakdown", "ParallelConfig"]
+__all__ = ["KERNELS", "RECOMPUTE", "SCHEDULES", "CollectiveUse", "Estimate", "MemoryBreakdown", "ParallelConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

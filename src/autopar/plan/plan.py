@@ -16,7 +16,8 @@ What needs the model itself (that the stages cover its chain in order, that spli
 is checked by the runtime before any rank starts (`autopar.runtime.validate`).
 
 JSON: ``{"plan": {...}, "estimate": {...}}``, the plan with ``schema`` 2. Schema 1 files (autopar 0.1) read the
-same. A plan without a ``workload`` prints but cannot run. Unknown fields are refused.
+same, and files without ``kernels`` (written before it existed) read as ``eager``. A plan without a ``workload``
+prints but cannot run. Unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.tensor import Shard
 from autopar.plan.checks import FieldError, at, choice, flag, integer, mapping, quote, sequence, text, unknown_fields
 from autopar.plan.estimate import Estimate
 from autopar.plan.records import (
+    KERNELS,
     MAX_BATCH,
     MAX_CHUNKS,
     SCHEDULES,
@@ -42,7 +44,7 @@ from autopar.plan.records import (
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 _FIELDS = ("schema", "model", "kind", "mesh", "schedule", "chunks", "micro_batch_size", "micro_batches", "zero", "sp",
-           "stages", "blocks", "modules", "workload")
+           "kernels", "stages", "blocks", "modules", "workload")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +58,9 @@ class Plan:
     sp: bool = False
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks per device under the interleaved schedule
+    # how the memory-bound ops between contractions run: "eager", one kernel per op, or "compiled", fused by
+    # torch.compile (each repeated layer compiled); the estimate prices them so and the runtime runs them so
+    kernels: str = "eager"
     stages: tuple[Stage, ...] = ()  # a pipeline plan (one stage: no pipelining)
     blocks: tuple[Block, ...] = ()  # an intra-op plan
     modules: tuple[ModuleLayout, ...] = ()
@@ -72,6 +77,7 @@ class Plan:
         flag("sp", self.sp)
         choice("schedule", self.schedule, SCHEDULES)
         integer("chunks", self.chunks, high=MAX_CHUNKS)
+        choice("kernels", self.kernels, KERNELS)
         if self.workload is not None and self.micro_batch_size * self.micro_batches != self.workload.batch:
             raise FieldError("micro_batches", f"x micro_batch_size is {self.micro_batches} x {self.micro_batch_size} = "
                              f"{self.micro_batches * self.micro_batch_size} samples, but workload.batch is "
@@ -111,7 +117,7 @@ class Plan:
         if self.stages:
             data.update(schedule=self.schedule, chunks=self.chunks)
         data.update(micro_batch_size=self.micro_batch_size, micro_batches=self.micro_batches, zero=self.zero,
-                    sp=self.sp)
+                    sp=self.sp, kernels=self.kernels)
         if self.stages:
             data["stages"] = [s.to_dict() for s in self.stages]
         else:
@@ -154,8 +160,8 @@ class Plan:
         return cls(model=data["model"], kind=data.get("kind", "unknown"), mesh=mesh,
                    micro_batch_size=data["micro_batch_size"], micro_batches=data["micro_batches"],
                    zero=data.get("zero", 0), sp=data.get("sp", False), schedule=data.get("schedule", "1f1b"),
-                   chunks=data.get("chunks", 1), stages=stages, blocks=blocks, modules=tuple(modules),
-                   workload=workload, estimate=estimate)
+                   chunks=data.get("chunks", 1), kernels=data.get("kernels", "eager"), stages=stages, blocks=blocks,
+                   modules=tuple(modules), workload=workload, estimate=estimate)
 
 
 def _each(name: str, value: Any, read) -> list:  # noqa: ANN001

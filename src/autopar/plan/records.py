@@ -31,6 +31,7 @@ from autopar.sharding import parse, short
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+KERNELS = ("eager", "compiled")  # memory-bound ops one kernel each, or fused between contractions (torch.compile)
 DTYPES = ("bf16", "fp16", "fp32")
 
 # Bounds of plan fields and of the CLI's flags alike: generous for real models and clusters, finite so that no

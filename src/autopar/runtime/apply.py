@@ -16,7 +16,10 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
 - pipelines (`autopar.runtime.pipeline`): each rank keeps its stage's modules, TP inside, dp by hand (ZeRO 0) or
   FSDP2 (ZeRO 1), GPipe, 1F1B or interleaved 1F1B;
 - recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
-  ``selective``).
+  ``selective``);
+- ``kernels: compiled``: each repeated layer (every child of an ``nn.ModuleList``) is compiled in place with
+  ``torch.compile(fullgraph=True)`` (`compile_layers`), so its memory-bound ops run fused as the plan priced them;
+  a layer dynamo cannot capture whole raises instead of running partly eager.
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
 Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out, pipelines under ZeRO 2-3 or with
@@ -134,15 +137,23 @@ def check_supported(plan: Plan) -> None:
     if not plan.is_pipeline:
         raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
     stages = plan.stages
+    compiled_selective = plan.kernels == "compiled" and any(
+        s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages}, zero=plan.zero, sp=plan.sp,
-                         intra=any(s.intra for s in stages))
+                         intra=any(s.intra for s in stages), compiled_selective=compiled_selective)
     if reason:
         raise NotImplementedError(reason)
 
 
-def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False) -> str | None:
+def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False,
+                compiled_selective: bool = False) -> str | None:
     """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
-    planner's ``--runnable`` keeps its search to shapes this accepts."""
+    planner's ``--runnable`` keeps its search to shapes this accepts. ``compiled_selective``: the plan compiles its
+    layers and recomputes attention selectively in a stage with tp > 1."""
+    if compiled_selective:
+        return ("the plan recomputes attention selectively under tensor parallelism with compiled kernels, which "
+                "torch.compile cannot compile here (AOT autograd saves a DeviceMesh among the checkpoint's tensors); "
+                "plan with --kernels eager, or full recomputation")
     if intra:
         return ("the plan lays layers out by the intra-op planner (a stage marked intra); the runtime applies "
                 "Megatron's column/row layouts only so far")
@@ -159,9 +170,13 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True
+    model: nn.Module, plan: Plan, *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True,
+    compile: bool = True,  # noqa: A002
 ) -> ParallelModel:
     """Wrap ``model`` (already on this rank's device, same initial weights on every rank) for ``plan``.
+
+    A plan with compiled kernels gets its repeated layers compiled (`compile_layers`); ``compile=False`` leaves
+    them eager, for a rehearsal on fake tensors only (it checks layouts and collectives, not kernels).
 
     ``units`` are the repeated layers FSDP shards one by one (default: the children of every ``nn.ModuleList``).
     With ``ddp=False``, ZeRO 0 all-reduces gradients by hand (`ParallelModel.finish_backward`, the same buckets)
@@ -178,9 +193,12 @@ def parallelize(
     if dist.get_world_size() != pp * dp * tp:
         raise ValueError(f"the plan needs {pp * dp * tp} ranks, this process group has {dist.get_world_size()}")
     zero = plan.zero
+    compiled = plan.kernels == "compiled" and compile
     for stage in stages:
-        recompute(model, dict(stage.recompute))
+        recompute(model, dict(stage.recompute), compiled=compiled)
     checkpoint_segments(model, [list(segment) for stage in stages for segment in stage.segments])
+    if compiled:
+        compile_layers(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ("pp", "dp", "tp") if pp > 1 else ("dp", "tp")
     shape = (pp, dp, tp) if pp > 1 else (dp, tp)
@@ -425,10 +443,13 @@ def _all_parameters(model: nn.Module) -> list[torch.Tensor]:
     return [p for m in model.modules() for p in m._parameters.values() if p is not None]
 
 
-def recompute(model: nn.Module, levels: dict[str, str]) -> None:
+def recompute(model: nn.Module, levels: dict[str, str], *, compiled: bool = False) -> None:
     """Apply the plan's recomputation: ``full`` checkpoints the whole layer (only its input is kept; the forward
     runs again in backward), ``selective`` checkpoints the attention core of the zoo's attention modules (q, k, v
-    kept, scores and softmax redone). Parameter names do not change."""
+    kept, scores and softmax redone). Parameter names do not change. With ``compiled``, a layer recomputed in full
+    runs its forward compiled inside the checkpoint, checkpoint(compile(forward)): compiled around the checkpoint,
+    AOT autograd fails on a tensor-parallel layer (it saves a DeviceMesh among the tensors); `compile_layers` leaves
+    such a layer as it is."""
     from torch.utils.checkpoint import checkpoint
 
     from autopar.zoo.layers import Attention
@@ -439,7 +460,7 @@ def recompute(model: nn.Module, levels: dict[str, str]) -> None:
         if layer is None:
             raise ValueError(f"the plan recomputes {name!r}, which the model does not have")
         if level == "full":
-            forward = layer.forward
+            forward = torch.compile(layer.forward, fullgraph=True) if compiled else layer.forward
             layer.forward = functools.partial(_checkpointed, checkpoint, forward)
         elif level == "selective":
             cores = [m for m in layer.modules() if isinstance(m, Attention)]
@@ -449,6 +470,18 @@ def recompute(model: nn.Module, levels: dict[str, str]) -> None:
                 core.recompute_core = True
         else:
             raise ValueError(f"unknown recomputation {level!r} for {name!r}")
+
+
+def compile_layers(model: nn.Module) -> list[nn.Module]:
+    """Compile every repeated layer of ``model`` (each child of an ``nn.ModuleList``) in place with
+    ``torch.compile(fullgraph=True)``: parameter names do not change, and compilation happens at the first call,
+    after tensor parallelism, FSDP and recomputation have been applied to the layer. ``fullgraph`` makes a layer
+    dynamo cannot capture whole raise rather than run partly eager. Returns the layers compiled."""
+    layers = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()]
+    for layer in layers:
+        if "forward" not in layer.__dict__:  # else recomputed in full: compiled inside its checkpoint (`recompute`)
+            layer.compile(fullgraph=True)
+    return layers
 
 
 def checkpoint_segments(model: nn.Module, segments: list[list[str]]) -> None:

@@ -25,16 +25,20 @@ _KINDS = {
     "allreduce_coalesced_": "all_reduce",
     "all_reduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",
+    "all_reduce_": "all_reduce",  # in place: what compiled code (inductor) calls
+    "all_reduce_coalesced_": "all_reduce",
     "allgather_": "all_gather",
     "_allgather_base_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
     "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter_": "reduce_scatter",
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
     "alltoall_": "all_to_all",
     "alltoall_base_": "all_to_all",
     "all_to_all_single": "all_to_all",
@@ -56,6 +60,16 @@ class CollectiveCounter(TorchDispatchMode):
         self.axes = axes
         self.calls: list[tuple[str, str, int]] = []
         self.enabled = True
+
+    supports_higher_order_operators = True  # a compiled checkpoint's HOPs pass through (none is a collective)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Layers compiled by ``torch.compile`` (plans with compiled kernels) run compiled while counted: the mode
+        is off while dynamo traces and on while the compiled code runs, so the collectives it issues (DTensor's,
+        FSDP's) are seen and the fused elementwise ops are not (without this, dynamo would skip compiling under
+        the mode and the counted step would run eager)."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -136,7 +150,7 @@ def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
     zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
     devices = plan.devices
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
-                          traced_batch=1, dtype="fp32")
+                          traced_batch=1, dtype="fp32", kernels=plan.kernels)  # compiled layers replay whole
     result = model.estimate(config_of(model, plan), global_batch=work.batch)
     return [predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count} for c in report.collectives)
             for report in result.stages]

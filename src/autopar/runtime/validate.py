@@ -5,6 +5,7 @@ A `Plan` is already consistent in itself (`autopar.plan`). What needs the model 
 built on the meta device (no memory) and traced once:
 
 - the runtime can apply the plan's kind (`check_supported`) and the plan carries its workload;
+- a plan with compiled kernels finds ``torch.compile`` working on this machine (`check_compiler`);
 - every module and parameter the plan names exists, with the planned shape (`check_matches`);
 - the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_of`);
 - every split dimension divides by the devices that split it, and attention heads (and key/value heads) divide by
@@ -39,6 +40,8 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
 
     check_supported(plan)
     work = Workload.of(plan)
+    if plan.kernels == "compiled":
+        check_compiler()
     # the model as the runtime trains it (dropout off), and as the planner traced it (its chain of layers)
     model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
                  **work.overrides).module
@@ -55,16 +58,37 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
         rehearsal(plan)
 
 
+def check_compiler() -> None:
+    """Raise NotImplementedError if ``torch.compile`` does not work here (inductor needs a C++ compiler on CPU,
+    Triton on GPU): a small function is compiled and run on the device the ranks use, so that a plan with compiled
+    kernels is refused before any rank starts rather than failing on every rank."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.compile(_probe, fullgraph=True)(torch.ones(8, device=device))
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler stack raised: it does not work here
+        text = str(exc).strip().splitlines()
+        raise NotImplementedError(f"the plan runs compiled kernels, but torch.compile does not work on this machine "
+                                  f"({type(exc).__name__}: {text[0] if text else ''}); plan with --kernels "
+                                  "eager") from None
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x * 2 + 1)
+
+
 def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step; with ``count``, the collectives rank 0 issued.
 
-    The model is built on the meta device and parallelised exactly as `autopar run` does; DDP, whose constructor
-    reads weight values, is replaced by the by-hand all-reduce in the same buckets. Any error is raised as a
+    The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
+    constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
+    compiled layers run eager (`check_compiler` checks the compiler; recomputation then replays whole layers, as
+    compiled ones do). Any error is raised as a
     ValueError that says the plan could not be applied."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.checkpoint import set_checkpoint_early_stop
 
     from autopar.runtime.comm import CollectiveCounter
     from autopar.zoo import load
@@ -76,13 +100,16 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
     try:
         model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
                      **work.overrides).module.train()
-        parallel = parallelize(model, plan, ddp=False)
+        parallel = parallelize(model, plan, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
             _materialise(parallel.module)  # FSDP and DTensor shard meta weights; their shards become fakes here
             optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
             counter = CollectiveCounter(parallel.axes)
-            with counter if count else contextlib.nullcontext():
+            # layers stay eager here; a compiled layer's recomputation replays its whole forward (one compiled
+            # function), which checkpointing without early stop does too, collectives alike
+            whole = plan.kernels == "compiled"
+            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
                 _step(parallel, optimizer, work, global_batch(work, 0), dp=plan.grid[0])
     except (ValueError, NotImplementedError):
         raise

@@ -75,20 +75,20 @@ class Space:
 
 
 def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None,
-                scatter_partials: bool = True) -> Space:
-    """The space of ``graph`` on ``mesh``. With ``like`` (the same model traced at another batch size, on the
-    same mesh) the block structure, segments and classes are reused and only the shapes are new.
-    ``scatter_partials``: see `IntraCost`."""
+                scatter_partials: bool = True, kernels: str = "eager") -> Space:
+    """The space of ``graph`` on ``mesh``, its memory-bound ops run as ``kernels`` says (`cost.compute`). With
+    ``like`` (the same model traced at another batch size, on the same mesh) the block structure, segments and
+    classes are reused and only the shapes are new. ``scatter_partials``: see `IntraCost`."""
     if like is not None and _same_structure(like, graph):
         old = like.blocks
         blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
-        cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials)
+        cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials, kernels=kernels)
         candidates = [cost.candidates(b) for b in like.representative]
         return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
                      like.classes)
     blocks = build_blocks(graph)
     segments = find_segments(blocks.blocks)
-    cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials)
+    cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials, kernels=kernels)
     var_of = [-1] * len(blocks.blocks)
     index: dict[tuple[str, int], int] = {}
     representative: list[ParallelBlock] = []
@@ -365,8 +365,10 @@ def plan_intra(
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    kernels: str = "eager",
 ) -> dict[str, IntraPlan | None]:
-    """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model.
+    """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model, whose
+    memory-bound ops run as ``kernels`` says.
 
     Fewer micro-batches mean larger ones: faster per sample but more activation memory. For each kind a binary
     search over the counts (`micro_batch_counts`) finds the fewest that fit, then more are tried while they get
@@ -378,7 +380,8 @@ def plan_intra(
     so far."""
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
-        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress)
+        return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
+                           kernels=kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,6 +416,8 @@ def _plan_intra(
     kinds: tuple[str, ...],
     budget: _Budget,
     progress: Callable[[str], None] | None,
+    *,
+    kernels: str,
 ) -> dict[str, IntraPlan | None]:
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
@@ -432,7 +437,7 @@ def _plan_intra(
                     progress(f"micro-batch {size} x {m}: tracing and pricing")
                 traced[m] = trace_at(size)
             like = next((s for (_, scatter), s in spaces.items() if scatter == key[1]), None)
-            spaces[key] = build_space(traced[m], mesh, cluster, like=like, scatter_partials=key[1])
+            spaces[key] = build_space(traced[m], mesh, cluster, like=like, scatter_partials=key[1], kernels=kernels)
         return spaces[key]
 
     for kind in kinds:
@@ -582,4 +587,4 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
     )
     return Plan(model=model, kind=plan.kind, mesh=PlanMesh(shape=tuple(space.mesh.sizes), axes=tuple(names)),
                 micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, zero=plan.zero,
-                blocks=tuple(blocks), modules=modules, workload=workload, estimate=plan.estimate)
+                kernels=ic.kernels, blocks=tuple(blocks), modules=modules, workload=workload, estimate=plan.estimate)

@@ -105,16 +105,18 @@ class Evaluator:
         return best
 
 
-def runtime_limit(config: PipelineConfig, *, pipelines: bool = True) -> str | None:
+def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: str = "eager") -> str | None:
     """Why ``autopar run`` cannot run ``config`` yet, or None (`autopar.runtime.apply.unsupported`);
-    ``pipelines``: whether the runtime can cut this model into stages (`runtime.pipeline.chain_kind`)."""
+    ``pipelines``: whether the runtime can cut this model into stages (`runtime.pipeline.chain_kind`); ``kernels``:
+    the plan's kernels setting."""
     from autopar.runtime.apply import unsupported
 
     if len(config.stages) > 1 and not pipelines:
         return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA and Hugging Face " \
                "LLaMA-style models it can)"
+    compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages}, zero=config.zero,
-                       sp=config.sp, intra=any(s.intra for s in config.stages))
+                       sp=config.sp, intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
 
 
 def shape(config: PipelineConfig) -> tuple:
@@ -623,7 +625,8 @@ def pipeline_plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
         schedule=config.schedule, chunks=config.chunks, micro_batch_size=config.micro_batch,
-        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, stages=tuple(stages),
+        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, kernels=model.kernels,
+        stages=tuple(stages),
         modules=tuple(ModuleLayout(fqn=fqn, params=tuple(params.values())) for fqn, params in modules.items()),
         workload=workload, estimate=found.result.estimate,
     )
