@@ -48,6 +48,8 @@ def estimate_text(e: dict[str, Any]) -> str:
         )
     ]
     mem_rows = [[k, binary_bytes(mem[k])] for k in ("parameters", "gradients", "optimizer", "activations", "other")]
+    if "reserve" in mem:
+        mem_rows.append(["reserve", binary_bytes(mem["reserve"])])
     fits = "" if mem["fits"] else "  DOES NOT FIT"
     mem_rows.append(["total", f"{binary_bytes(mem['total'])} of {binary_bytes(mem['budget'])}{fits}"])
     coll_rows = [[c["axis"], c["kind"], binary_bytes(c["bytes"]), str(c["count"])] for c in e["collectives"]]

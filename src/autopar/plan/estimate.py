@@ -7,7 +7,7 @@ negative) or an error naming the field.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.plan.checks import at, finite, integer, mapping, sequence, text
@@ -15,7 +15,9 @@ from autopar.plan.checks import at, finite, integer, mapping, sequence, text
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryBreakdown:
-    """Bytes on the busiest device."""
+    """Bytes on the busiest device at its peak, by kind: weights (and module buffers), gradients, optimizer state
+    (and master copy), activations saved for backward, other (temporaries, communication and schedule buffers),
+    and the device reserve the framework holds outside the tensors (CUDA context, allocator caching)."""
 
     parameters: float
     gradients: float
@@ -23,14 +25,20 @@ class MemoryBreakdown:
     activations: float
     other: float
     budget: float
+    reserve: float = 0.0  # plans written before it was apart count it in ``other``
 
     def __post_init__(self) -> None:
         for f in fields(self):
             finite(f.name, getattr(self, f.name), low=0.0)
 
     @property
-    def total(self) -> float:
+    def allocated(self) -> float:
+        """What the tensors take: the peak a memory tracker (PyTorch's ``MemTracker``) measures."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -42,7 +50,7 @@ class MemoryBreakdown:
     @classmethod
     def from_dict(cls, data: Any) -> MemoryBreakdown:
         data = mapping("", data)
-        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        return cls(**{f.name: data.get(f.name) for f in fields(cls) if f.name in data or f.default is MISSING})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -285,7 +285,7 @@ def estimate_choice(
     per_device = model_flops / iteration / ic.cluster.num_devices
     memory = MemoryBreakdown(
         parameters=weights, gradients=grads, optimizer=optim, activations=saved,
-        other=temporary + device.reserved, budget=device.memory,
+        other=temporary, reserve=device.reserved, budget=device.memory,
     )
     return Estimate(
         iteration_seconds=iteration,
