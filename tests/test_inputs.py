@@ -249,10 +249,10 @@ def test_estimate_that_does_not_fit_exits_3_with_advice(capsys, tmp_path) -> Non
     argv = ["estimate", *SMALL, "--cluster", "cpu", "--gpus", "1", "--batch", "4096", "--mbs", "4096"]
     code, out, err = run_cli(capsys, *argv, "--out", str(out_file))
     assert code == 3 and not out_file.exists()
-    assert err == ("autopar estimate: does not fit 1 x cpu: 129 GiB per device of 6 GiB (123 GiB missing); FSDP "
+    assert err == ("autopar estimate: does not fit 1 x cpu: 178 GiB per device of 6 GiB (172 GiB missing); FSDP "
                    "with full recomputation fits on 2 devices\n")
-    assert "DOES NOT FIT: this configuration needs 129 GiB per device of 6 GiB, 123 GiB missing" in out
-    assert "micro-batch of 1 per dp rank: 1.09 GiB per device, fits" in out
+    assert "DOES NOT FIT: this configuration needs 178 GiB per device of 6 GiB, 172 GiB missing" in out
+    assert "micro-batch of 1 per dp rank: 1.35 GiB per device, fits" in out
     assert f"plan not written to {out_file}: it does not fit" in out
     code, out, _ = run_cli(capsys, *argv, "--json")
     data = strict_json(out)

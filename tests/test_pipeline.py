@@ -149,7 +149,7 @@ def test_recompute_choice_is_the_fastest_that_fits() -> None:
     from autopar.cost.types import RECOMPUTE
     from autopar.search.recompute import optimal_recompute
 
-    model = _model("gpt3-350m", gpus=2, memory_gib=5.6, layers=4)
+    model = _model("gpt3-350m", gpus=2, memory_gib=6.6, layers=4)
     base = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=2), micro_batch=8)
     stage = base.stages[0]
     repeated = [r for r in range(stage.start, stage.end) if model.layers[r].repeated]
@@ -193,7 +193,7 @@ def test_a_limited_search_keeps_to_what_the_runtime_runs() -> None:
 
     from autopar.search.pipeline import runtime_limit
 
-    model = _model("gpt3-1.3b", gpus=8, memory_gib=4, layers=8, screen=True)
+    model = _model("gpt3-1.3b", gpus=8, memory_gib=5, layers=8, screen=True)
     free = auto(model, global_batch=64, time_limit=6)["auto"]
     assert any(runtime_limit(f.config) for f in (free, *free.runners_up))  # pipelines under ZeRO 2-3 come up
     limit = functools.partial(runtime_limit, pipelines=True)

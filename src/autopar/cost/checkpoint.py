@@ -42,6 +42,8 @@ class SegmentCosts:
     comm: float = 0.0  # replayed forward collectives
     kept: float = 0.0  # change in bytes kept per micro-batch (negative: saved)
     transient: float = 0.0  # the largest segment peak while its backward runs
+    # per outermost segment: (first row, end row, bytes it keeps, its peak while its backward runs)
+    runs: list[tuple[int, int, float, float]] = field(default_factory=list)
     collectives: Counter = field(default_factory=Counter)  # (kind, bytes) -> replayed calls per micro-batch
 
 
@@ -134,5 +136,6 @@ def segment_costs(stage, price) -> SegmentCosts:  # noqa: ANN001
             replay(child)
             costs.kept += keep(child) - sum(price(r, level(r)).activations for r in rows_of(child))
             costs.transient = max(costs.transient, peak(child))
+            costs.runs.append((child.start, child.end, keep(child), peak(child)))
     costs.collectives = +costs.collectives  # drop zero counts
     return costs

@@ -4,10 +4,11 @@ For one stage with its dp x tp and micro-batch fixed, each repeated layer ``i`` 
 selective, full) with backward time ``t[i][l]`` and bytes kept per micro-batch ``a[i][l]``:
 
     minimise    sum_i t[i][l_i]
-    subject to  in_flight * sum_i a[i][l_i]  <=  budget - model states - transient - reserve
+    subject to  in_flight * sum_i a[i][l_i]  <=  budget - held - transient - reserve
 
-(transient: the largest temporary, bounded by the largest of the layers' temporaries and, for a recomputed
-layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
+(held: what the stage holds at its peak besides activations, `PipelineModel.held_bytes`: model states as the
+runtime keeps them, wrapper and schedule buffers; transient: the largest temporary, bounded by the largest of the
+layers' temporaries and, for a recomputed layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
 rounded up to ``1 / buckets`` of the capacity it is solved exactly over the rounded sizes in
 O(layers x buckets) with numpy. MAP (§5.2) runs the rotor dynamic programme over the linearised graph; at the
 granularity of this cost model (a layer keeps its activations or its input) the knapsack is the same decision. The
@@ -22,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autopar.cost.memory import model_states
 from autopar.cost.pipeline import LayerPrice, PipelineConfig, PipelineModel, Stage
 from autopar.cost.types import RECOMPUTE
 
@@ -38,12 +38,10 @@ class StageMemory:
 
 
 def stage_memory(model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int) -> StageMemory:
-    stage = config.stages[index]
     view = model.stage_view(config, index, global_batch=global_batch)
-    params = sum(view.price(row, "none").params for row in range(stage.start, stage.end))
-    weights, grads, optim = model_states(params, dtype=model.dtype, zero=config.zero, dp=stage.dp)
     device = model.cluster.device
-    return StageMemory(view.price, view.in_flight, device.memory - device.reserved - weights - grads - optim)
+    held = model.held_bytes(config, index, global_batch=global_batch)
+    return StageMemory(view.price, view.in_flight, device.memory - device.reserved - held)
 
 
 def slots(nbytes: float, unit: float) -> int:
