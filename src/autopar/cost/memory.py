@@ -429,9 +429,6 @@ def end_moment(load: StageLoad) -> Moment:
 
 # ---- what a layer's backward holds ------------------------------------------------------------------------------
 
-# ops whose schema does not mark them views, but whose output (and gradient) shares its input's storage
-_RESHAPES = frozenset({"aten._unsafe_view.default"})
-
 
 def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), set()), tp: int = 1,
                        sp: bool = False) -> float:
@@ -440,7 +437,7 @@ def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), s
 
         max over ops n of  sum_{outputs} bytes + sum_{float activation inputs} bytes
 
-    (views, `_RESHAPES` among them, allocate nothing). Under tensor parallelism ``tp`` with ``split = (sharded, columns)`` node ids: a
+    (views allocate nothing). Under tensor parallelism ``tp`` with ``split = (sharded, columns)`` node ids: a
     sharded op's tensors are 1/tp, but a column-parallel op's input and a row-parallel op's (partial) output are
     whole; the rest is whole unless ``sp`` shards it too. At the loss this is log-softmax's backward: the
     gradients of the logits and of the log-probabilities, two logits-sized tensors."""
@@ -448,7 +445,7 @@ def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), s
     whole = tp if sp else 1
     best = 0.0
     for node in nodes:
-        if node.is_view or node.op in _RESHAPES:
+        if node.is_view:
             continue
         inside = node.id in sharded
         row = inside and node.id not in columns and node.reads_params

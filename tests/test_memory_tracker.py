@@ -1,0 +1,221 @@
+"""The memory estimate against what the runtime allocates.
+
+Pure tests of the terms in `autopar.cost.memory` first; then (slow) the estimate of each plan the runtime runs, less
+the device reserve, against PyTorch's `MemTracker` on one training step (`memory_tracking`): two small zoo models
+under DP, ZeRO 1/2/3, TP and PP on 2 ranks, at two sizes, every stage within 5%.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.capture.graph import Node, Ref, TensorInfo
+from autopar.cost.memory import (
+    Holding, Precision, RowMemory, RowPeak, ScheduleBuffers, StageLoad, backward_moments, backward_transient,
+    end_moment, holding, row_peak, schedule_bytes, stage_peak, steady_bytes, walk,
+)
+from autopar.plan import MemoryBreakdown
+
+MIB = 2**20
+
+
+def _row(activations: float = 0.0, params: float = 0.0, *, unit: bool = False, transient: float = 0.0,
+         **more) -> RowMemory:
+    """A row whose backward peaks with all its activations, all its gradients made and ``transient`` on top."""
+    return RowMemory(activations=activations, params=params, unit=unit,
+                     kept=RowPeak(saved=activations, gradients=params * 4, transient=transient),
+                     added=RowPeak(saved=activations, transient=transient), **more)
+
+
+def _load(rows, **kw) -> StageLoad:  # noqa: ANN001
+    base = dict(precision=Precision.of("fp32"), holding=Holding.NONE, zero=0, dp=1, micro_batches=1, in_flight=1,
+                later_in_flight=1, kept_outputs=0.0)
+    return StageLoad(rows=tuple(rows), **{**base, **kw})
+
+
+# ---- pure terms ---------------------------------------------------------------------------------------------------
+
+
+def test_precisions_are_the_runtime_s_and_mixed_adam() -> None:
+    runtime = Precision.of("fp32")  # autopar run: fp32 weights and gradients, SGD without momentum
+    assert (runtime.weight, runtime.gradient, runtime.master, runtime.optimizer) == (4, 4, 0, 0)
+    assert Precision.of("fp32", optimizer="adam").states == 8
+    mixed = Precision.of("bf16")
+    assert mixed.weight + mixed.gradient + mixed.states == 16  # Rajbhandari et al.'s 16 bytes per parameter
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        Precision.of("fp32", optimizer="lion")
+    with pytest.raises(ValueError, match="dtype must be"):
+        Precision.of("int8")
+
+
+def test_holding_is_the_wrapper_the_runtime_applies() -> None:
+    assert holding(dp=1, tp=2, stages=2, zero=3) is Holding.NONE
+    assert holding(dp=2, tp=1, stages=1, zero=0) is Holding.DDP
+    assert holding(dp=2, tp=2, stages=1, zero=0) is Holding.BY_HAND  # DDP takes no DTensor parameters
+    assert holding(dp=2, tp=1, stages=2, zero=0) is Holding.BY_HAND  # nor follows a schedule
+    assert holding(dp=4, tp=1, stages=1, zero=1) is Holding.FSDP
+
+
+def test_the_end_of_a_step_holds_each_wrapper_s_buffers() -> None:
+    rows = [_row(params=100, unit=True), _row(params=100, unit=True), _row(params=50)]  # 250 parameters
+    p = 250
+    assert end_moment(_load(rows)).total == p * (4 + 4)
+    assert end_moment(_load(rows, holding=Holding.DDP, dp=2)).total == p * (4 + 4 + 4)  # the buckets' copy
+    assert end_moment(_load(rows, holding=Holding.BY_HAND, dp=2)).total == p * (4 + 4 + 4)  # the flat copy
+    fsdp = end_moment(_load(rows, holding=Holding.FSDP, zero=3, dp=2))
+    # shards of weights and of the units' gradients, the root's whole gradients and its reduce-scatter input
+    assert fsdp.total == p * 4 / 2 + 200 * 4 / 2 + 2 * 50 * 4
+    adam = Precision.of("fp32", optimizer="adam")
+    assert end_moment(_load(rows, precision=adam)).optimizer == p * 8
+    assert end_moment(_load(rows, precision=adam, holding=Holding.FSDP, zero=1, dp=2)).optimizer == p * 8 / 2
+
+
+def test_fsdp_keeps_the_root_gathered_and_zero_3_one_unit_and_the_next() -> None:
+    loss = _row(activations=1000, transient=2000)  # met first: the root's
+    layers = [_row(activations=100, params=10, unit=True) for _ in range(3)]
+    load = _load([loss, *layers, _row(params=40)], holding=Holding.FSDP, zero=3, dp=2)
+    assert steady_bytes(load).parameters == 70 * 4 / 2 + 40 * 4  # shards, and the root unit whole
+    start = walk(load, first=True, last=True, rows=1)
+    assert start.parameters == 10 * 4  # at the loss: the last layer, prefetched
+    assert start.activations == 1300 and start.other == 2000
+    in_layer = walk(replace(load, rows=(layers[0], layers[1])), first=True, last=True, rows=1)
+    assert in_layer.parameters == 2 * 10 * 4  # the unit computing and the next
+    zero2 = walk(replace(load, zero=2), first=True, last=True, rows=1)
+    assert zero2.parameters == 30 * 4  # ZeRO 1-2: every unit gathered until its backward
+
+
+def test_later_backwards_find_the_earlier_gradients() -> None:
+    rows = [_row(activations=100, params=10), _row(activations=100, params=10)]
+    load = _load(rows, micro_batches=2)
+    first, later = backward_moments(load)
+    assert first.gradients == 10 * 4  # the first row's, as its backward makes them
+    assert later.gradients == 20 * 4  # every gradient, from the first micro-batch
+    sharded = backward_moments(replace(load, holding=Holding.FSDP, zero=2, dp=2))[1]
+    assert sharded.gradients >= 20 * 4 / 2 and sharded.gradients < later.gradients + 2 * 10 * 4
+
+
+def test_a_tied_weight_has_its_two_gradients_summed_out_of_place() -> None:
+    head = _row(shared=100)  # reads the embedding's weight: its gradient is made first, kept until summed
+    layer = _row(activations=10, params=5, unit=True)
+    embedding = _row(params=100, summed=100)
+    peak = walk(_load([head, layer, embedding]), first=True, last=True)
+    # at the embedding: the layer's gradients, the head's gradient, the embedding's own and their sum
+    assert peak.gradients + peak.other == 5 * 4 + 100 * 4 + 100 * 4 + 100 * 4
+
+
+def test_schedule_buffers_are_every_micro_batch_s() -> None:
+    load = _load([_row()], micro_batches=4,
+                 schedule=ScheduleBuffers(received=10.0, received_gradient=20.0, output=100.0))
+    # 2 in flight (their received activations are among the activations), 1 done, 3 outputs kept
+    assert schedule_bytes(load, finished=1, kept=3, in_flight=2) == (4 - 2 + 1) * 10 + (4 + 2) * 20 + 3 * 100
+
+
+def _node(k: int, op: str, outputs, inputs=(), *, saved: int = 0, view: bool = False, param: str | None = None):  # noqa: ANN001, ANN202
+    sources = tuple(Ref(-1, state=param) if t == "param" else Ref(k - 1) for t in inputs)
+    shapes = tuple(TensorInfo((4, 8), "float32") if t == "param" else TensorInfo(t, "float32") for t in inputs)
+    return Node(id=k, op=op, module="m", module_type="M", inputs=shapes, sources=sources,
+                outputs=tuple(TensorInfo(o, "float32") for o in outputs), saved_bytes=saved, is_view=view)
+
+
+def test_an_op_s_backward_holds_its_output_s_and_inputs_gradients() -> None:
+    logits = (4, 100)  # 1,600 bytes
+    log_softmax = _node(1, "aten._log_softmax.default", [logits], [logits], saved=1600)
+    view = _node(2, "aten.view.default", [(400,)], [logits], view=True)
+    assert backward_transient([log_softmax, view]) == 2 * 1600
+    matmul = _node(3, "aten.mm.default", [(4, 100)], [(4, 8), "param"], param="w")
+    assert backward_transient([matmul]) == 1600 + 128  # the weight's gradient is the gradients' own term
+    assert backward_transient([matmul], split=({3}, {3}), tp=2) == 1600 / 2 + 128  # column: input whole
+    assert backward_transient([matmul], split=({3}, set()), tp=2) == 1600 + 128 / 2  # row: partial output whole
+
+
+def test_a_row_s_backward_frees_what_each_op_saved() -> None:
+    fc1 = _node(1, "aten.mm.default", [(4, 8)], [(4, 8), "param"], saved=128, param="w1")
+    gelu = _node(2, "aten.gelu.default", [(4, 8)], [(4, 8)], saved=128)
+    fc2 = _node(3, "aten.mm.default", [(4, 8)], [(4, 8), "param"], saved=128, param="w2")
+    nodes, grads = [fc1, gelu, fc2], [1000.0, 0.0, 1000.0]
+    # last to first, each op with its output's and input's gradients (256): fc2 with all three saved and its
+    # weight's gradient, gelu with two saved, fc1 with one saved and (kept) both weights' gradients
+    assert row_peak(nodes, grads, keep=True) == RowPeak(saved=128, gradients=2000, transient=256)
+    assert row_peak(nodes, grads, keep=False) == RowPeak(saved=384, gradients=1000, transient=256)
+    assert row_peak(nodes, grads, scale=4.0, keep=False) == RowPeak(saved=4 * 384, gradients=1000, transient=1024)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20), st.booleans(), st.integers(1, 4), st.integers(0, 30)),
+             min_size=1, max_size=6),
+    st.sampled_from([(Holding.NONE, 0), (Holding.DDP, 0), (Holding.FSDP, 1), (Holding.FSDP, 2), (Holding.FSDP, 3)]),
+    st.integers(1, 3),
+)
+def test_a_run_of_like_rows_walks_as_the_rows_one_by_one(spec, wrapper, micro_batches) -> None:
+    """Runs are priced at their ends; a run of k like rows gives the peak its k rows give."""
+    rows = [replace(_row(activations=a, params=p, unit=u, transient=t), count=k) for a, p, u, k, t in spec]
+    one_by_one = [replace(row, count=1) for row in rows for _ in range(row.count)]
+    kw = dict(holding=wrapper[0], zero=wrapper[1], dp=2, micro_batches=micro_batches)
+    assert stage_peak(_load(rows, **kw)).total == pytest.approx(stage_peak(_load(one_by_one, **kw)).total)
+
+
+def test_the_reserve_is_apart_and_older_plans_read() -> None:
+    memory = MemoryBreakdown(parameters=1, gradients=2, optimizer=3, activations=4, other=5, reserve=100, budget=1000)
+    assert (memory.allocated, memory.total) == (15, 115)
+    assert MemoryBreakdown.from_dict(json.loads(json.dumps(memory.to_dict()))) == memory
+    old = {k: v for k, v in memory.to_dict().items() if k not in ("reserve", "total")}
+    assert MemoryBreakdown.from_dict(old).reserve == 0
+
+
+# ---- against the memory tracker (slow) ------------------------------------------------------------------------------
+
+
+def _cases():  # noqa: ANN202
+    from memory_tracking import CASES
+
+    return [pytest.param(case, id=case.name.replace(" ", "-")) for case in CASES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _cases())
+def test_the_estimate_is_what_the_runtime_allocates(case) -> None:  # noqa: ANN001
+    from memory_tracking import measured_peaks, plan_for
+
+    plan, predicted = plan_for(case)
+    measured = measured_peaks(plan)
+    table = [f"stage {s}: predicted {m.allocated / MIB:.2f} MiB, measured {peak / MIB:.2f} MiB"
+             for s, (m, peak) in enumerate(zip(predicted, measured))]
+    for memory, peak in zip(predicted, measured):
+        assert memory.allocated == pytest.approx(peak, rel=0.05), "; ".join(table)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ZeRO 2", "ZeRO 3", "TP"])
+def test_adam_state_is_held_from_the_first_step_on(kind: str) -> None:
+    """Adam's moments, made at the first step, are held through the second one's forward and backward."""
+    import torch
+    from memory_tracking import Case, plan_for, single_stage_peak
+
+    plan, (predicted,) = plan_for(Case("gpt", kind, "long"), precision=Precision.of("fp32", optimizer="adam"))
+    measured = single_stage_peak(plan, optimizer=torch.optim.Adam, steps=2)
+    assert predicted.optimizer > 0
+    assert predicted.allocated == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.slow
+def test_the_command_line_writes_the_plan_checked_here(tmp_path, capsys) -> None:  # noqa: ANN001
+    """`autopar estimate --out` writes the plan (and estimate) that `memory_tracking.plan_for` builds."""
+    from memory_tracking import Case, plan_for
+
+    from autopar.cli.main import main
+    from autopar.plan import load_plan
+
+    out = tmp_path / "plan.json"
+    code = main(["estimate", "llama-7b", "--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "4",
+                 "--ffn", "688", "--vocab", "8192", "--seq", "256", "--batch", "8", "--cluster", "cpu", "--gpus", "2",
+                 "--dp", "2", "--mbs", "2", "--dtype", "fp32", "--out", str(out)])
+    capsys.readouterr()
+    assert code == 0
+    plan, (predicted,) = plan_for(Case("llama", "DP", "long"))
+    assert load_plan(out).stages[0].memory.allocated == pytest.approx(predicted.allocated)
