@@ -385,15 +385,20 @@ def walk(load: StageLoad, *, first: bool, last: bool, rows: int | None = None) -
     return Moment(parameters=best[0], gradients=best[1], activations=best[2], other=best[3])
 
 
-def held_bytes(load: StageLoad) -> tuple[float, float]:
-    """What the stage holds besides activations and the ops' transients (``rows`` taken as holding none), when
-    its activations are all held (the first row of each backward) and at its end (`end_moment`): a choice of
-    activations (recomputation) fits where ``in_flight * activations + transient <= budget - start`` and
-    ``end <= budget``."""
+def held_bytes(load: StageLoad) -> tuple[float, float, float]:
+    """What the stage holds besides activations and transients while the backward meets the rows before the first
+    repeated layer (the loss, the head: every activation still held), the largest transient of those rows, and
+    what it holds at the end of the step (`end_moment`). A choice of the layers' activations (their recomputation)
+    fits where
+
+        in_flight * activations + max(that transient, the layers' largest) <= budget - held   and   end <= budget"""
     bare = tuple(replace(row, activations=0.0, kept=RowPeak(gradients=row.kept.gradients),
                          added=RowPeak(gradients=row.added.gradients)) for row in load.rows)
     empty = replace(load, rows=bare)
-    return max(moment.total for moment in backward_moments(empty, rows=1)), end_moment(empty).total
+    layers = max(next((index for index, row in enumerate(load.rows) if row.unit), len(load.rows)), 1)
+    transient = max(max(row.kept.transient, row.added.transient) for row in load.rows[:layers]) if load.rows else 0.0
+    held = max(moment.total for moment in backward_moments(empty, rows=layers))
+    return held, transient, end_moment(empty).total
 
 
 def end_moment(load: StageLoad) -> Moment:

@@ -452,19 +452,20 @@ class PipelineModel:
                 activations=peak.activations, other=peak.other, reserve=device.reserved, budget=device.memory)
         return found
 
-    def held_bytes(self, config: PipelineConfig, index: int, *, global_batch: int) -> float:
-        """What one device of stage ``index`` holds besides activations and the ops' transients while every
-        activation is held (`autopar.cost.memory.held_bytes`: model states as the runtime keeps them, its wrappers'
-        and the schedule's buffers, gradients of earlier micro-batches), or infinity where the end of the step does
-        not fit in any case. A recomputation choice fits where its activations and largest transient fit in the
-        rest."""
+    def held_bytes(self, config: PipelineConfig, index: int, *, global_batch: int) -> tuple[float, float]:
+        """What one device of stage ``index`` holds besides activations and transients while every activation is
+        held (`autopar.cost.memory.held_bytes`: model states as the runtime keeps them, its wrappers' and the
+        schedule's buffers, gradients of earlier micro-batches), or infinity where the end of the step does not fit
+        in any case; and the largest transient of what the backward meets before the layers (the loss's). A
+        recomputation choice fits where its activations and the larger of that and its layers' transients fit in
+        the rest."""
         view = self.stage_view(config, index, global_batch=global_batch)
         copy = sum(size for size, holds_copy in self._tied_copies(config).get(index, []) if holds_copy)
         load = self._stage_load(config, index, view, micro_batches=global_batch // config.micro_batch, copy=copy,
                                 segments=None)
-        start, end = held_bytes(load)
+        held, transient, end = held_bytes(load)
         device = self.cluster.device
-        return start if end <= device.memory - device.reserved else math.inf
+        return (held if end <= device.memory - device.reserved else math.inf), transient
 
     def _stage_load(self, config: PipelineConfig, index: int, view: StageView, *, micro_batches: int, copy: float,
                     segments: SegmentCosts | None) -> StageLoad:

@@ -6,9 +6,9 @@ selective, full) with backward time ``t[i][l]`` and bytes kept per micro-batch `
     minimise    sum_i t[i][l_i]
     subject to  in_flight * sum_i a[i][l_i]  <=  budget - held - transient - reserve
 
-(held: what the stage holds at its peak besides activations, `PipelineModel.held_bytes`: model states as the
-runtime keeps them, wrapper and schedule buffers; transient: the largest temporary, bounded by the largest of the
-layers' temporaries and, for a recomputed layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
+(held: what the stage holds besides activations and transients as its backward starts, `PipelineModel.held_bytes`:
+model states as the runtime keeps them, wrapper and schedule buffers; transient: the largest of the loss's backward
+and the layers' temporaries and, for a recomputed layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
 rounded up to ``1 / buckets`` of the capacity it is solved exactly over the rounded sizes in
 O(layers x buckets) with numpy. MAP (§5.2) runs the rotor dynamic programme over the linearised graph; at the
 granularity of this cost model (a layer keeps its activations or its input) the knapsack is the same decision. The
@@ -35,13 +35,14 @@ class StageMemory:
     price: Callable[[int, str], LayerPrice]  # (row, recompute level) -> price
     in_flight: float
     budget: float
+    transient: float = 0.0  # the largest of what the backward meets before the layers (the loss's)
 
 
 def stage_memory(model: PipelineModel, config: PipelineConfig, index: int, *, global_batch: int) -> StageMemory:
     view = model.stage_view(config, index, global_batch=global_batch)
     device = model.cluster.device
-    held = model.held_bytes(config, index, global_batch=global_batch)
-    return StageMemory(view.price, view.in_flight, device.memory - device.reserved - held)
+    held, transient = model.held_bytes(config, index, global_batch=global_batch)
+    return StageMemory(view.price, view.in_flight, device.memory - device.reserved - held, transient)
 
 
 def slots(nbytes: float, unit: float) -> int:
@@ -62,7 +63,10 @@ def optimal_recompute(
         for row in rows
         for level in (RECOMPUTE if model.layers[row].repeated else ("none",))
     }
-    transient = max(max(p.temporary for p in prices.values()), max(prices[(r, "none")].activations for r in rows))
+    layers = [r for r in rows if model.layers[r].repeated] or list(rows)  # the rest's: `StageMemory.transient`
+    transient = max(memory.transient,
+                    max(prices[(r, level)].temporary for r in layers for level in RECOMPUTE if (r, level) in prices),
+                    max(prices[(r, "none")].activations for r in layers))
     capacity = (memory.budget - transient) / memory.in_flight
     fixed = sum(prices[(r, "none")].activations for r in rows if not model.layers[r].repeated)
     capacity -= fixed

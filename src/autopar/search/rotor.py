@@ -129,7 +129,8 @@ def rotor_recompute(
     memory = stage_memory(model, config, index, global_batch=global_batch)
     price, in_flight, budget = memory.price, memory.in_flight, memory.budget
     rows = range(stage.start, stage.end)
-    temporary = max(price(r, "none").temporary for r in rows)
+    layers = [r for r in rows if model.layers[r].repeated] or list(rows)  # the rest's: `StageMemory.transient`
+    temporary = max(memory.transient, max(price(r, "none").temporary for r in layers))
     fixed = sum(price(r, "none").activations for r in rows if not model.layers[r].repeated)
     if budget <= temporary:
         return None
