@@ -75,8 +75,9 @@ def plan_for(case: Case, *, dtype: str = "fp32", precision: Any = None) -> tuple
     seq, batch = SIZES[case.size]
     config = ParallelConfig(**KINDS[case.kind])
     zoo = load(name, batch=config.mbs, seq=seq, dtype=torch.float32, dropout=0.0, **overrides)
-    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(config.devices),
-                          traced_batch=config.mbs, dtype=dtype, precision=precision)
+    cluster = load_cluster("cpu").with_devices(config.devices)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=config.mbs, dtype=dtype,
+                          precision=precision)
     pipeline = pipeline_config(model, config)
     result = model.estimate(pipeline, global_batch=batch)
     work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=seq, batch=batch, dtype=dtype)

@@ -115,7 +115,8 @@ def test_schedule_buffers_are_every_micro_batch_s() -> None:
     assert schedule_bytes(load, finished=1, kept=3, in_flight=2) == (4 - 2 + 1) * 10 + (4 + 2) * 20 + 3 * 100
 
 
-def _node(k: int, op: str, outputs, inputs=(), *, saved: int = 0, view: bool = False, param: str | None = None):  # noqa: ANN001, ANN202
+def _node(k: int, op: str, outputs, inputs=(), *, saved: int = 0, view: bool = False,  # noqa: ANN001, ANN202
+          param: str | None = None):
     sources = tuple(Ref(-1, state=param) if t == "param" else Ref(k - 1) for t in inputs)
     shapes = tuple(TensorInfo((4, 8), "float32") if t == "param" else TensorInfo(t, "float32") for t in inputs)
     return Node(id=k, op=op, module="m", module_type="M", inputs=shapes, sources=sources,

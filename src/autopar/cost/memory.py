@@ -471,8 +471,8 @@ def saved_bytes(nodes: Iterable, *, split: Sequence[set[int]] = (set(), set()), 
     return sum(n.saved_bytes / (tp if (n.id in sharded and n.id not in columns) or sp else 1) for n in nodes)
 
 
-def row_peak(nodes: Sequence, gradients: Sequence[float], *, scale: float = 1.0, split: Sequence[set[int]] = (set(), set()),
-             tp: int = 1, sp: bool = False, keep: bool = True) -> RowPeak:
+def row_peak(nodes: Sequence, gradients: Sequence[float], *, scale: float = 1.0,
+             split: Sequence[set[int]] = (set(), set()), tp: int = 1, sp: bool = False, keep: bool = True) -> RowPeak:
     """The most a row's backward holds at once above the activations of other rows, walking its ops last to first
     (``gradients[i]``: bytes of the parameter gradients op ``i`` makes; activations scale by ``scale``). At op n:
 

@@ -8,9 +8,9 @@ selective, full) with backward time ``t[i][l]`` and bytes kept per micro-batch `
 
 (held: what the stage holds besides activations and transients as its backward starts, `PipelineModel.held_bytes`:
 model states as the runtime keeps them, wrapper and schedule buffers; transient: the largest of the loss's backward
-and the layers' temporaries and, for a recomputed layer, its activations live again during its recompute). This is a multiple-choice knapsack; with bytes
-rounded up to ``1 / buckets`` of the capacity it is solved exactly over the rounded sizes in
-O(layers x buckets) with numpy. MAP (§5.2) runs the rotor dynamic programme over the linearised graph; at the
+and the layers' temporaries and, for a recomputed layer, its activations live again during its recompute). This is
+a multiple-choice knapsack; with bytes rounded up to ``1 / buckets`` of the capacity it is solved exactly over the
+rounded sizes in O(layers x buckets) with numpy. MAP (§5.2) runs the rotor dynamic programme over the linearised graph; at the
 granularity of this cost model (a layer keeps its activations or its input) the knapsack is the same decision. The
 stage's time is then as small as its memory allows, which also minimises the pipeline's slowest stage and sum.
 """
