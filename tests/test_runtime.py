@@ -387,8 +387,16 @@ def test_plans_with_compiled_kernels_run_compiled_and_match_one_process(tmp_path
 def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_before_ranks_start(
         tmp_path, capsys) -> None:
     path = tmp_path / "plan.json"
-    assert main(["estimate", *TINY, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--kernels", "compiled",
-                 "--tp", "2", "--recompute", "selective", "--out", str(path)]) == 0
+    args = ["estimate", *TINY, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--tp", "2", "--recompute",
+            "selective", "--out", str(path)]
+    assert main([*args, "--kernels", "compiled"]) == 2  # refused when planned: no plan file for run to refuse
+    err = capsys.readouterr().err.strip()
+    assert "recomputes attention selectively under tensor parallelism with compiled kernels" in err
+    assert len(err.splitlines()) == 1 and not path.exists()
+    assert main([*args, "--kernels", "eager"]) == 0
+    data = json.loads(path.read_text())
+    data["plan"]["kernels"] = "compiled"  # the same plan edited by hand: run's own check refuses it
+    path.write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["run", str(path), "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
