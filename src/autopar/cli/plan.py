@@ -106,10 +106,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     baselines = {kind: (_entry(p.to_plan(name)) if p is not None else None)
                  for kind, p in found.items() if kind != args.search}
     fits = chosen.estimate.memory.fits
-    data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=chosen.to_plan(name),
+    plan = chosen.to_plan(name).with_workload(workload(args, zoo))  # built once: reported, written and checked
+    data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=plan,
                    baselines=baselines, seconds=seconds, fits=fits)
     data["interrupted"] = interrupted
-    data["not_runnable"] = refusal(chosen.to_plan(name).with_workload(workload(args, zoo))) if fits else None
+    data["not_runnable"] = refusal(plan) if fits else None
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}

@@ -501,12 +501,12 @@ def _best_of_kind(
                 solution = solve(terms.memory, legal, None, time_limit=5.0)
                 if not solution.feasible:
                     continue
-            choice = _better(space, solution.choice, baseline_choice(space, "dp"), zero, m, global_batch, dtype)
+            options = [solution.choice, baseline_choice(space, "dp")]
         else:
-            choice = baseline_choice(space, kind)
-            if choice is None:
+            options = [baseline_choice(space, kind)]
+            if options[0] is None:
                 return None
-        estimate = estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
+        choice, estimate = _better(space, options, zero, m, global_batch, dtype)
         if not math.isfinite(estimate.iteration_seconds):  # a baseline that needs an illegal conversion
             continue
         floor = terms.constant_memory + (
@@ -522,17 +522,19 @@ def _best_of_kind(
     return best
 
 
-def _better(space: Space, found: tuple[int, ...], fallback: tuple[int, ...] | None, zero: int, m: int,
-            global_batch: int, dtype: str) -> tuple[int, ...]:
-    """The solver's assignment, or ``fallback`` (data parallelism) where the estimate prices that faster within the
-    same memory: the ILP charges every reading block its own conversion of a shared value (`conversions`), so its
-    optimum can be a little off the estimate's."""
-    if fallback is None or fallback == found:
-        return found
-    a, b = (estimate_choice(space, c, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
-            for c in (found, fallback))
-    prefer_b = b.memory.fits >= a.memory.fits and b.iteration_seconds < a.iteration_seconds
-    return fallback if prefer_b else found
+def _better(space: Space, options: list[tuple[int, ...] | None], zero: int, m: int, global_batch: int,
+            dtype: str) -> tuple[tuple[int, ...], Estimate]:
+    """The first of ``options`` (the solver's assignment, or a baseline's) with its Estimate, or a later one (data
+    parallelism) where the estimate prices it faster within the same memory: the ILP charges every reading block its
+    own conversion of a shared value (`conversions`), so its optimum can be a little off the estimate's."""
+    best: tuple[tuple[int, ...], Estimate] | None = None
+    for choice in dict.fromkeys(c for c in options if c is not None):  # each distinct assignment priced once
+        estimate = estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype)
+        if best is None or (estimate.memory.fits >= best[1].memory.fits
+                            and estimate.iteration_seconds < best[1].iteration_seconds):
+            best = (choice, estimate)
+    assert best is not None  # options[0] is never None
+    return best
 
 
 # ---- naming and output ----------------------------------------------------------------------------------------
