@@ -38,6 +38,7 @@ KINDS = {
     "ZeRO 2": {"dp": 2, "mbs": 2, "zero": 2},
     "ZeRO 3": {"dp": 2, "mbs": 2, "zero": 3},
     "TP": {"tp": 2, "mbs": 4},
+    "TP+SP": {"tp": 2, "mbs": 4, "sp": True},
     "PP": {"pp": 2, "mbs": 2},
 }
 # sequence and global batch: 256 x 8 (two micro-batches a step, four through the pipeline; the peak comes as the

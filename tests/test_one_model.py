@@ -1,6 +1,7 @@
-"""Megatron's layout priced by the block model (`cost.intra`) equals the row model (`cost.layers` + `price_layer`)
-that `autopar estimate` and the pipeline search use, layer by layer and for whole models: the intra-op search's
-Megatron baseline and `autopar estimate` are one model, not two that disagree."""
+"""Megatron's layout priced by the block model (`cost.intra`), which `autopar estimate`, the pipeline search and the
+intra-op search all price repeated layers with, equals what the Megatron roles `cost.layers` finds price
+(`price_layer`), layer by layer with and without sequence parallelism, and the intra-op search's Megatron baseline
+equals `autopar estimate` for whole models: one model, not two that disagree."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from autopar.capture import trace
 from autopar.cluster import build_mesh
 from autopar.cluster.spec import load_cluster
 from autopar.cost import ParallelConfig, estimate
-from autopar.cost.pipeline import PipelineModel
+from autopar.cluster import collective_seconds
+from autopar.cost.pipeline import PipelineModel, price_layer
 from autopar.search.intra import baseline_choice, build_space, estimate_choice
 from autopar.zoo import load
 
@@ -38,21 +40,28 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 + 1e-6 * max(abs(a), abs(b))
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_each_layer_costs_the_same_in_both_models(traced, tp: int) -> None:  # noqa: ANN001
+def test_each_layer_costs_the_same_in_both_models(traced, tp: int, sp: bool) -> None:  # noqa: ANN001
+    """What `autopar estimate` prices a repeated layer with (the block model's Megatron assignment) equals what
+    the roles `cost.layers` finds in it price: time, communication, memory and collectives, layer by layer
+    (the first one under SP also gathers the gradient of the stream it scattered)."""
     _, graph = traced
     model = PipelineModel(graph, load_cluster("a100-80g-sxm").with_devices(tp), traced_batch=2)
     mesh = model._mesh(1, 1, tp)
+    tp_axis = mesh.axis("tp")
     rows = [i for i, layer in enumerate(model.layers) if layer.repeated]
     assert rows
     for row in rows:
-        blocks = model.intra_layers.megatron(row, mesh.axis("tp"), samples=2, sp=False)
         for level in ("none", "selective", "full"):
-            rows_price = model.price(row, tp=tp, samples=2, recompute=level, sp=False, mesh=mesh)
-            block_price = blocks[level]
+            roles = price_layer(model.layers[row], model.cluster.device, tp=tp, scale=1.0, recompute=level, sp=sp,
+                                tp_seconds=lambda kind, n: collective_seconds(kind, n, tp_axis, model.cluster))
+            blocks = model._megatron_blocks(row, tp_axis, 2, level, sp)
+            assert blocks is not None and model.price(row, tp=tp, samples=2, recompute=level, sp=sp, mesh=mesh) \
+                is not None
             for name in FIELDS:
-                assert _close(getattr(rows_price, name), getattr(block_price, name)), (row, level, name)
-            assert sorted(rows_price.collectives) == sorted((k, float(n), c) for k, n, c in block_price.collectives)
+                assert _close(getattr(roles, name), getattr(blocks, name)), (row, level, name)
+            assert sorted(roles.collectives) == sorted((k, float(n), c) for k, n, c in blocks.collectives)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

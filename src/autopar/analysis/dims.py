@@ -17,6 +17,7 @@ split dims, transposes, contractions (CFP Table 1's five classes) and the reduct
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -40,6 +41,16 @@ class Dim:
     outputs: tuple[int | None, ...]  # tensor dim at each output (None: reduced away)
     split: Split
     name: str = ""  # role for people and baselines: "m", "n", "k", "batch", "heads", ...
+    # a view's merge or unmerge of dims: splitting this dim splits the merged tensor dim with a stride, the
+    # product of the dims outside it in the merge (DTensor's `_StridedShard` split factor); () is 1 everywhere
+    input_strides: tuple[int, ...] = ()
+    output_strides: tuple[int, ...] = ()
+
+    def input_stride(self, index: int) -> int:
+        return self.input_strides[index] if self.input_strides else 1
+
+    def output_stride(self, index: int) -> int:
+        return self.output_strides[index] if self.output_strides else 1
 
 
 class Linearity(str, Enum):
@@ -57,9 +68,10 @@ class OpDims:
     contraction: bool = False
     addends: int = 0  # leading inputs added to the result (addmm's bias): Partial when a contracted dim splits
 
-    def dim_at_input(self, index: int, tensor_dim: int) -> int | None:
+    def dim_at_input(self, index: int, tensor_dim: int, stride: int = 1) -> int | None:
+        """The iteration dim found at input ``index``'s ``tensor_dim`` (split with ``stride``: `Dim.input_stride`)."""
         for k, d in enumerate(self.dims):
-            if d.inputs[index] == tensor_dim:
+            if d.inputs[index] == tensor_dim and d.input_stride(index) == stride:
                 return k
         return None
 
@@ -261,14 +273,28 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
           "aten.squeeze.dim", "aten.unsqueeze.default", "aten.squeeze.default", "aten.flatten.using_ints",
           "aten.unflatten.int", "aten.squeeze.dims")
 def _view(node: Node) -> OpDims:
+    """A reshape's dims, group by group (`_reshape_groups`): one-to-one dims map across; in a merge each source
+    dim lands on the merged dim, the inner ones with a stride (the product of the dims outside them: the shards of
+    a split sequence dim, flattened with the batch into tokens, are every ``s / n`` tokens of each sample); an
+    unmerge is the same read backwards. Other groups let only their outermost dim split."""
     src, dst = node.inputs[0].shape, node.outputs[0].shape
     groups = _reshape_groups(src, dst)
     if groups is None:
         return _opaque(node)
-    dims = []
+    dims: list[Dim] = []
     for gi, gj in groups:
         big_i = [i for i in gi if src[i] > 1]
         big_j = [j for j in gj if dst[j] > 1]
+        if len(big_i) > 1 and len(big_j) == 1:  # merge
+            dims += [Dim(src[i], (i,), (big_j[0],), Split.FREE, output_strides=(math.prod(src[k] for k in big_i[:n]),))
+                     for n, i in enumerate(big_i)]
+            dims += [Dim(src[i], (i,), (None,), Split.FIXED) for i in gi if src[i] == 1]
+            continue
+        if len(big_i) == 1 and len(big_j) > 1:  # unmerge: one source dim, iterated as the destination's dims
+            dims += [Dim(dst[j], (big_i[0],), (j,), Split.FREE, input_strides=(math.prod(dst[k] for k in big_j[:n]),))
+                     for n, j in enumerate(big_j)]
+            dims += [Dim(src[i], (i,), (None,), Split.FIXED) for i in gi if src[i] == 1]
+            continue
         for i in gi:
             # the outermost non-trivial source dim of a merge lands on the outermost non-trivial destination dim
             lead = bool(big_i) and i == big_i[0] and bool(big_j)
@@ -314,7 +340,7 @@ def _expand(node: Node) -> OpDims:
 @dim_rule("aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
           "aten.chunk.default", "aten.narrow.default", "aten.unbind.int")
 def _slice(node: Node) -> OpDims:
-    """Slicing along one dim: the others pass through; the sliced dim splits freely when every piece divides like
+    """Slicing along one dim: the others pass through; a split's dim splits freely when every piece divides like
     the whole (a fused QKV output split into Q, K and V is sharded per piece, as Megatron lays out its weights)."""
     shape = node.inputs[0].shape
     rank = len(shape)
@@ -325,9 +351,10 @@ def _slice(node: Node) -> OpDims:
     for i, size in enumerate(shape):
         if i == axis:
             outs = tuple(i if len(x.shape) == rank else None for x in node.outputs)
-            pieces = {x.shape[i] for x in node.outputs if len(x.shape) == rank}
-            even = node.op.startswith("aten.split") and len(pieces) == 1
-            dims.append(Dim(size, (i,), outs, Split.FREE if even else Split.FIXED))
+            # pieces of unequal sizes too (grouped-query attention's [q; k; v]): each shard holds its share of
+            # every piece, as the runtime lays the fused weight out (`runtime.apply._qkv_rows`); every piece must
+            # divide (`sharding.apply` checks each output)
+            dims.append(Dim(size, (i,), outs, Split.FREE if node.op.startswith("aten.split") else Split.FIXED))
         else:
             o = i if len(node.outputs[0].shape) == rank or i < axis else i - 1
             dims.append(Dim(size, (i,), tuple(o for _ in node.outputs), Split.FREE if size > 1 else Split.FIXED))

@@ -37,7 +37,7 @@ from autopar.sharding import (
     Transfer,
     apply,
 )
-from autopar.sharding.layout import Partial, Shard
+from autopar.sharding.layout import Partial, StridedShard, is_shard, shard_of
 
 # Values are named relative to the block so that blocks of one signature share one cost: ("out", position in the
 # block, output index) for what it produces, ("in", position, input index) for a value it reads from another block,
@@ -279,10 +279,11 @@ class IntraCost:
             dims = op_dims(node)
             mapped = []
             for p in layout:
-                if isinstance(p, Shard):
-                    k = next((k for k, d in enumerate(dims.dims) if d.outputs and d.outputs[0] == p.dim), None)
+                if is_shard(p):
+                    k = next((k for k, d in enumerate(dims.dims) if d.outputs and d.outputs[0] == p.dim
+                              and d.output_stride(0) == _stride(p)), None)
                     d_in = dims.dims[k].inputs[0] if k is not None else None
-                    mapped.append(Shard(d_in) if d_in is not None else REPLICATE)
+                    mapped.append(shard_of(d_in, dims.dims[k].input_stride(0)) if d_in is not None else REPLICATE)
                 else:
                     mapped.append(p)
             layout = tuple(mapped)
@@ -301,8 +302,8 @@ class IntraCost:
         have = _settled(versions[(src.node, src.index)])
         assignment: list = []
         for axis, p in enumerate(have):
-            if isinstance(p, Shard):
-                k = dims.dim_at_input(primary, p.dim)
+            if is_shard(p):
+                k = dims.dim_at_input(primary, p.dim, _stride(p))
                 assignment.append(k if k is not None and dims.dims[k].split is not Split.FIXED else None)
             elif isinstance(p, Partial):
                 assignment.append(self._partial_choice(node, dims, primary, versions, axis))
@@ -345,7 +346,7 @@ class IntraCost:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _ways(self, layout: Layout) -> int:
-        return math.prod(n for p, n in zip(layout, self.sizes) if isinstance(p, Shard))
+        return math.prod(n for p, n in zip(layout, self.sizes) if is_shard(p))
 
     def _saved_fraction(self, node: Node, strategy: Strategy, contraction: bool) -> float:
         if contraction:  # a contraction saves its activation inputs
@@ -422,6 +423,10 @@ class IntraCost:
         return source.state if kind == "param" else (source.node, source.index)  # type: ignore[return-value]
 
 
+def _stride(p) -> int:  # noqa: ANN001
+    return p.split_factor if isinstance(p, StridedShard) else 1
+
+
 def _settled(versions: dict[Layout, None]) -> Layout:
     """The layout an op follows among those a value is available in: once a pending Partial sum has been reduced
     (for an earlier consumer), later consumers read the reduced version rather than reducing it again."""
@@ -439,20 +444,34 @@ class _NodeView:
 
 def sync_seconds(
     params: list[ParamUse], *, zero: int, micro_batches: int, itemsize: int, mesh: Mesh, cluster: Cluster,
-    uses: list | None = None,
+    uses: list | None = None, latency: bool = True,
 ) -> float:
     """Gradient synchronisation per iteration for the parameters listed: all-reduce over their data-parallel
     axes (ZeRO 0), reduce-scatter + all-gather (ZeRO 1-2), or per micro-batch two all-gathers and a
-    reduce-scatter (ZeRO 3, FSDP). Records ``(kind, axis, bytes, count)`` in ``uses`` when given."""
+    reduce-scatter (ZeRO 3, FSDP). Under ZeRO 0-2 the gradients reduced over one axis go in one collective, as
+    DDP's buckets and the runtime's flattened sum of sequence-parallel norm gradients send them (bucket latency
+    once, not once per parameter); ZeRO 3 gathers each parameter's unit on its own. Without ``latency`` the
+    buckets' fixed cost (a collective of no bytes) is left out: a block's share of the model's buckets, additive
+    over blocks as the ILP needs it. Records
+    ``(kind, axis, bytes, count)`` in ``uses`` when given."""
     total = 0.0
+    buckets: dict[tuple[str, int, int], float] = {}
     for p in params:
         nbytes = p.local * itemsize
         for axis in p.reduce_axes:
-            placement = mesh.placements[axis]
             for kind, count in gradient_sync(zero, micro_batches):
-                total += count * collective_seconds(kind, nbytes, placement, cluster)
+                if zero < 3:
+                    buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + nbytes
+                    continue
+                total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
                 if uses is not None:
                     uses.append((kind.value, axis, nbytes, count))
+    for (kind, axis, count), nbytes in buckets.items():
+        total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
+        if not latency:
+            total -= count * collective_seconds(kind, 0.0, mesh.placements[axis], cluster)
+        if uses is not None:
+            uses.append((kind.value, axis, nbytes, count))
     return total
 
 

@@ -45,7 +45,7 @@ from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra import Candidate, IntraCost
 from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
 from autopar.sharding import REPLICATE, short_layout
-from autopar.sharding.layout import Shard
+from autopar.sharding.layout import Shard, shard_of
 
 if TYPE_CHECKING:
     from autopar.cost.pipeline import LayerPrice, PipelineModel
@@ -292,7 +292,7 @@ class IntraLayers:
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
                 if isinstance(value, str) or self.bg.blocks[self.bg.owner[value[0]]].layer != row:
-                    edge = _WHOLE if isinstance(value, str) else _between(ic.value_info(value).shape, sp, tp_axis.size)
+                    edge = _WHOLE if isinstance(value, str) else _between(ic, value, sp, tp_axis.size)
                     move = ic.convert(value, edge, need, grad)
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
@@ -303,7 +303,7 @@ class IntraLayers:
                 if kind != "out" or (block.nodes[pos], index) not in leaving:
                     continue
                 value = (block.nodes[pos], index)
-                edge = _between(ic.value_info(value).shape, sp, tp_axis.size)
+                edge = _between(ic, value, sp, tp_axis.size)
                 if have == edge:
                     continue
                 move = ic.convert(value, have, edge, edge)
@@ -405,6 +405,8 @@ class IntraLayers:
             activations=saved, temporary=temporary, params=sum(p.params for p in parts),
             collectives=tuple((k, b, c) for (k, b), c in counted.items()),
             forward_collectives=tuple((k, b, c) for (k, b), c in forward_counted.items()),
+            tail=None if tail is None else (tail[0], tail[1], collective_seconds(Collective(tail[0]), tail[1], tp_axis,
+                                                                                  self.model.cluster)),
         )
 
 
@@ -414,14 +416,34 @@ def _phased(collectives, forward_moves: int, scale: float) -> list[tuple[str, fl
             for i, (kind, _axis, nbytes) in enumerate(collectives)]
 
 
-def _between(shape: tuple[int, ...], sp: bool, tp: int) -> tuple:
-    """The layout of a value passed between layers: whole, or under sequence parallelism split by sequence
-    ((batch, sequence, features) dim 1, flattened tokens dim 0) where it divides."""
-    if sp and len(shape) in (2, 3):
-        dim = len(shape) - 2
-        if shape[dim] % tp == 0:
-            return (Shard(dim),)
-    return _WHOLE
+def _between(ic: IntraCost, value: tuple[int, int], sp: bool, tp: int) -> tuple:
+    """The layout of a value passed between layers: whole, or under sequence parallelism split by sequence, where
+    it divides: (batch, sequence, features) at dim 1; tokens flattened from it, (batch x sequence, features), at
+    dim 0 with the batch as stride (each device holds its sequence shard of every sample: `StridedShard`)."""
+    shape = ic.value_info(value).shape
+    if not sp or len(shape) not in (2, 3):
+        return _WHOLE
+    dim = len(shape) - 2
+    if shape[dim] % tp:
+        return _WHOLE
+    if dim == 1:
+        return (Shard(1),)
+    outer = _batch_of_tokens(ic, value, shape[0])
+    return (shard_of(0, outer) if (shape[0] // outer) % tp == 0 else _WHOLE[0],)
+
+
+def _batch_of_tokens(ic: IntraCost, value: tuple[int, int], tokens: int) -> int:
+    """The batch a (tokens, features) value flattens, found behind its views (1 when none shows it)."""
+    node_id, index = value
+    while node_id >= 0 and ic.nodes[node_id].is_view:
+        source = ic.nodes[node_id].sources[0]
+        if source.state is not None:
+            break
+        node_id, index = source.node, source.index
+        shape = ic.nodes[node_id].outputs[index].shape
+        if len(shape) >= 3 and shape[0] * shape[1] == tokens:
+            return shape[0]
+    return 1
 
 
 def _relative(module: str, row: str) -> str:

@@ -37,6 +37,7 @@ class LayerCost:
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
     saved_sharded: int = 0
     saved_replicated: int = 0
+    saved_columns: int = 0  # of ``saved_replicated``, what column-parallel ops save (their whole input)
     attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
     input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
     largest_input: int = 0  # its largest single activation input (what a pipeline stage boundary sends)
@@ -121,6 +122,8 @@ def analyse(graph: Graph) -> list[LayerCost]:
                 layer.saved_sharded += node.saved_bytes
             else:
                 layer.saved_replicated += node.saved_bytes
+                if node.id in layer.columns:
+                    layer.saved_columns += node.saved_bytes
             if "attention" in node.op:
                 layer.attention_saved += node.output_bytes
             layer.largest_output = max(layer.largest_output, node.output_bytes)

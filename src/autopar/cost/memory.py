@@ -444,7 +444,8 @@ def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), s
 
     (views allocate nothing). Under tensor parallelism ``tp`` with ``split = (sharded, columns)`` node ids: a
     sharded op's tensors are 1/tp, but a column-parallel op's input and a row-parallel op's (partial) output are
-    whole; the rest is whole unless ``sp`` shards it too. At the loss this is log-softmax's backward: the
+    whole, with ``sp`` too (the runtime gathers the input before the op and reduce-scatters its gradient
+    after); the rest is whole unless ``sp`` shards it. At the loss this is log-softmax's backward: the
     gradients of the logits and of the log-probabilities, two logits-sized tensors."""
     sharded, columns = split
     whole = tp if sp else 1
@@ -454,8 +455,8 @@ def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), s
             continue
         inside = node.id in sharded
         row = inside and node.id not in columns and node.reads_params
-        out_share = tp if inside and not row else whole
-        in_share = tp if inside and node.id not in columns else whole
+        out_share = tp if inside and not row else 1 if row else whole
+        in_share = tp if inside and node.id not in columns else 1 if node.id in columns else whole
         outputs = sum(t.nbytes for t in node.outputs if t.dtype.startswith(("float", "bfloat")))
         inputs = sum(t.nbytes for t, s in zip(node.inputs, node.sources)
                      if s.state is None and t.dtype.startswith(("float", "bfloat")))
@@ -466,9 +467,10 @@ def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), s
 def saved_bytes(nodes: Iterable, *, split: Sequence[set[int]] = (set(), set()), tp: int = 1,
                 sp: bool = False) -> float:
     """Bytes ``nodes`` save for backward on one device, split as `autopar.cost.layers` splits a layer's: a
-    sharded op's that is not column-parallel 1/tp, the rest whole unless ``sp``."""
+    sharded op's that is not column-parallel 1/tp, a column-parallel op's whole (it saves the input it was given,
+    gathered from sequence shards under ``sp``), the rest whole unless ``sp``."""
     sharded, columns = split
-    return sum(n.saved_bytes / (tp if (n.id in sharded and n.id not in columns) or sp else 1) for n in nodes)
+    return sum(n.saved_bytes / (1 if n.id in columns else tp if n.id in sharded or sp else 1) for n in nodes)
 
 
 def row_peak(nodes: Sequence, gradients: Sequence[float], *, scale: float = 1.0,

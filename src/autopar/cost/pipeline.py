@@ -48,10 +48,11 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from autopar.capture import Graph
@@ -64,6 +65,8 @@ from autopar.cost.memory import Precision, ddp_buckets, gradient_itemsize, gradi
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,10 @@ def price_layer(
     """Price ``layer`` for one device running ``scale`` times the traced batch, TP-sharded nodes split ``tp``
     ways, its kernels run as ``kernels`` says (`compute.sequence_seconds`); ``tp_seconds(kind, nbytes)`` prices
     one collective on the stage's tp axis."""
-    shards = [(node, tp if (node.id in layer.sharded or sp) else 1) for node in layer.nodes]
+    # sequence parallelism splits the repeated layers' work over tp; the rows around them (embedding, head, loss)
+    # run whole on every rank: the stream is scattered at the first layer and gathered for a whole head
+    on_shards = sp and layer.repeated
+    shards = [(node, tp if (node.id in layer.sharded or on_shards) else 1) for node in layer.nodes]
     forward, backward = sequence_seconds([(node, ways / scale) for node, ways in shards], device, kernels=kernels)
     temporary = max((node.output_bytes / ways * scale for node, ways in shards), default=0.0)  # largest output
     calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
@@ -112,7 +118,12 @@ def price_layer(
         if layer.row_outputs and kernels == "eager":  # a compiled layer's forward replays whole (one function)
             tail = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "f")
     forward_calls = Counter((kind.value, nbytes) for kind, nbytes, phase in calls if phase == "f")
-    saved = (layer.saved_sharded / tp + layer.saved_replicated / (tp if sp else 1)) * scale
+    # column-parallel ops save the input they were given whole: under sequence parallelism, gathered from the
+    # shards (torch's ColwiseParallel gathers before the op; Megatron-LM's own kernels would save the shard)
+    saved = (layer.saved_sharded / tp + layer.saved_columns
+             + (layer.saved_replicated - layer.saved_columns) / (tp if on_shards else 1)) * scale
+    if on_shards and tp > 1:  # the gathered input is a buffer of its own
+        temporary = max(temporary, max(layer.column_inputs, default=0) * scale)
     if layer.repeated and recompute == "full":
         backward += forward
         # the forward replays in the backward, its collectives too, except the layer's last one: checkpointing
@@ -321,13 +332,40 @@ class PipelineModel:
         found = self._prices.get(key)
         if found is None:
             tp_axis = mesh.axis("tp")
-            found = self._prices[key] = price_layer(
+            rows = price_layer(
                 self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
                 sp=sp,
                 tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
                 kernels=self.kernels,
             )
+            blocks = self._megatron_blocks(row, tp_axis, samples, recompute, sp)
+            if blocks is not None and blocks.forward > rows.forward * (1 + 1e-6):
+                # work Megatron splits runs whole in the block model's layout (the attention of grouped-query
+                # heads, which its dimension maps cannot split yet): the roles found by `cost.layers` price it
+                log.debug("row %s: the block model replicates work Megatron splits; priced by its roles", row)
+                blocks = None
+            found = self._prices[key] = blocks or rows
         return found
+
+    def _megatron_blocks(self, row: int, tp_axis, samples: float, recompute: str, sp: bool) -> LayerPrice | None:  # noqa: ANN001
+        """A repeated layer under tensor parallelism, priced by the block model (`IntraLayers.megatron`) in
+        Megatron's layout; None where the row model prices it (tp 1, rows outside the repeated layers, layers the
+        block model finds no blocks in). Under sequence parallelism the first layer also gathers the gradient of
+        the stream it scattered into sequence shards."""
+        layer = self.layers[row]
+        if tp_axis.size == 1 or not layer.repeated:
+            return None
+        prices = self.intra_layers.megatron(row, tp_axis, samples=samples, sp=sp)
+        if prices is None:
+            return None
+        price = prices[recompute]
+        if not (sp and layer.sp_entry):
+            return price
+        entry = layer.sp_entry * samples / self.traced_batch
+        calls = Counter({(k, n): c for k, n, c in price.collectives})
+        calls[(Collective.ALL_GATHER.value, entry)] += 1
+        return replace(price, comm_backward=price.comm_backward + collective_seconds(
+            Collective.ALL_GATHER, entry, tp_axis, self.cluster), collectives=tuple((k, n, c) for (k, n), c in calls.items()))
 
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
                  overlap: bool = True) -> PipelineEstimate:

@@ -185,7 +185,7 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
                 continue
             sync = sync_seconds(
                 bc.params, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
-                cluster=ic.cluster,
+                cluster=ic.cluster, latency=zero == 3,  # ZeRO 0-2: the model's buckets' latency is not a block's
             )
             c_row[i] = m * bc.seconds + sync
             held = sum(_states(bc.params, zero=zero, dtype=dtype, sizes=sizes))
@@ -256,6 +256,7 @@ def estimate_choice(
     weights = grads = optim = 0.0
     uses: Counter[tuple[str, str, float]] = Counter()
     names = _axis_labels(space, choice)
+    synced: list[ParamUse] = []
     for cls in space.classes:
         n = cls.count
         bc = ic.block_cost(cls.block, space.candidates[cls.var][choice[cls.var]])
@@ -264,17 +265,16 @@ def estimate_choice(
         comm += n * m * (bc.comm_forward + bc.comm_backward)
         for kind, axis, nbytes in bc.collectives:
             uses[(kind, names[axis], nbytes)] += n * m
-        sync_uses: list = []
-        comm += n * sync_seconds(
-            bc.params, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
-            cluster=ic.cluster, uses=sync_uses,
-        )
-        for kind, axis, nbytes, count in sync_uses:
-            uses[(kind, names[axis], nbytes)] += n * count
+        synced += bc.params * n
         w, g, o = _states(bc.params, zero=zero, dtype=dtype, sizes=sizes)
         weights, grads, optim = weights + n * w, grads + n * g, optim + n * o
         saved += n * bc.saved
         temporary = max(temporary, bc.temporary)
+    sync_uses: list = []  # the whole model's gradients at once: one bucketed collective per axis (ZeRO 0-2)
+    comm += sync_seconds(synced, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
+                         cluster=ic.cluster, uses=sync_uses)
+    for kind, axis, nbytes, count in sync_uses:
+        uses[(kind, names[axis], nbytes)] += count
     for transfer in conversions(space, choice):
         comm += m * transfer.seconds
         for kind, axis, nbytes in transfer.collectives:

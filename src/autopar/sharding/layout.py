@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["Layout", "LayoutCosts", "Partial", "Replicate", "Shard", "Transfer"]
-from torch.distributed.tensor.placement_types import Placement
+__all__ = ["Layout", "LayoutCosts", "Partial", "Replicate", "Shard", "StridedShard", "Transfer", "is_shard", "shard_of"]
 
 from autopar.cluster import Cluster, Collective, collective_seconds
 from autopar.cluster.mesh import Mesh
@@ -39,8 +39,25 @@ PARTIAL = Partial()
 INF = math.inf
 
 
+# A split of a dim that merges others, taken along one of the inner ones (a sequence split of a (batch, sequence)
+# dim flattened into tokens): DTensor's own placement for it. It moves as a Shard does (gathers, scatters, slices).
+StridedShard = _StridedShard
+
+
+def is_shard(p: Placement) -> bool:
+    return isinstance(p, (Shard, StridedShard))
+
+
+def shard_of(dim: int, stride: int = 1) -> Placement:
+    """``Shard(dim)``, or ``StridedShard(dim, split_factor=stride)`` for a strided split (`analysis.Dim`)."""
+    return Shard(dim) if stride == 1 else StridedShard(dim, split_factor=stride)
+
+
 def short(p: Placement) -> str:
-    """`Shard(0)` -> ``S(0)``, `Replicate()` -> ``R``, `Partial()` -> ``P`` (DTensor's own short form)."""
+    """`Shard(0)` -> ``S(0)``, `StridedShard(0, split_factor=4)` -> ``S(0)/4``, `Replicate()` -> ``R``,
+    `Partial()` -> ``P`` (DTensor's own short forms)."""
+    if isinstance(p, StridedShard):
+        return f"S({p.dim})/{p.split_factor}"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     return "P" if isinstance(p, Partial) else "R"
@@ -58,14 +75,17 @@ def parse(text: str) -> Placement:
         return PARTIAL
     if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
         return Shard(int(text[2:-1]))
-    raise ValueError(f"placement {text!r} is not one of S(<dim>), R, P")
+    head, _, stride = text.partition(")/")
+    if head.startswith("S(") and head[2:].isdigit() and stride.isdigit() and int(stride) > 1:
+        return StridedShard(int(head[2:]), split_factor=int(stride))
+    raise ValueError(f"placement {text!r} is not one of S(<dim>), S(<dim>)/<stride>, R, P")
 
 
 def local_shape(shape: tuple[int, ...], layout: Layout, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
     """The per-device shape under ``layout``; None when a sharded dim does not divide evenly."""
     local = list(shape)
     for p, n in zip(layout, sizes):
-        if isinstance(p, Shard):
+        if is_shard(p):
             if p.dim >= len(local) or local[p.dim] % n:
                 return None
             local[p.dim] //= n
@@ -142,7 +162,9 @@ class LayoutCosts:
                 continue
             nbytes = itemsize * math.prod(local)
             for axis, (have, want) in enumerate(zip(layout, target)):
-                for goal in {want, REPLICATE}:
+                # a pending sum goes straight to where it is wanted, as DTensor's redistribute takes it (a
+                # reduce-scatter, never an all-reduce and a slice, even where the cluster prices that lower)
+                for goal in ({want} if isinstance(have, Partial) else {want, REPLICATE}):
                     if goal == have:
                         continue
                     step = self._step(have, goal, nbytes, axis)
@@ -164,7 +186,7 @@ class LayoutCosts:
         n = self.sizes[axis]
         if isinstance(goal, Partial):
             return None
-        if isinstance(have, Shard) and goal == REPLICATE:
+        if is_shard(have) and goal == REPLICATE:
             return self._move(Collective.ALL_GATHER, nbytes * n, axis), Collective.ALL_GATHER.value, nbytes * n
         if isinstance(have, Partial) and goal == REPLICATE:
             return self._move(Collective.ALL_REDUCE, nbytes, axis), Collective.ALL_REDUCE.value, nbytes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autopar.analysis import Linearity, OpDims, Split
 from autopar.capture import Node, TensorInfo
-from autopar.sharding.layout import PARTIAL, REPLICATE, Layout, Shard, short_layout
+from autopar.sharding.layout import PARTIAL, REPLICATE, Layout, is_shard, shard_of, short_layout
 
 PASS = "P"
 Assign = int | str | None
@@ -85,13 +85,15 @@ def apply(
                 in_layouts[j].append(PARTIAL)
                 grad_layouts[j].append(REPLICATE)
                 continue
-            in_layouts[j].append(Shard(d) if d is not None else REPLICATE)
-            grad_layouts[j].append(Shard(d) if d is not None else (PARTIAL if _is_float(t) else REPLICATE))
+            split = shard_of(d, dim.input_stride(j)) if d is not None else None
+            in_layouts[j].append(split or REPLICATE)
+            grad_layouts[j].append(split or (PARTIAL if _is_float(t) else REPLICATE))
         for o, t in enumerate(outputs):
             d = dim.outputs[o]
             if d is not None and t.shape[d] % total:
                 return None
-            out_layouts[o].append(Shard(d) if d is not None else (PARTIAL if dim.split is Split.PARTIAL else REPLICATE))
+            out_layouts[o].append(shard_of(d, dim.output_stride(o)) if d is not None else (
+                PARTIAL if dim.split is Split.PARTIAL else REPLICATE))
     return Strategy(
         assignment=tuple(assignment),
         inputs=tuple(tuple(x) for x in in_layouts),
@@ -127,5 +129,5 @@ def _is_float(t: TensorInfo) -> bool:
 
 def local_bytes(t: TensorInfo, layout: Layout, sizes: tuple[int, ...]) -> float:
     """Bytes of ``t`` on one device under ``layout`` (Partial and Replicate keep the whole tensor)."""
-    ways = math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
+    ways = math.prod(n for p, n in zip(layout, sizes) if is_shard(p))
     return t.nbytes / ways
