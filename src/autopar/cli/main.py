@@ -21,9 +21,9 @@ from autopar.cli.signals import SignalHandling
 
 
 def commands() -> tuple[ModuleType, ...]:
-    from autopar.cli import analyze, calibrate, dryrun, estimate, models, plan, profile, run
+    from autopar.cli import analyze, calibrate, dryrun, estimate, export, models, plan, profile, run
 
-    return (profile, estimate, analyze, plan, run, dryrun, calibrate, models)
+    return (profile, estimate, analyze, plan, export, run, dryrun, calibrate, models)
 
 
 class Parser(argparse.ArgumentParser):
