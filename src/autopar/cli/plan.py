@@ -98,8 +98,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         if chosen is None:
             raise KeyboardInterrupt
     if chosen is None:
+        mesh = "x".join(map(str, shape))
+        if any(p is not None for p in found.values()):  # the baselines divide the batch: the solver ran out of time
+            raise ValueError(f"no {args.search} plan found for --batch {args.batch} on mesh {mesh} within "
+                             f"--budget-s {args.budget_s:g}: the solver had no solution yet; raise --budget-s")
         raise ValueError(
-            f"no {args.search} plan exists for --batch {args.batch} on mesh {'x'.join(map(str, shape))}: "
+            f"no {args.search} plan exists for --batch {args.batch} on mesh {mesh}: "
             "the batch does not divide over the devices"
         )
     name = zoo.config.name
