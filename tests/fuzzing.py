@@ -578,7 +578,7 @@ def mutate_tree(draw: Callable, doc: Any, paths: Sequence[tuple]) -> tuple[Any, 
         ops += ["number", "number"]
     op = draw(st.sampled_from(ops))
     if op == "replace":
-        value = draw(st.sampled_from(EDGE_VALUES))
+        value = copy.deepcopy(draw(st.sampled_from(EDGE_VALUES)))  # never the shared constant
         set_at(doc, path, value)
         return doc, f"{where} = {_short(value)}"
     if op == "retype":
@@ -590,7 +590,7 @@ def mutate_tree(draw: Callable, doc: Any, paths: Sequence[tuple]) -> tuple[Any, 
         return doc, f"del {where}"
     if op == "add_unknown":
         key = draw(st.sampled_from(["unknown_field", "__class__", "", "device", "import"]))
-        value = draw(st.sampled_from(EDGE_VALUES))
+        value = copy.deepcopy(draw(st.sampled_from(EDGE_VALUES)))  # never the shared constant
         node[key] = value
         return doc, f"{where}[{key!r}] = {_short(value)} (unknown field)"
     if op == "clear":
@@ -608,7 +608,7 @@ def mutate_tree(draw: Callable, doc: Any, paths: Sequence[tuple]) -> tuple[Any, 
         node[a], node[b] = node[b], node[a]
         return doc, f"{where}: values of {a!r} and {b!r} swapped"
     if op == "append":
-        value = draw(st.sampled_from(EDGE_VALUES))
+        value = copy.deepcopy(draw(st.sampled_from(EDGE_VALUES)))  # never the shared constant
         node.append(value)
         return doc, f"{where} += [{_short(value)}]"
     if op == "drop":

@@ -62,7 +62,7 @@ PLAN_SEEDS = {
     "hf-llama-tiny-tp2": ["estimate", "hf:llama-tiny", "--seq", "32", "--cluster", "cpu", "--gpus", "2",
                           "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "2"],
     "ilp-2x2": ["plan", *TINY, "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--search", "ilp", "--mesh", "2x2",
-                "--budget-s", "5"],
+                "--budget-s", "60"],
 }
 DRYRUN_PIPELINE_REFUSAL = "pipeline plans is not supported"
 # a change of one of these is a change of what the plan does (not of its recorded figures)

@@ -75,6 +75,8 @@ def apply(
         total = factor.get(choice, 1) * n
         if dim.size % total:
             return None
+        if choice in factor and any(dim.input_stride(j) > 1 for j in range(n_in)):
+            return None  # DTensor does not unflatten a strided split made over two mesh axes
         factor[choice] = total
         shard *= n
         for j, t in enumerate(inputs):
@@ -85,14 +87,14 @@ def apply(
                 in_layouts[j].append(PARTIAL)
                 grad_layouts[j].append(REPLICATE)
                 continue
-            split = shard_of(d, dim.input_stride(j)) if d is not None else None
+            split = shard_of(d, _local_stride(dims, choice, factor, j, inputs=True)) if d is not None else None
             in_layouts[j].append(split or REPLICATE)
             grad_layouts[j].append(split or (PARTIAL if _is_float(t) else REPLICATE))
         for o, t in enumerate(outputs):
             d = dim.outputs[o]
             if d is not None and t.shape[d] % total:
                 return None
-            out_layouts[o].append(shard_of(d, dim.output_stride(o)) if d is not None else (
+            out_layouts[o].append(shard_of(d, _local_stride(dims, choice, factor, o, inputs=False)) if d is not None else (
                 PARTIAL if dim.split is Split.PARTIAL else REPLICATE))
     return Strategy(
         assignment=tuple(assignment),
@@ -101,6 +103,22 @@ def apply(
         gradients=tuple(tuple(x) for x in grad_layouts),
         shard=shard,
     )
+
+
+def _local_stride(dims: OpDims, choice: int, factor: dict[int, int], index: int, *, inputs: bool) -> int:
+    """The stride of a merged dim's split as DTensor counts it: a strided split interleaves the local pieces of the
+    dims outside it, so the shards earlier mesh axes already took of those outer dims divide it (batch 4 split in
+    2, then sequence flattened with it: ``S(0)/2``, not ``S(0)/4``)."""
+    dim = dims.dims[choice]
+    side = (lambda d: d.inputs[index]) if inputs else (lambda d: d.outputs[index])
+    stride_of = (lambda d: d.input_stride(index)) if inputs else (lambda d: d.output_stride(index))
+    stride = stride_of(dim)
+    if stride == 1:
+        return 1
+    for k, other in enumerate(dims.dims):
+        if k != choice and k in factor and side(other) == side(dim) and stride_of(other) < stride:
+            stride //= factor[k]
+    return stride
 
 
 def strategies(node: Node, dims: OpDims, sizes: tuple[int, ...], *, partial: bool = False) -> list[Strategy]:
