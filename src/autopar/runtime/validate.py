@@ -10,6 +10,9 @@ built on the meta device (no memory) and traced once:
 - the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_of`);
 - every split dimension divides by the devices that split it, and attention heads (and key/value heads) divide by
   tp, since the runtime gives each tp rank whole heads;
+- no projection that tp splits by output features has its output cut along those features by the model's own code
+  (a fused QKV ``Linear(h, 3h)`` followed by ``.split(h, dim=-1)``, ``.chunk(3, -1)`` or a slice) before the heads are
+  formed: each rank's shard would be cut in the wrong places, a different model (`_check_split_outputs`);
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
@@ -46,8 +49,9 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
                  **work.overrides).module
     check_matches(model, plan)
-    _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
+    graph = _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
     _check_divisible(model, plan)
+    _check_split_outputs(graph, plan, model)
     _check_batch_norm(model, plan)
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
@@ -163,15 +167,84 @@ def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *
     optimizer.step()
 
 
-def _check_chain(plan: Plan, planned) -> None:  # noqa: ANN001
-    from autopar.capture import trace
+def _check_chain(plan: Plan, planned):  # noqa: ANN001, ANN202 - returns the traced Graph
+    from autopar.capture import CaptureError, trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
     from autopar.search.pipeline import config_of
 
-    graph = trace(planned.module, example_kwargs=planned.inputs)
+    try:
+        graph = trace(planned.module, example_kwargs=planned.inputs)
+    except CaptureError as exc:  # a kernel whose fake implementation takes bf16 only (MoE's grouped matmul on CPU)
+        try:  # the chain of layers is the same in any dtype
+            graph = trace(planned.module.to(torch.bfloat16), example_kwargs={
+                k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in planned.inputs.items()})
+        except CaptureError:
+            raise ValueError(f"the model cannot be traced as the runtime builds it (fp32): {exc}") from None
     model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1, dtype="fp32")
     config_of(model, plan)
+    return graph
+
+
+def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
+    """Refuse tp over a projection whose output the model cuts along its output features (split, chunk, slice,
+    narrow) before any reshape changes that dim: column-parallel, each rank holds a contiguous block of those
+    features, so a fused ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The
+    zoo's own attention is exempt: the runtime permutes its fused rows to whole heads per rank."""
+    from autopar.zoo.layers import Attention
+
+    tp = plan.grid[1] if plan.is_pipeline else 1
+    if tp == 1:
+        return
+    modules = dict(model.named_modules())
+    split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
+             if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
+    blocks = {fqn.rpartition(".")[0] for fqn, dim in split.items() if dim == 1}  # they hold a row-parallel linear
+    # column-parallel linears whose outputs stay sharded (a row partner in their block; others are gathered)
+    columns = {fqn for fqn, dim in split.items() if dim == 0 and fqn.rpartition(".")[0] in blocks
+               and not isinstance(modules.get(fqn.rpartition(".")[0]), Attention)}
+    if not columns:
+        return
+    consumers: dict[int, list] = {}
+    for node in graph.nodes:
+        for ref in node.sources:
+            if ref.node >= 0:
+                consumers.setdefault(ref.node, []).append(node)
+    for node in graph.nodes:
+        weight = graph.state.get(f"{node.module}.weight") if node.module in columns else None
+        if weight is not None and node.outputs and len(node.outputs[0].shape) >= 2:
+            cut = _cut_along_last(node, consumers, weight.tensor.shape[0])
+            if cut is not None:
+                raise ValueError(
+                    f"module {node.module!r} would be split by output features over tp {tp}, but the model cuts its "
+                    f"output along those features ({cut.op} in {cut.module or '<root>'!r}) before forming heads, "
+                    "as a fused q/k/v projection split by .split()/.chunk() does: each rank would cut its shard in "
+                    "the wrong places and train a different model; plan with tp 1 (--runnable finds one), or "
+                    "project q, k and v with separate Linear layers")
+
+
+_CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.slice.Tensor", "aten.narrow.default",
+         "aten.chunk.default")
+
+
+def _cut_along_last(start, consumers: dict[int, list], features: int):  # noqa: ANN001, ANN202
+    """The first op that cuts ``start``'s output (``features`` wide in its last dim) along that dim, following
+    ops that keep the last dim whole (views, bias adds, casts, element-wise ops), or None."""
+    if start.outputs[0].shape[-1] != features:
+        return None
+    frontier, seen = [start], {start.id}
+    while frontier:
+        node = frontier.pop()
+        for user in consumers.get(node.id, ()):
+            if user.id in seen or not user.outputs:
+                continue
+            seen.add(user.id)
+            shape, out = node.outputs[0].shape, user.outputs[0].shape
+            if user.op in _CUTS and len(out) == len(shape) and out[-1] < shape[-1] and out[:-1] == shape[:-1]:
+                return user
+            if len(out) >= 2 and out[-1] == features and (user.is_view or out == shape):
+                frontier.append(user)
+    return None
 
 
 def _check_divisible(model: nn.Module, plan: Plan) -> None:
