@@ -208,9 +208,10 @@ def _progress(show: bool, start: float):  # noqa: ANN202
 
 
 def workload(args: argparse.Namespace, zoo: Any) -> Workload:
-    """What `autopar run` needs to rebuild the model and its batches."""
+    """What `autopar run` needs to rebuild the model and its batches (the model as the zoo names it: a file's path
+    made absolute)."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
-    return Workload(model=args.model, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
+    return Workload(model=zoo.config.name, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
                     dtype=args.dtype)
 
 
