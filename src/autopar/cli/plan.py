@@ -235,7 +235,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype, kernels=args.kernels,
                           screen=True)  # searches: the closed form
-    limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module), kernels=args.kernels)
+    limit = _runtime_limit(graph, zoo.module, kernels=args.kernels)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
@@ -360,6 +360,18 @@ def _title(data: dict[str, Any]) -> str:
     return (f"{data['model']} on {data['gpus']} x {data['cluster']}: {data['search']} plan, "
             f"{_count(len(plan['stages']), 'stage')} (dp x tp {grids}), micro-batch {plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO "
             f"{plan['zero']}, {plan['schedule']}")
+
+
+def _runtime_limit(graph: Any, module: Any, *, kernels: str) -> Any:
+    """Why `autopar run` cannot run a configuration of this model (`runtime_limit`), tp > 1 included where the
+    model cuts the output of a projection tp would split (`runtime.validate.tensor_parallel_refusal`)."""
+    from autopar.runtime.validate import tensor_parallel_refusal
+
+    shaped = functools.partial(runtime_limit, pipelines=_can_pipeline(module), kernels=kernels)
+    no_tp = tensor_parallel_refusal(graph, module)
+    if no_tp is None:
+        return shaped
+    return lambda config: no_tp if any(s.tp > 1 for s in config.stages) else shaped(config)
 
 
 def _can_pipeline(module: Any) -> bool:

@@ -187,40 +187,77 @@ def _check_chain(plan: Plan, planned):  # noqa: ANN001, ANN202 - returns the tra
 
 
 def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
-    """Refuse tp over a projection whose output the model cuts along its output features (split, chunk, slice,
-    narrow) before any reshape changes that dim: column-parallel, each rank holds a contiguous block of those
-    features, so a fused ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The
-    zoo's own attention is exempt: the runtime permutes its fused rows to whole heads per rank."""
-    from autopar.zoo.layers import Attention
-
+    """Refuse tp over a projection whose output the model cuts along its output features before any reshape
+    changes that dim (`cut_projections`); only column-parallel linears whose outputs stay sharded (a row-parallel
+    partner in their block, as the runtime pairs them) can be affected."""
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
-    modules = dict(model.named_modules())
     split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
              if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
-    blocks = {fqn.rpartition(".")[0] for fqn, dim in split.items() if dim == 1}  # they hold a row-parallel linear
-    # column-parallel linears whose outputs stay sharded (a row partner in their block; others are gathered)
-    columns = {fqn for fqn, dim in split.items() if dim == 0 and fqn.rpartition(".")[0] in blocks
-               and not isinstance(modules.get(fqn.rpartition(".")[0]), Attention)}
-    if not columns:
-        return
+    blocks = {fqn.rpartition(".")[0] for fqn, dim in split.items() if dim == 1}
+    columns = [fqn for fqn, dim in split.items() if dim == 0 and fqn.rpartition(".")[0] in blocks]
+    found = cut_projections(graph, model, columns)
+    if found:
+        raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
+
+
+def tensor_parallel_refusal(graph, model: nn.Module) -> str | None:  # noqa: ANN001 - a traced Graph
+    """Why no plan with tp > 1 can run ``model`` exactly (any of its projections may be split by output features,
+    and one has its output cut along them: `cut_projections`), or None. The planner's ``--runnable`` keeps its
+    search to tp 1 then."""
+    found = cut_projections(graph, model, [name for name, info in graph.state.items()
+                                           if name.endswith(".weight") and len(info.tensor.shape) == 2])
+    return _cut_message(*found[0], tp="tp") if found else None
+
+
+def _cut_message(module: str, cut, *, tp: str) -> str:  # noqa: ANN001 - the graph Node that cuts
+    return (f"module {module!r} would be split by output features over {tp}, but the model cuts its output along "
+            f"those features ({cut.op} in {cut.module or '<root>'!r}) before forming heads, as a fused q/k/v "
+            "projection split by .split()/.chunk() does: each rank would cut its shard in the wrong places and train "
+            "a different model; plan with tp 1 (--runnable finds one), or project q, k and v with separate Linear "
+            "layers")
+
+
+def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  # noqa: ANN001
+    """For each module of ``names`` (module or weight FQNs) that owns a 2-D weight: the first op that cuts its
+    output along its output features (split, chunk, slice, narrow) before any reshape changes that dim, as
+    ``[(module, op node)]``. Column-parallel, each rank holds a contiguous block of those features, so a fused
+    ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The zoo's own attention is
+    exempt: the runtime permutes its fused rows to whole heads per rank."""
+    from autopar.zoo.layers import Attention
+
+    modules = dict(model.named_modules())
+    wanted = {name.removesuffix(".weight") for name in names}
+    wanted = {m for m in wanted if not isinstance(modules.get(m.rpartition(".")[0]), Attention)}
+    if not wanted:
+        return []
+    nodes = _first_instances(graph)
     consumers: dict[int, list] = {}
-    for node in graph.nodes:
+    for node in nodes:
         for ref in node.sources:
             if ref.node >= 0:
                 consumers.setdefault(ref.node, []).append(node)
-    for node in graph.nodes:
-        weight = graph.state.get(f"{node.module}.weight") if node.module in columns else None
-        if weight is not None and node.outputs and len(node.outputs[0].shape) >= 2:
-            cut = _cut_along_last(node, consumers, weight.tensor.shape[0])
-            if cut is not None:
-                raise ValueError(
-                    f"module {node.module!r} would be split by output features over tp {tp}, but the model cuts its "
-                    f"output along those features ({cut.op} in {cut.module or '<root>'!r}) before forming heads, "
-                    "as a fused q/k/v projection split by .split()/.chunk() does: each rank would cut its shard in "
-                    "the wrong places and train a different model; plan with tp 1 (--runnable finds one), or "
-                    "project q, k and v with separate Linear layers")
+    found: dict[str, Any] = {}
+    for node in nodes:
+        weight = graph.state.get(f"{node.module}.weight") if node.module in wanted else None
+        if weight is None or node.module in found or not node.outputs or len(node.outputs[0].shape) < 2:
+            continue
+        cut = _cut_along_last(node, consumers, weight.tensor.shape[0])
+        if cut is not None:
+            found[node.module] = cut
+    return list(found.items())
+
+
+def _first_instances(graph) -> list:  # noqa: ANN001 - a traced Graph; returns its Nodes
+    """The graph's nodes outside repeated layers and those of the first of each repeated layer (the others are
+    copies of it): a 1,000-layer model costs what a 10-layer one does."""
+    copies = sorted(span for group in graph.repeats for span in group.spans[1:])
+    nodes, at = [], 0
+    for start, stop in [*copies, (graph.num_nodes, graph.num_nodes)]:
+        nodes += [graph.node(i) for i in range(at, max(at, start))]
+        at = max(at, stop)
+    return nodes
 
 
 _CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.slice.Tensor", "aten.narrow.default",
