@@ -75,7 +75,12 @@ def bounded_seconds(most: float) -> Callable[[str], float]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="zoo name (gpt3-1.3b, llama-7b, ...) or hf:<type>")
+    parser.add_argument(
+        "model", metavar="MODEL",
+        help="zoo name (gpt3-1.3b, llama-7b, ...; autopar models); hf:<model_type> (any type autopar models --hf "
+        "lists: hf:gemma, hf:qwen3, hf:t5, hf:vit, hf:whisper, ...); hf:path/to/config.json; or "
+        "path/to/file.py:function (package.module:function), where function(batch) returns (model, inputs) and "
+        "model(**inputs) returns the loss: your file runs as a training script does")
     parser.add_argument("--batch", type=bounded_int(MAX_BATCH), default=1, help="global batch size (default 1)")
     parser.add_argument("--seq", type=bounded_int(MAX_SEQ), default=None,
                         help="sequence length (default: the model's)")
