@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 import autopar
 from autopar.cli.main import main

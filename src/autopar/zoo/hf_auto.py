@@ -6,7 +6,10 @@ options map onto the config's own field names (through its ``attribute_map``), e
 (an encoder-decoder's ``--layers`` sets both stacks). Derived values follow what they derive from unless given:
 key/value heads follow ``--heads`` where the default is multi-head attention (``kv_heads`` 0), the head size
 follows ``--hidden``/``--heads`` where the default is ``hidden / heads`` (``head_dim`` 0), decoder layers follow
-``--layers`` where the default has as many as the encoder (``decoder_layers`` 0). Planning sequence (``seq``):
+``--layers`` where the default has as many as the encoder (``decoder_layers`` 0), the rotated part of a head
+(``rotary_dim``) keeps its share of the head, and a per-layer list of attention kinds keeps its pattern at the new
+depth. A language model whose config has no vocabulary of its own but a ``text_config`` (a multimodal type) takes
+the options on that text part and runs on text. Planning sequence (``seq``):
 the positions the config has, at most 2,048 for causal LMs and 512 for masked and sequence-to-sequence LMs (those
 numbers where it has none), the decoder's positions for speech, the image side for vision.
 """
@@ -14,9 +17,8 @@ numbers where it has none), the decoder's positions for speech, the image side f
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
-import logging
-import math
 import os
 from typing import Any
 
@@ -24,27 +26,10 @@ import torch
 from torch import nn
 
 from autopar.zoo.config import ModelConfig
-from autopar.zoo.hf_tasks import Head, example_inputs as task_inputs, head_of, heads, transformers_module
+from autopar.zoo.hf_fields import FIELDS, dropouts, field_names, read, text_part
+from autopar.zoo.hf_tasks import TASK_MAPPINGS, Head, head_of, heads, transformers_module
+from autopar.zoo.hf_tasks import example_inputs as task_inputs
 
-log = logging.getLogger(__name__)
-
-# autopar option -> the config fields that hold it (before the config's attribute_map), every present one is set
-FIELDS: dict[str, tuple[str, ...]] = {
-    "layers": ("num_hidden_layers",),
-    "decoder_layers": ("num_decoder_layers", "decoder_layers"),
-    "hidden": ("hidden_size",),
-    "heads": ("num_attention_heads", "decoder_attention_heads"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads"),
-    "head_dim": ("head_dim",),
-    "ffn": ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "ffn_hidden_size", "encoder_ffn_dim",
-            "decoder_ffn_dim"),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "top_k": ("num_experts_per_tok", "moe_topk"),
-    "positions": ("max_position_embeddings", "max_target_positions"),
-    "vocab": ("vocab_size",),
-    "classes": ("num_labels",),
-    "sliding_window": ("sliding_window",),
-}
 DEFAULT_SEQ = {"causal-lm": 2048, "masked-lm": 512, "seq2seq-lm": 512, "speech-seq2seq": 448}
 
 
@@ -95,9 +80,6 @@ def head_for(model_type: str, path: str | None) -> Head:
     assert head is not None  # `source` checked it
     architectures = _file_values(path).get("architectures") or []
     if architectures and isinstance(architectures[0], str) and architectures[0] != head.class_name:
-        from autopar.zoo.hf_tasks import TASK_MAPPINGS
-        import importlib
-
         auto = importlib.import_module("transformers.models.auto.modeling_auto")
         for task, mapping in TASK_MAPPINGS:
             names = getattr(auto, mapping, {}).get(model_type)
@@ -106,53 +88,9 @@ def head_for(model_type: str, path: str | None) -> Head:
     return head
 
 
-def _names(config: Any, option: str) -> list[str]:
-    """The config's own names of ``option``'s fields that it has, resolved through its attribute_map, once each."""
-    mapped = getattr(type(config), "attribute_map", {}) or {}
-    names: list[str] = []
-    for name in FIELDS.get(option, (option,)):
-        real = mapped.get(name, name)
-        if real not in names and (real in config.__dict__ or hasattr(config, real)):
-            names.append(real)
-    return names
-
-
-def field_names(config: Any, option: str) -> list[str]:
-    """The fields of ``option`` that can be set (a read-only property is computed from others)."""
-    names = []
-    for name in _names(config, option):
-        derived = getattr(type(config), name, None)
-        if not (isinstance(derived, property) and derived.fset is None):
-            names.append(name)
-    if option == "kv_heads":  # a config that maps key/value heads onto the heads field has none of its own
-        names = [n for n in names if n not in _names(config, "heads")]
-    return names
-
-
-def read(config: Any, option: str) -> int:
-    """The config's value of ``option`` (an integer), 0 where it has none."""
-    names = _names(config, option)
-    if option == "kv_heads":
-        names = [n for n in names if n not in _names(config, "heads")]
-    for name in names:
-        try:
-            value = getattr(config, name, None)
-        except Exception:  # noqa: BLE001 - a config that refuses one value for all layers (per-layer configs)
-            value = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return 0
-
-
 def default_config(model_type: str, path: str | None, **changes: Any) -> Any:
     """The transformers config: the type's defaults (or the file's values) with ``changes`` on top."""
     return transformers_module().AutoConfig.for_model(model_type, **{**_file_values(path), **changes})
-
-
-def _dropouts(config: Any) -> dict[str, float]:
-    """The config's dropout probabilities by field name."""
-    return {k: v for k, v in config.to_dict().items()
-            if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and 0.0 <= v < 1.0}
 
 
 def _planning_seq(config: Any, task: str) -> int:
@@ -161,15 +99,6 @@ def _planning_seq(config: Any, task: str) -> int:
         return int(side[0] if isinstance(side, (list, tuple)) else side)
     positions = read(config, "positions")
     return min(positions, DEFAULT_SEQ[task]) if positions > 0 else DEFAULT_SEQ[task]
-
-
-def text_part(config: Any, head: Head) -> tuple[Any, str | None]:
-    """The config holding the model's shape, and its key: the config itself (key None), or, for a language model
-    whose config has no vocabulary of its own, its ``text_config`` (a multimodal model run on text)."""
-    sub = getattr(config, "text_config", None)
-    if head.task != "image-classification" and not read(config, "vocab") and hasattr(sub, "to_dict"):
-        return sub, "text_config"
-    return config, None
 
 
 def options(name: str, config: Any, head: Head) -> dict[str, Any]:
@@ -187,7 +116,7 @@ def options(name: str, config: Any, head: Head) -> dict[str, Any]:
         "kv_heads": 0 if kv == heads_ else kv, "vocab": vocab, "ffn": read(config, "ffn"),
         "head_dim": 0 if heads_ and hidden and head_dim * heads_ == hidden else head_dim,
         "experts": read(config, "experts"), "top_k": read(config, "top_k") or 2,
-        "seq": _planning_seq(config, head.task), "dropout": max(_dropouts(config).values(), default=0.0),
+        "seq": _planning_seq(config, head.task), "dropout": max(dropouts(config).values(), default=0.0),
     }
 
 
@@ -247,7 +176,7 @@ def _sized(cfg: ModelConfig, config: Any, head: Head, base: dict[str, Any]) -> d
         if 0 < positions < cfg.seq:
             out.update(dict.fromkeys(field_names(config, "positions")[:1], cfg.seq))
     if cfg.dropout != base["dropout"]:
-        out.update(dict.fromkeys(_dropouts(config), cfg.dropout))
+        out.update(dict.fromkeys(dropouts(config), cfg.dropout))
     kinds = field_names(config, "layer_types")  # one entry per layer (attention kinds): the pattern, at the new depth
     pattern = getattr(config, kinds[0], None) if kinds else None
     if cfg.layers != base["layers"] and isinstance(pattern, list) and pattern and cfg.layers:
