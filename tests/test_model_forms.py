@@ -287,3 +287,15 @@ def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pyt
     assert code == 0, err
     assert "check: losses and gradients match" in text
     assert os.path.exists(out)
+
+
+def test_a_replicated_norm_between_split_linears_is_refused_under_tp(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3 normalises q and k per head with one weight: under tp each rank would see only its own heads'
+    gradient of it (`autopar run --check` measured a difference of 1.5e-3 before this refusal)."""
+    common = ["--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "4"]
+    code, _, err = run_cli(capsys, "estimate", "hf:qwen3", *_flags(SMALL), "--kv-heads", "2", *common, "--out",
+                           str(tmp_path / "qwen3.json"))
+    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
+    code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", *common, "--out", str(tmp_path / "llama.json"))
+    assert code == 0, err

@@ -12,7 +12,9 @@ built on the meta device (no memory) and traced once:
   tp, since the runtime gives each tp rank whole heads;
 - no projection that tp splits by output features has its output cut along those features by the model's own code
   (a fused QKV ``Linear(h, 3h)`` followed by ``.split(h, dim=-1)``, ``.chunk(3, -1)`` or a slice) before the heads are
-  formed: each rank's shard would be cut in the wrong places, a different model (`_check_split_outputs`);
+  formed: each rank's shard would be cut in the wrong places, a different model (`_check_split_outputs`), nor a
+  replicated parameter applied to the activations tp splits (q and k norms per head), whose gradient the runtime
+  does not sum over tp (`_check_replicated_inside`);
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
@@ -200,6 +202,43 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     found = cut_projections(graph, model, columns)
     if found:
         raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
+    _check_replicated_inside(graph, split, columns, tp=tp)
+
+
+def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int) -> None:  # noqa: ANN001
+    """Refuse a replicated parameter applied to the activations tp splits, between a column-parallel linear and
+    its row-parallel partner (a norm on q and k per head, as Qwen3, Gemma 3 and OLMo 2 have): each rank would take
+    its gradient from its own heads only, and the copies would drift apart."""
+    rows = {fqn for fqn, dim in split.items() if dim == 1}
+    nodes = _first_instances(graph)
+    consumers = _consumers(nodes)
+    frontier = [node for node in nodes if node.module in columns]
+    inside: dict[int, Any] = {}
+    while frontier:
+        for user in consumers.get(frontier.pop().id, ()):
+            if user.id not in inside and user.module not in rows and user.module not in columns:
+                inside[user.id] = user
+                frontier.append(user)
+    for node in sorted(inside.values(), key=lambda n: n.id):  # the first in the forward is named
+        for ref in node.sources:
+            info = graph.state.get(ref.state) if ref.state else None
+            owner = ref.state.rpartition(".")[0] if ref.state else ""
+            if info is not None and not info.is_buffer and info.requires_grad and owner not in split:
+                raise ValueError(
+                    f"parameter {ref.state!r} is applied whole to the activations tp {tp} splits (in "
+                    f"{node.module or '<root>'!r}, between a column-parallel and a row-parallel linear): each rank "
+                    "would compute its gradient from its own part only and the copies would drift apart, which the "
+                    "runtime does not sum over tp yet; plan with tp 1 (dp, FSDP or a pipeline)")
+
+
+def _consumers(nodes: list) -> dict[int, list]:
+    """Node id -> the nodes (of ``nodes``) that read one of its outputs."""
+    consumers: dict[int, list] = {}
+    for node in nodes:
+        for ref in node.sources:
+            if ref.node >= 0:
+                consumers.setdefault(ref.node, []).append(node)
+    return consumers
 
 
 def tensor_parallel_refusal(graph, model: nn.Module) -> str | None:  # noqa: ANN001 - a traced Graph
@@ -233,11 +272,7 @@ def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  #
     if not wanted:
         return []
     nodes = _first_instances(graph)
-    consumers: dict[int, list] = {}
-    for node in nodes:
-        for ref in node.sources:
-            if ref.node >= 0:
-                consumers.setdefault(ref.node, []).append(node)
+    consumers = _consumers(nodes)
     found: dict[str, Any] = {}
     for node in nodes:
         weight = graph.state.get(f"{node.module}.weight") if node.module in wanted else None

@@ -177,10 +177,18 @@ def _sized(cfg: ModelConfig, config: Any, head: Head, base: dict[str, Any]) -> d
             out.update(dict.fromkeys(field_names(config, "positions")[:1], cfg.seq))
     if cfg.dropout != base["dropout"]:
         out.update(dict.fromkeys(dropouts(config), cfg.dropout))
-    kinds = field_names(config, "layer_types")  # one entry per layer (attention kinds): the pattern, at the new depth
-    pattern = getattr(config, kinds[0], None) if kinds else None
-    if cfg.layers != base["layers"] and isinstance(pattern, list) and pattern and cfg.layers:
-        out[kinds[0]] = [pattern[k % len(pattern)] for k in range(cfg.layers)]
+    if cfg.layers != base["layers"] and cfg.layers and base["layers"] > 1:
+        out.update(_per_layer(config, base["layers"], cfg.layers))
+    return out
+
+
+def _per_layer(config: Any, was: int, layers: int) -> dict[str, list[Any]]:
+    """The config's lists with one entry per layer (attention kinds; a vision model's depths and widths per stage)
+    at the new depth, their pattern kept (cycled from the first entry)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, list) and len(value) == was and field_names(config, key) == [key]:
+            out[key] = [value[k % was] for k in range(layers)]
     return out
 
 
