@@ -53,6 +53,12 @@ def test_encoder_decoder_options_set_both_stacks() -> None:
     assert (config.encoder_attention_heads, config.decoder_attention_heads) == (4, 4)
 
 
+def test_seq_is_an_image_classifier_s_image_side() -> None:
+    zoo = load("hf:vit", batch=1, seq=64, **SMALL)
+    assert zoo.module.config.image_size == 64 and zoo.inputs["pixel_values"].shape == (1, 3, 64, 64)
+    assert load("hf:convnext", batch=1, layers=2).module.config.depths == [3, 3]  # per-stage lists at the new depth
+
+
 def test_derived_sizes_follow_unless_the_config_sets_them() -> None:
     qwen3 = load("hf:qwen3", batch=1, seq=16, **SMALL).module.config  # default head_dim 128 = 4096 / 32
     assert (qwen3.head_dim, qwen3.num_key_value_heads) == (16, 4)  # both follow (multi-head default)

@@ -243,9 +243,11 @@ def describe(zoo: ZooModel) -> dict[str, Any]:
 
 
 def config_for(name: str, *, seq: int | None = None, **overrides: Any) -> ModelConfig:
-    """The configuration `load` builds: a ``seq`` longer than the model's default raises its maximum."""
+    """The configuration `load` builds: a ``seq`` longer than the model's default raises its maximum (a Hugging Face
+    image classifier's takes any: it is the side of the images)."""
     cfg = get_config(name, **overrides)
-    return cfg.with_overrides(seq=seq) if seq is not None and seq > cfg.seq else cfg
+    exact = cfg.family == "hf" and hf.exact_seq(cfg)
+    return cfg.with_overrides(seq=seq) if seq is not None and (seq > cfg.seq or exact) else cfg
 
 
 def load(

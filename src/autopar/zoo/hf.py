@@ -128,6 +128,12 @@ def get_config(name: str) -> ModelConfig:
     return ModelConfig(family="hf", name=name, hf_type=kind, seq=128 if tiny else spec.seq, **mapped)
 
 
+def exact_seq(cfg: ModelConfig) -> bool:
+    """Whether a ``seq`` other than the model's sets its size (an image classifier's side) rather than only raising
+    its maximum."""
+    return not _hand_written(cfg.name) and hf_auto.images(cfg)
+
+
 def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
     if not _hand_written(cfg.name):
         return hf_auto.build(cfg, dtype=dtype, device=device)

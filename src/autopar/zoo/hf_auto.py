@@ -120,6 +120,12 @@ def options(name: str, config: Any, head: Head) -> dict[str, Any]:
     }
 
 
+def images(cfg: ModelConfig) -> bool:
+    """Whether the model is an image classifier (its ``seq``, the image side, is the config's ``image_size``)."""
+    model_type, path = source(cfg.name)
+    return head_for(model_type, path).task == "image-classification"
+
+
 def get_config(name: str) -> ModelConfig:
     model_type, path = source(name)
     head = head_for(model_type, path)
@@ -229,10 +235,21 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
 
 
 def example_inputs(cfg: ModelConfig, *, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
+    """`hf_tasks.example_inputs` for the model's task; speech: ``2 x max_source_positions`` frames (Whisper's 30 s,
+    3,000 where the config has none) of ``num_mel_bins`` (the config's or an encoder sub-config's, else 80)."""
     config, head = built_config(cfg)
-    encoder = getattr(config, "max_source_positions", 1500)
-    return task_inputs(head.task, batch=batch, seq=seq, frames=2 * encoder, mel_bins=getattr(config, "num_mel_bins", 80),
-                       channels=getattr(config, "num_channels", 3), dtype=torch.float32, device=device)
+    return task_inputs(head.task, batch=batch, seq=seq, frames=2 * _setting(config, "max_source_positions", 1500),
+                       mel_bins=_setting(config, "num_mel_bins", 80), channels=_setting(config, "num_channels", 3),
+                       dtype=torch.float32, device=device)
+
+
+def _setting(config: Any, name: str, default: int) -> int:
+    """An integer setting of the config, or of the first of its sub-configs that has it."""
+    for part in (config, *(v for v in vars(config).values() if hasattr(v, "to_dict"))):
+        value = getattr(part, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
 
 
 def describe(module: nn.Module) -> dict[str, Any]:
