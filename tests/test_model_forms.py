@@ -196,6 +196,8 @@ def test_model_options_do_not_apply_to_a_function(tmp_path: Path, capsys: pytest
 def test_unknown_forms_list_close_matches(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "profile", "hf:gemmma")
     assert code == 2 and "unknown Hugging Face model type 'gemmma'; close: hf:gemma" in err
+    code, _, err = run_cli(capsys, "profile", "hf:gemma-tiny")
+    assert code == 2 and "-tiny names only the seven hand-written specs" in err
     code, _, err = run_cli(capsys, "profile", "hf:/no/such/config.json")
     assert code == 2 and "no such config file" in err
 

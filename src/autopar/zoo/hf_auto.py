@@ -48,6 +48,9 @@ def source(name: str) -> tuple[str, str | None]:
             raise ValueError(f"{name}: model_type {model_type!r} is not a type autopar can build (see autopar models "
                              "--hf)")
         return model_type, path
+    if rest.endswith("-tiny") and head_of(rest.removesuffix("-tiny")) is not None:
+        raise ValueError(f"{name}: -tiny names only the seven hand-written specs (autopar models); give "
+                         f"hf:{rest.removesuffix('-tiny')} with small options, e.g. --layers 2 --hidden 64 --heads 4")
     if head_of(rest) is None:
         close = difflib.get_close_matches(rest, list(heads()), n=5, cutoff=0.6)
         hint = f"; close: {', '.join('hf:' + c for c in close)}" if close else ""
