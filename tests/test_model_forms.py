@@ -307,3 +307,14 @@ def test_a_replicated_norm_between_split_linears_is_refused_under_tp(tmp_path: P
     assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
     code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", *common, "--out", str(tmp_path / "llama.json"))
     assert code == 0, err
+
+
+def test_a_model_that_traces_in_fp32_only_is_traced_in_fp32_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """FNet's FFT has no bf16 kernel under fake tensors: the trace falls back to fp32, labelled."""
+    code, out, err = run_cli(capsys, "profile", "hf:fnet", "--layers", "2", "--hidden", "64", "--seq", "64", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["dtype"] == "bf16" and data["note"].startswith("traced in fp32, with fp32's bytes: the bf16 trace")
+    code, out, err = run_cli(capsys, "profile", "hf:fnet", "--layers", "2", "--hidden", "64", "--seq", "64", "--dtype",
+                             "fp32", "--json")
+    assert code == 0 and "note" not in json.loads(out)

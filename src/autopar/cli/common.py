@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from autopar.capture import Graph, trace
+from autopar.capture import CaptureError, Graph, trace
 from autopar.files import check_writable
 from autopar.plan import Plan, load_plan
 from autopar.plan.records import KERNELS, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # CLI flag -> ModelConfig field
@@ -122,14 +125,32 @@ class TracedModel:
     zoo: ZooModel
     graph: Graph
     dtype: str
+    note: str | None = None  # why the trace is not at --dtype
 
 
-def load_and_trace(args: argparse.Namespace) -> TracedModel:
+def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> TracedModel:
+    """MODEL built at --dtype and traced at ``batch`` samples (default --batch). Where the trace fails at bf16 or
+    fp16 (a kernel whose fake-tensor implementation takes fp32 only: FNet's FFT) the model is built and traced again
+    in fp32, and ``note`` says so (logged as a warning too): its bytes are then fp32's, an over-estimate."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
-    zoo = load(args.model, batch=args.batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    batch = args.batch if batch is None else batch
+    zoo = load(args.model, batch=batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     check_workload(args, seq=zoo.seq)
-    graph = trace(zoo.module, example_kwargs=zoo.inputs)
-    return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
+    try:
+        return TracedModel(zoo=zoo, graph=trace(zoo.module, example_kwargs=zoo.inputs), dtype=args.dtype)
+    except CaptureError as exc:
+        if args.dtype == "fp32":
+            raise
+        failed = exc
+    zoo = load(args.model, batch=batch, seq=args.seq, dtype=torch.float32, **overrides)
+    try:
+        graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    except CaptureError:
+        raise failed from None
+    reason = " ".join(str(failed).split())[:200]
+    note = f"traced in fp32, with fp32's bytes: the {args.dtype} trace failed ({reason})"
+    log.warning("%s", note)
+    return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype, note=note)
 
 
 def load_runnable(path: str, *, rehearse: bool = True) -> Plan:

@@ -50,6 +50,7 @@ def report(traced: TracedModel) -> dict[str, Any]:
         ],
         "nodes": len(graph.nodes),
         "trace_seconds": round(graph.trace_seconds, 4),
+        **({"note": traced.note} if traced.note else {}),  # traced in fp32, and why
     }
 
 
@@ -131,7 +132,8 @@ def render(traced: TracedModel, data: dict[str, Any]) -> str:
         f"{binary_bytes(data['saved_bytes'])} saved for backward\n"
         f"traced {data['nodes']} aten ops in {data['trace_seconds']:.2f} s"
     )
-    return "\n".join([head, *_configuration(data), "", body, "", foot])
+    note = [f"note: {data['note']}"] if data.get("note") else []
+    return "\n".join([head, *_configuration(data), *note, "", body, "", foot])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
