@@ -318,3 +318,13 @@ def test_a_model_that_traces_in_fp32_only_is_traced_in_fp32_and_says_so(capsys: 
     code, out, err = run_cli(capsys, "profile", "hf:fnet", "--layers", "2", "--hidden", "64", "--seq", "64", "--dtype",
                              "fp32", "--json")
     assert code == 0 and "note" not in json.loads(out)
+
+
+def test_a_hugging_face_moe_plan_is_runnable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its grouped matmul has a bf16-only fake kernel on CPU: the fp32 rehearsal fails where the real fp32 step runs
+    (`autopar run --check` passes on 2 ranks), so the rehearsal is taken in bf16 then."""
+    code, _, err = run_cli(capsys, "plan", "hf:qwen2_moe", *_flags(SMALL), "--experts", "4", "--seq", "32", "--cluster",
+                           "cpu", "--gpus", "2", "--batch", "4", "--runnable", "--budget-s", "2", "--out",
+                           str(tmp_path / "moe.json"))
+    assert code == 0, err
+    assert load_plan(str(tmp_path / "moe.json")).workload.override_map["experts"] == 4

@@ -24,6 +24,7 @@ built on the meta device (no memory) and traced once:
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -61,7 +62,34 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     if plan.pp > 1:
         stage_layers(model, plan)
     elif rehearse:
-        rehearsal(plan)
+        _rehearse(plan)
+
+
+@contextlib.contextmanager
+def fake_errors_quiet() -> Any:
+    """Inside, PyTorch's fake-tensor mode does not log the traceback of an op it cannot run (the caller handles the
+    error: a first try in one dtype, then another)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _rehearse(plan: Plan) -> None:
+    """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
+    is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
+    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype."""
+    try:
+        with fake_errors_quiet():
+            rehearsal(plan)
+    except ValueError as exc:
+        try:
+            rehearsal(plan, dtype=torch.bfloat16)
+        except (ValueError, NotImplementedError):
+            raise exc from None
 
 
 def check_compiler() -> None:
@@ -82,9 +110,10 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x * 2 + 1)
 
 
-def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None:
+def rehearsal(plan: Plan, *, count: bool = False, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
-    (no memory, no arithmetic), and run one training step; with ``count``, the collectives rank 0 issued.
+    (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
+    default); with ``count``, the collectives rank 0 issued.
 
     The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
@@ -104,7 +133,7 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
     work = Workload.of(plan)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
-        model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
+        model = load(work.model, batch=1, seq=work.seq, dtype=dtype, device="meta", dropout=0.0,
                      **work.overrides).module.train()
         parallel = parallelize(model, plan, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
@@ -116,7 +145,7 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
             # function), which checkpointing without early stop does too, collectives alike
             whole = plan.kernels == "compiled"
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
-                _step(parallel, optimizer, work, global_batch(work, 0), dp=plan.grid[0])
+                _step(parallel, optimizer, work, _cast(global_batch(work, 0), dtype), dp=plan.grid[0])
     except (ValueError, NotImplementedError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever PyTorch raised: the plan does not apply to this model
@@ -127,6 +156,10 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
     finally:
         dist.destroy_process_group()
     return counter.summary() if count else None
+
+
+def _cast(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in batch.items()}
 
 
 def _track_modules(root: nn.Module) -> list[str]:
@@ -176,7 +209,8 @@ def _check_chain(plan: Plan, planned):  # noqa: ANN001, ANN202 - returns the tra
     from autopar.search.pipeline import config_of
 
     try:
-        graph = trace(planned.module, example_kwargs=planned.inputs)
+        with fake_errors_quiet():
+            graph = trace(planned.module, example_kwargs=planned.inputs)
     except CaptureError as exc:  # a kernel whose fake implementation takes bf16 only (MoE's grouped matmul on CPU)
         try:  # the chain of layers is the same in any dtype
             graph = trace(planned.module.to(torch.bfloat16), example_kwargs={
