@@ -215,14 +215,14 @@ def test_a_huge_layer_count_is_refused_at_once() -> None:
 def test_out_is_checked_before_any_work(capsys, tmp_path, monkeypatch, command: list[str], out: str,
                                         message: str) -> None:
     monkeypatch.chdir(tmp_path)
-    import autopar.cli.estimate
+    import autopar.cli.common
     import autopar.cli.plan
 
     def no_trace(*_, **__):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("traced before checking --out")
 
     monkeypatch.setattr(autopar.cli.plan, "trace", no_trace)
-    monkeypatch.setattr(autopar.cli.estimate, "trace", no_trace)
+    monkeypatch.setattr(autopar.cli.common, "trace", no_trace)  # estimate's and plan's model traces (load_and_trace)
     code, stdout, err = run_cli(capsys, *command, "--batch", "4", "--out", out)
     assert (code, stdout, err) == (2, "", f"autopar {command[0]}: error: {message}\n")
 

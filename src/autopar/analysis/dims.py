@@ -344,7 +344,9 @@ def _slice(node: Node) -> OpDims:
     the whole (a fused QKV output split into Q, K and V is sharded per piece, as Megatron lays out its weights)."""
     shape = node.inputs[0].shape
     rank = len(shape)
-    axis = _norm_dim(node.args[-1] if node.op.startswith("aten.split") else (node.args[1] if len(node.args) > 1 else 0), rank)
+    split = node.op.startswith("aten.split")  # split(self, sizes, dim=0): the dim is the third argument, if given
+    axis = _norm_dim((node.args[2] if len(node.args) > 2 else 0) if split else (node.args[1] if len(node.args) > 1 else 0),
+                     rank)
     if node.op in ("aten.unbind.int",):
         axis = _norm_dim(node.args[1] if len(node.args) > 1 else 0, rank)
     dims = []

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from autopar.capture import Graph, trace
+from autopar.capture import CaptureError, Graph, trace
 from autopar.files import check_writable
 from autopar.plan import Plan, load_plan
 from autopar.plan.records import KERNELS, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # CLI flag -> ModelConfig field
@@ -75,7 +78,12 @@ def bounded_seconds(most: float) -> Callable[[str], float]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="zoo name (gpt3-1.3b, llama-7b, ...) or hf:<type>")
+    parser.add_argument(
+        "model", metavar="MODEL",
+        help="zoo name (gpt3-1.3b, llama-7b, ...; autopar models); hf:<model_type> (any type autopar models --hf "
+        "lists: hf:gemma, hf:qwen3, hf:t5, hf:vit, hf:whisper, ...); hf:path/to/config.json; or "
+        "path/to/file.py:function (package.module:function), where function(batch) returns (model, inputs) and "
+        "model(**inputs) returns the loss: your file runs as a training script does")
     parser.add_argument("--batch", type=bounded_int(MAX_BATCH), default=1, help="global batch size (default 1)")
     parser.add_argument("--seq", type=bounded_int(MAX_SEQ), default=None,
                         help="sequence length (default: the model's)")
@@ -117,14 +125,35 @@ class TracedModel:
     zoo: ZooModel
     graph: Graph
     dtype: str
+    note: str | None = None  # why the trace is not at --dtype
 
 
-def load_and_trace(args: argparse.Namespace) -> TracedModel:
+def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> TracedModel:
+    """MODEL built at --dtype and traced at ``batch`` samples (default --batch). Where the trace fails at bf16 or
+    fp16 (a kernel whose fake-tensor implementation takes fp32 only: FNet's FFT) the model is built and traced again
+    in fp32, and ``note`` says so (logged as a warning too): its bytes are then fp32's, an over-estimate."""
+    from autopar.runtime.validate import fake_errors_quiet
+
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
-    zoo = load(args.model, batch=args.batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
+    batch = args.batch if batch is None else batch
+    zoo = load(args.model, batch=batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     check_workload(args, seq=zoo.seq)
-    graph = trace(zoo.module, example_kwargs=zoo.inputs)
-    return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype)
+    try:
+        with contextlib.nullcontext() if args.dtype == "fp32" else fake_errors_quiet():
+            return TracedModel(zoo=zoo, graph=trace(zoo.module, example_kwargs=zoo.inputs), dtype=args.dtype)
+    except CaptureError as exc:
+        if args.dtype == "fp32":
+            raise
+        failed = exc
+    zoo = load(args.model, batch=batch, seq=args.seq, dtype=torch.float32, **overrides)
+    try:
+        graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    except CaptureError:
+        raise failed from None
+    reason = " ".join(str(failed).split())[:200]
+    note = f"traced in fp32, with fp32's bytes: the {args.dtype} trace failed ({reason})"
+    log.warning("%s", note)
+    return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype, note=note)
 
 
 def load_runnable(path: str, *, rehearse: bool = True) -> Plan:

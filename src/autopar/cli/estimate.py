@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from autopar.capture import trace
 from autopar.cli.common import (
-    DTYPES, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments,
-    bounded_int, check_out, check_workload,
+    MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, add_kernels_argument, add_model_arguments, bounded_int, check_out,
+    load_and_trace,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text
@@ -18,7 +17,6 @@ from autopar.cost import ParallelConfig
 from autopar.cost.megatron import pipeline_config
 from autopar.cost.pipeline import PipelineModel
 from autopar.cost.types import RECOMPUTE, SCHEDULES
-from autopar.zoo import load
 
 
 def register(subparsers: Any) -> None:
@@ -70,11 +68,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     check_timeline(args.timeline)
     config, gpus = _config(args)
     cluster = load_cluster(args.cluster).with_devices(gpus)
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
     global_batch = args.batch
-    zoo = load(args.model, batch=config.mbs, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
-    check_workload(args, seq=zoo.seq)
-    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    traced = load_and_trace(args, batch=config.mbs)
+    zoo, graph = traced.zoo, traced.graph
     model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype, kernels=args.kernels)
     uneven = sorted(w for w in model.split_widths if w % config.tp)
     if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong

@@ -16,8 +16,8 @@ from typing import Any
 
 from autopar.capture import trace
 from autopar.cli.common import (
-    DTYPES, MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, bounded_int,
-    bounded_seconds, check_out, check_workload, mesh_shape,
+    MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, bounded_int,
+    bounded_seconds, check_out, load_and_trace, mesh_shape,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, binary_bytes, estimate_text, table
@@ -27,7 +27,6 @@ from autopar.plan import Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
 from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
-from autopar.zoo import load
 
 PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     base = load_cluster(args.cluster)
     shape = _default_mesh(args, base.devices_per_node)
     cluster = base.with_devices(math.prod(shape))
-    zoo = _load(args)
+    zoo = _load(args).zoo
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     found, interrupted = _anytime_intra(args, zoo, cluster, shape, _progress(show, start))
@@ -212,33 +211,32 @@ def _progress(show: bool, start: float):  # noqa: ANN202
 
 
 def workload(args: argparse.Namespace, zoo: Any) -> Workload:
-    """What `autopar run` needs to rebuild the model and its batches."""
+    """What `autopar run` needs to rebuild the model and its batches (the model as the zoo names it: a file's path
+    made absolute)."""
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
-    return Workload(model=args.model, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
+    return Workload(model=zoo.config.name, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
                     dtype=args.dtype)
 
 
-def _load(args: argparse.Namespace):  # noqa: ANN202
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
-    zoo = load(args.model, batch=1, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
-    check_workload(args, seq=zoo.seq)
-    return zoo
+def _load(args: argparse.Namespace):  # noqa: ANN202 - the model and its trace at batch 1 (`load_and_trace`)
+    return load_and_trace(args, batch=1)
 
 
 def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     """The pipeline searches: trace once at batch 1 (costs scale with the batch), search, price the baselines."""
     if args.gpus is None:
         raise ValueError("give --gpus N")
-    zoo = _load(args)
+    traced = _load(args)
+    zoo = traced.zoo
     cluster = load_cluster(args.cluster).with_devices(args.gpus)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     progress = _progress(show, start)
 
-    graph = trace(zoo.module, example_kwargs=zoo.inputs_at(1))
+    graph = traced.graph
     model = PipelineModel(graph, cluster, traced_batch=1, dtype=args.dtype, kernels=args.kernels,
                           screen=True)  # searches: the closed form
-    limit = functools.partial(runtime_limit, pipelines=_can_pipeline(zoo.module), kernels=args.kernels)
+    limit = _runtime_limit(graph, zoo.module, kernels=args.kernels)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         found = pipeline_searches(model, args.search, global_batch=args.batch, time_limit=args.budget_s,
                                   progress=progress, should_stop=stop.is_set, limit=limit if args.runnable else None)
@@ -363,6 +361,18 @@ def _title(data: dict[str, Any]) -> str:
     return (f"{data['model']} on {data['gpus']} x {data['cluster']}: {data['search']} plan, "
             f"{_count(len(plan['stages']), 'stage')} (dp x tp {grids}), micro-batch {plan['micro_batch_size']} x {plan['micro_batches']}, ZeRO "
             f"{plan['zero']}, {plan['schedule']}")
+
+
+def _runtime_limit(graph: Any, module: Any, *, kernels: str) -> Any:
+    """Why `autopar run` cannot run a configuration of this model (`runtime_limit`), tp > 1 included where the
+    model cuts the output of a projection tp would split (`runtime.validate.tensor_parallel_refusal`)."""
+    from autopar.runtime.validate import tensor_parallel_refusal
+
+    shaped = functools.partial(runtime_limit, pipelines=_can_pipeline(module), kernels=kernels)
+    no_tp = tensor_parallel_refusal(graph, module)
+    if no_tp is None:
+        return shaped
+    return lambda config: no_tp if any(s.tp > 1 for s in config.stages) else shaped(config)
 
 
 def _can_pipeline(module: Any) -> bool:

@@ -8,14 +8,16 @@ from typing import Any
 from autopar.capture import Graph
 from autopar.cli.common import TracedModel, add_model_arguments, load_and_trace
 from autopar.cli.render import binary_bytes, si, table
+from autopar.zoo import describe
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "profile",
         help="trace a model on fake tensors: per-layer params, FLOPs, saved activations",
-        description="Trace MODEL on fake tensors (no memory, no GPU) and report per-layer parameters, forward and "
-        "backward FLOPs (model FLOPs: matmul, convolution, attention) and bytes saved for backward.",
+        description="Trace MODEL on fake tensors (no memory, no GPU) and report the configuration it built, "
+        "per-layer parameters, forward and backward FLOPs (model FLOPs: matmul, convolution, attention) and bytes "
+        "saved for backward.",
     )
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -27,6 +29,7 @@ def report(traced: TracedModel) -> dict[str, Any]:
     return {
         "model": zoo.config.name,
         "config": {**zoo.config.summary(), "seq": zoo.seq, "batch": zoo.batch},
+        "built": describe(zoo),
         "dtype": traced.dtype,
         "params": graph.num_params,
         "flops": {"forward": graph.flops_forward, "backward": graph.flops_backward},
@@ -47,6 +50,7 @@ def report(traced: TracedModel) -> dict[str, Any]:
         ],
         "nodes": len(graph.nodes),
         "trace_seconds": round(graph.trace_seconds, 4),
+        **({"note": traced.note} if traced.note else {}),  # traced in fp32, and why
     }
 
 
@@ -84,12 +88,41 @@ def _collapsed_rows(graph: Graph, layers: list[dict[str, Any]]) -> list[list[str
     return rows
 
 
+# how `describe`'s keys read in the configuration lines, in order
+_SHOWN = {"layers": "layers", "decoder_layers": "decoder layers", "hidden": "hidden", "heads": "heads",
+          "kv_heads": "kv heads", "head_dim": "head dim", "ffn": "ffn", "vocab": "vocab", "positions": "positions",
+          "sliding_window": "sliding window", "layer_types": "layer types", "experts": "experts",
+          "top_k": "experts per token", "dropout": "dropout", "depth": "depth", "width": "width", "stem": "stem",
+          "classes": "classes", "image": "image side"}
+
+
+def _configuration(data: dict[str, Any]) -> list[str]:
+    """The configuration lines: what was built, its shape options, the config fields set, its inputs."""
+    built = data["built"]
+    what = f"built {built['class']}" + (f" from {built['config_class']}" if "config_class" in built else "")
+    if "built_by" in built:
+        what += f" by {built['built_by']}"
+    options = []
+    for key, label in _SHOWN.items():
+        value = built.get(key, "absent")
+        if isinstance(value, dict):
+            value = " + ".join(f"{n} {kind}" for kind, n in value.items())
+        if value != "absent":
+            options.append(f"{label} {'none' if value is None else value}")
+    lines = [f"{what}: {', '.join(options)}" if options else what]
+    if built.get("set"):
+        shown = ", ".join(f"{k}={v}" for k, v in built["set"].items())
+        lines.append(f"set on {built['config_class']}: {shown}")
+    inputs = ", ".join(f"{k} [{', '.join(map(str, v['shape']))}] {v['dtype']}" for k, v in built["inputs"].items())
+    return [*lines, f"inputs: {inputs}"]
+
+
 def render(traced: TracedModel, data: dict[str, Any]) -> str:
     cfg = data["config"]
-    head = (
-        f"{data['model']}: {cfg['layers']} layers, hidden {cfg['hidden']}, heads {cfg['heads']}, vocab "
-        f"{cfg['vocab']}; batch {cfg['batch']} x seq {cfg['seq']}, {data['dtype']}"
-    )
+    head = f"{data['model']}: batch {cfg['batch']} x seq {cfg['seq']}, {data['dtype']}"
+    if cfg["layers"]:
+        head = (f"{data['model']}: {cfg['layers']} layers, hidden {cfg['hidden']}, heads {cfg['heads']}, vocab "
+                f"{cfg['vocab']}; batch {cfg['batch']} x seq {cfg['seq']}, {data['dtype']}")
     rows = _collapsed_rows(traced.graph, data["layers"])
     body = table(["layer", "type", "params", "fwd FLOPs", "bwd FLOPs", "saved"], rows, align="llrrrr")
     total = data["flops"]["forward"] + data["flops"]["backward"]
@@ -99,7 +132,8 @@ def render(traced: TracedModel, data: dict[str, Any]) -> str:
         f"{binary_bytes(data['saved_bytes'])} saved for backward\n"
         f"traced {data['nodes']} aten ops in {data['trace_seconds']:.2f} s"
     )
-    return "\n".join([head, "", body, "", foot])
+    note = [f"note: {data['note']}"] if data.get("note") else []
+    return "\n".join([head, *_configuration(data), *note, "", body, "", foot])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:

@@ -48,7 +48,11 @@ OVERRIDE_LIMITS = {"layers": 2_048, "hidden": 131_072, "heads": 1_024, "vocab": 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    """How to rebuild the model and its batches: a model name with its overrides, sequence, global batch, dtype."""
+    """How to rebuild the model and its batches: a model name with its overrides, sequence, global batch, dtype.
+
+    ``model`` is what `autopar.zoo` builds: a zoo name, ``hf:<model_type>``, ``hf:<absolute path>.json``, or a
+    function that builds the model, ``<absolute path>.py:function`` or ``package.module:function`` (loading a plan
+    runs nothing; `autopar run` imports the file, which is the user's code)."""
 
     model: str
     overrides: tuple[tuple[str, int], ...] = ()

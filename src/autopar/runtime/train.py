@@ -21,7 +21,7 @@ from torch import nn
 from autopar.plan import Plan
 from autopar.runtime.apply import ParallelModel
 from autopar.runtime.comm import CollectiveCounter
-from autopar.zoo import config_for, example_inputs, load
+from autopar.zoo import config_for, load, synthetic_batch
 
 LEARNING_RATE = 0.05
 
@@ -61,15 +61,10 @@ def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
 
 
 def global_batch(work: Workload, step: int) -> dict[str, torch.Tensor]:
-    """The step's whole batch: token ids below the vocabulary, floats from a normal, from a seeded generator."""
+    """The step's whole batch: token ids below the vocabulary, floats from a normal, from a seeded generator (a
+    user's function: its inputs under the step's seed; `autopar.zoo.synthetic_batch`)."""
     config = config_for(work.model, seq=work.seq, **work.overrides)
-    shapes = example_inputs(config, batch=work.batch, seq=work.seq, device="cpu")
-    generator = torch.Generator().manual_seed(10_000 + step)
-    return {
-        key: torch.randn(value.shape, generator=generator) if value.dtype.is_floating_point
-        else torch.randint(0, config.vocab, value.shape, generator=generator)
-        for key, value in shapes.items()
-    }
+    return synthetic_batch(config, batch=work.batch, seq=work.seq, seed=10_000 + step)
 
 
 def train(

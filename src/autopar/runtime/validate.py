@@ -10,6 +10,11 @@ built on the meta device (no memory) and traced once:
 - the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_of`);
 - every split dimension divides by the devices that split it, and attention heads (and key/value heads) divide by
   tp, since the runtime gives each tp rank whole heads;
+- no projection that tp splits by output features has its output cut along those features by the model's own code
+  (a fused QKV ``Linear(h, 3h)`` followed by ``.split(h, dim=-1)``, ``.chunk(3, -1)`` or a slice) before the heads are
+  formed: each rank's shard would be cut in the wrong places, a different model (`_check_split_outputs`), nor a
+  replicated parameter applied to the activations tp splits (q and k norms per head), whose gradient the runtime
+  does not sum over tp (`_check_replicated_inside`);
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
@@ -19,6 +24,7 @@ built on the meta device (no memory) and traced once:
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -46,8 +52,9 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
                  **work.overrides).module
     check_matches(model, plan)
-    _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
+    graph = _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
     _check_divisible(model, plan)
+    _check_split_outputs(graph, plan, model)
     _check_batch_norm(model, plan)
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
@@ -55,7 +62,34 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     if plan.pp > 1:
         stage_layers(model, plan)
     elif rehearse:
-        rehearsal(plan)
+        _rehearse(plan)
+
+
+@contextlib.contextmanager
+def fake_errors_quiet() -> Any:
+    """Inside, PyTorch's fake-tensor mode does not log the traceback of an op it cannot run (the caller handles the
+    error: a first try in one dtype, then another)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _rehearse(plan: Plan) -> None:
+    """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
+    is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
+    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype."""
+    try:
+        with fake_errors_quiet():
+            rehearsal(plan)
+    except ValueError as exc:
+        try:
+            rehearsal(plan, dtype=torch.bfloat16)
+        except (ValueError, NotImplementedError):
+            raise exc from None
 
 
 def check_compiler() -> None:
@@ -76,9 +110,10 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x * 2 + 1)
 
 
-def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None:
+def rehearsal(plan: Plan, *, count: bool = False, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
-    (no memory, no arithmetic), and run one training step; with ``count``, the collectives rank 0 issued.
+    (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
+    default); with ``count``, the collectives rank 0 issued.
 
     The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
@@ -98,7 +133,7 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
     work = Workload.of(plan)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
-        model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
+        model = load(work.model, batch=1, seq=work.seq, dtype=dtype, device="meta", dropout=0.0,
                      **work.overrides).module.train()
         parallel = parallelize(model, plan, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
@@ -110,7 +145,7 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
             # function), which checkpointing without early stop does too, collectives alike
             whole = plan.kernels == "compiled"
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
-                _step(parallel, optimizer, work, global_batch(work, 0), dp=plan.grid[0])
+                _step(parallel, optimizer, work, _cast(global_batch(work, 0), dtype), dp=plan.grid[0])
     except (ValueError, NotImplementedError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever PyTorch raised: the plan does not apply to this model
@@ -121,6 +156,10 @@ def rehearsal(plan: Plan, *, count: bool = False) -> list[dict[str, Any]] | None
     finally:
         dist.destroy_process_group()
     return counter.summary() if count else None
+
+
+def _cast(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in batch.items()}
 
 
 def _track_modules(root: nn.Module) -> list[str]:
@@ -163,15 +202,155 @@ def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *
     optimizer.step()
 
 
-def _check_chain(plan: Plan, planned) -> None:  # noqa: ANN001
-    from autopar.capture import trace
+def _check_chain(plan: Plan, planned):  # noqa: ANN001, ANN202 - returns the traced Graph
+    from autopar.capture import CaptureError, trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
     from autopar.search.pipeline import config_of
 
-    graph = trace(planned.module, example_kwargs=planned.inputs)
+    try:
+        with fake_errors_quiet():
+            graph = trace(planned.module, example_kwargs=planned.inputs)
+    except CaptureError as exc:  # a kernel whose fake implementation takes bf16 only (MoE's grouped matmul on CPU)
+        try:  # the chain of layers is the same in any dtype
+            graph = trace(planned.module.to(torch.bfloat16), example_kwargs={
+                k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in planned.inputs.items()})
+        except CaptureError:
+            raise ValueError(f"the model cannot be traced as the runtime builds it (fp32): {exc}") from None
     model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1, dtype="fp32")
     config_of(model, plan)
+    return graph
+
+
+def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
+    """Refuse tp over a projection whose output the model cuts along its output features before any reshape
+    changes that dim (`cut_projections`); only column-parallel linears whose outputs stay sharded (a row-parallel
+    partner in their block, as the runtime pairs them) can be affected."""
+    tp = plan.grid[1] if plan.is_pipeline else 1
+    if tp == 1:
+        return
+    split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
+             if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
+    blocks = {fqn.rpartition(".")[0] for fqn, dim in split.items() if dim == 1}
+    columns = [fqn for fqn, dim in split.items() if dim == 0 and fqn.rpartition(".")[0] in blocks]
+    found = cut_projections(graph, model, columns)
+    if found:
+        raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
+    _check_replicated_inside(graph, split, columns, tp=tp)
+
+
+def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int) -> None:  # noqa: ANN001
+    """Refuse a replicated parameter applied to the activations tp splits, between a column-parallel linear and
+    its row-parallel partner (a norm on q and k per head, as Qwen3, Gemma 3 and OLMo 2 have): each rank would take
+    its gradient from its own heads only, and the copies would drift apart."""
+    rows = {fqn for fqn, dim in split.items() if dim == 1}
+    nodes = _first_instances(graph)
+    consumers = _consumers(nodes)
+    frontier = [node for node in nodes if node.module in columns]
+    inside: dict[int, Any] = {}
+    while frontier:
+        for user in consumers.get(frontier.pop().id, ()):
+            if user.id not in inside and user.module not in rows and user.module not in columns:
+                inside[user.id] = user
+                frontier.append(user)
+    for node in sorted(inside.values(), key=lambda n: n.id):  # the first in the forward is named
+        for ref in node.sources:
+            info = graph.state.get(ref.state) if ref.state else None
+            owner = ref.state.rpartition(".")[0] if ref.state else ""
+            if info is not None and not info.is_buffer and info.requires_grad and owner not in split:
+                raise ValueError(
+                    f"parameter {ref.state!r} is applied whole to the activations tp {tp} splits (in "
+                    f"{node.module or '<root>'!r}, between a column-parallel and a row-parallel linear): each rank "
+                    "would compute its gradient from its own part only and the copies would drift apart, which the "
+                    "runtime does not sum over tp yet; plan with tp 1 (dp, FSDP or a pipeline)")
+
+
+def _consumers(nodes: list) -> dict[int, list]:
+    """Node id -> the nodes (of ``nodes``) that read one of its outputs."""
+    consumers: dict[int, list] = {}
+    for node in nodes:
+        for ref in node.sources:
+            if ref.node >= 0:
+                consumers.setdefault(ref.node, []).append(node)
+    return consumers
+
+
+def tensor_parallel_refusal(graph, model: nn.Module) -> str | None:  # noqa: ANN001 - a traced Graph
+    """Why no plan with tp > 1 can run ``model`` exactly (any of its projections may be split by output features,
+    and one has its output cut along them: `cut_projections`), or None. The planner's ``--runnable`` keeps its
+    search to tp 1 then."""
+    found = cut_projections(graph, model, [name for name, info in graph.state.items()
+                                           if name.endswith(".weight") and len(info.tensor.shape) == 2])
+    return _cut_message(*found[0], tp="tp") if found else None
+
+
+def _cut_message(module: str, cut, *, tp: str) -> str:  # noqa: ANN001 - the graph Node that cuts
+    return (f"module {module!r} would be split by output features over {tp}, but the model cuts its output along "
+            f"those features ({cut.op} in {cut.module or '<root>'!r}) before forming heads, as a fused q/k/v "
+            "projection split by .split()/.chunk() does: each rank would cut its shard in the wrong places and train "
+            "a different model; plan with tp 1 (--runnable finds one), or project q, k and v with separate Linear "
+            "layers")
+
+
+def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  # noqa: ANN001
+    """For each module of ``names`` (module or weight FQNs) that owns a 2-D weight: the first op that cuts its
+    output along its output features (split, chunk, slice, narrow) before any reshape changes that dim, as
+    ``[(module, op node)]``. Column-parallel, each rank holds a contiguous block of those features, so a fused
+    ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The zoo's own attention is
+    exempt: the runtime permutes its fused rows to whole heads per rank."""
+    from autopar.zoo.layers import Attention
+
+    modules = dict(model.named_modules())
+    wanted = {name.removesuffix(".weight") for name in names}
+    wanted = {m for m in wanted if not isinstance(modules.get(m.rpartition(".")[0]), Attention)}
+    if not wanted:
+        return []
+    nodes = _first_instances(graph)
+    consumers = _consumers(nodes)
+    found: dict[str, Any] = {}
+    for node in nodes:
+        weight = graph.state.get(f"{node.module}.weight") if node.module in wanted else None
+        if weight is None or node.module in found or not node.outputs or len(node.outputs[0].shape) < 2:
+            continue
+        cut = _cut_along_last(node, consumers, weight.tensor.shape[0])
+        if cut is not None:
+            found[node.module] = cut
+    return list(found.items())
+
+
+def _first_instances(graph) -> list:  # noqa: ANN001 - a traced Graph; returns its Nodes
+    """The graph's nodes outside repeated layers and those of the first of each repeated layer (the others are
+    copies of it): a 1,000-layer model costs what a 10-layer one does."""
+    copies = sorted(span for group in graph.repeats for span in group.spans[1:])
+    nodes, at = [], 0
+    for start, stop in [*copies, (graph.num_nodes, graph.num_nodes)]:
+        nodes += [graph.node(i) for i in range(at, max(at, start))]
+        at = max(at, stop)
+    return nodes
+
+
+_CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.slice.Tensor", "aten.narrow.default",
+         "aten.chunk.default")
+
+
+def _cut_along_last(start, consumers: dict[int, list], features: int):  # noqa: ANN001, ANN202
+    """The first op that cuts ``start``'s output (``features`` wide in its last dim) along that dim, following
+    ops that keep the last dim whole (views, bias adds, casts, element-wise ops), or None."""
+    if start.outputs[0].shape[-1] != features:
+        return None
+    frontier, seen = [start], {start.id}
+    while frontier:
+        node = frontier.pop()
+        for user in consumers.get(node.id, ()):
+            if user.id in seen or not user.outputs:
+                continue
+            seen.add(user.id)
+            shape, out = node.outputs[0].shape, user.outputs[0].shape
+            if user.op in _CUTS and len(out) == len(shape) and out[-1] < shape[-1] and out[:-1] == shape[:-1]:
+                return user
+            if len(out) >= 2 and out[-1] == features and (user.is_view or out == shape):
+                frontier.append(user)
+    return None
 
 
 def _check_divisible(model: nn.Module, plan: Plan) -> None:

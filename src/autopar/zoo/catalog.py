@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.zoo import hf
+from autopar.zoo import hf, hf_auto, user
 from autopar.zoo.config import ModelConfig
 
 # GPT-3 (Brown et al. 2020, Table 2.1); 1.3B uses 16 heads of 128 and 13B a hidden size of 5120, as Megatron-LM does.
@@ -113,9 +113,16 @@ def model_names() -> list[str]:
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """The `ModelConfig` of a zoo or ``hf:`` name, with overrides (``layers=``, ``hidden=``, ...) applied."""
+    """The `ModelConfig` of a zoo or ``hf:`` name, with overrides (``layers=``, ``hidden=``, ...) applied, or of a
+    ``file.py:function`` (``module:function``), which takes none but ``dropout`` (its model is what it builds)."""
     if name.startswith("hf:"):
         base = hf.get_config(name)
+    elif user.is_user_name(name):
+        given = sorted(k for k, v in overrides.items() if v is not None and k not in ("dropout", "seq"))
+        if given:
+            raise ValueError(f"{name}: option(s) {', '.join(given)} do not apply to a model your function builds; "
+                             "change the model in your code")
+        return ModelConfig(family="user", name=user.canonical(name), layers=0, hidden=0, vocab=0, seq=0)
     elif name in CATALOG:
         base = CATALOG[name]
     else:
@@ -126,7 +133,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(
                 f"unknown model {name!r}{hint} (see `autopar models`; parametric: moe-<gpt3 size>-e<experts>, "
-                "wrn-<depth>-<width>, hf:<type>)"
+                "wrn-<depth>-<width>; hf:<model_type> (autopar models --hf), hf:path/to/config.json, "
+                "path/to/file.py:function)"
             ) from None
     return base.with_overrides(**overrides)
 
@@ -141,6 +149,8 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device
 
     if cfg.family == "hf":
         return hf.build(cfg, dtype=dtype, device=device)
+    if cfg.family == "user":
+        return user.build(cfg.name, batch=1, device=device)[0].to(dtype).train()
     classes: dict[str, type[nn.Module]] = {
         "gpt": GPT, "moe": GPT, "llama": Llama, "bert": Bert, "t5": T5, "wrn": WideResNet
     }
@@ -155,6 +165,8 @@ def example_inputs(
     """Keyword inputs of one training step (token ids and labels, or images and labels); values are zeros."""
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch}")
+    if cfg.family == "user":
+        return user.build(cfg.name, batch=batch, device=device)[1]
     seq = seq or cfg.seq
     if seq <= 0 or seq > cfg.seq and cfg.family not in ("wrn", "t5", "hf"):
         raise ValueError(
@@ -171,6 +183,23 @@ def example_inputs(
     if cfg.family == "t5":
         return {"input_ids": ids, "decoder_input_ids": ids.clone(), "labels": ids.clone()}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def synthetic_batch(cfg: ModelConfig, *, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """One global batch of training data on CPU, the same for every caller with the same ``seed``: token ids
+    (and labels) uniform below the vocabulary, floats from a standard normal, from a generator seeded with
+    ``seed``; for a user's function, the inputs it returns for ``batch`` under ``torch.manual_seed(seed)``."""
+    if cfg.family == "user":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return user.build(cfg.name, batch=batch, device="cpu")[1]
+    shapes = example_inputs(cfg, batch=batch, seq=seq, device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        key: torch.randn(value.shape, generator=generator) if value.dtype.is_floating_point
+        else torch.randint(0, cfg.vocab, value.shape, generator=generator)
+        for key, value in shapes.items()
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +220,34 @@ class ZooModel:
         return inputs
 
 
+def describe(zoo: ZooModel) -> dict[str, Any]:
+    """The full configuration of the model `load` built: its class, the shape options it has (key/value heads, head
+    size, FFN, positions, sliding window, experts; for Hugging Face models as its config holds them, with the config
+    fields that differ from the config class's defaults under ``set``), and its example inputs."""
+    cfg, module = zoo.config, zoo.module
+    inputs = {key: {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+              for key, value in zoo.inputs.items()}
+    if cfg.family == "hf":
+        return {**hf_auto.describe(module), "inputs": inputs}
+    if cfg.family == "user":
+        return {"class": type(module).__name__, "built_by": cfg.name, "inputs": inputs}
+    if cfg.family == "wrn":
+        return {"class": type(module).__name__, "depth": cfg.layers, "width": cfg.width, "stem": cfg.hidden,
+                "classes": cfg.vocab, "image": cfg.seq, "inputs": inputs}
+    shown = {"layers": cfg.layers, "decoder_layers": cfg.decoder_layers or None, "hidden": cfg.hidden,
+             "heads": cfg.heads, "kv_heads": cfg.kv_heads or cfg.heads, "head_dim": cfg.head_dim or cfg.hidden // cfg.heads,
+             "ffn": cfg.ffn, "vocab": cfg.vocab, "positions": None if cfg.family == "t5" else cfg.seq,
+             "experts": cfg.experts or None, "top_k": cfg.top_k if cfg.experts else None,
+             "dropout": cfg.dropout}
+    return {"class": type(module).__name__, **{k: v for k, v in shown.items() if v is not None}, "inputs": inputs}
+
+
 def config_for(name: str, *, seq: int | None = None, **overrides: Any) -> ModelConfig:
-    """The configuration `load` builds: a ``seq`` longer than the model's default raises its maximum."""
+    """The configuration `load` builds: a ``seq`` longer than the model's default raises its maximum (a Hugging Face
+    image classifier's takes any: it is the side of the images)."""
     cfg = get_config(name, **overrides)
-    return cfg.with_overrides(seq=seq) if seq is not None and seq > cfg.seq else cfg
+    exact = cfg.family == "hf" and hf.exact_seq(cfg)
+    return cfg.with_overrides(seq=seq) if seq is not None and (seq > cfg.seq or exact) else cfg
 
 
 def load(
@@ -211,9 +264,29 @@ def load(
     A ``seq`` longer than the model's default raises its maximum (position tables grow with it).
     """
     cfg = config_for(name, seq=seq, **overrides)
-    seq = seq or cfg.seq
-    module = build_model(cfg, dtype=dtype, device=device)
-    inputs = example_inputs(cfg, batch=batch, seq=seq, device=device)
-    if cfg.family == "wrn" and dtype.is_floating_point:
-        inputs["images"] = inputs["images"].to(dtype)
-    return ZooModel(config=cfg, module=module, inputs=inputs, batch=batch, seq=seq)
+    if cfg.family == "user":
+        module, inputs = _load_user(cfg, batch=batch, seq=seq, device=device, dropout=overrides.get("dropout"))
+        seq = user.sequence(inputs)
+    else:
+        seq = seq or cfg.seq
+        module = build_model(cfg, dtype=dtype, device=device)
+        inputs = example_inputs(cfg, batch=batch, seq=seq, device=device)
+    if dtype.is_floating_point:  # images, audio features, a user's float inputs: in the model's dtype
+        inputs = {key: value.to(dtype) if value.is_floating_point() else value for key, value in inputs.items()}
+    return ZooModel(config=cfg, module=module.to(dtype).train(), inputs=inputs, batch=batch, seq=seq)
+
+
+def _load_user(
+    cfg: ModelConfig, *, batch: int, seq: int | None, device: str, dropout: float | None
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A user function's model and inputs; ``seq``, where given, must be the inputs' own; ``dropout`` (the runtime
+    turns it off) is set on every ``nn.Dropout`` module (dropout the model applies otherwise is its own)."""
+    module, inputs = user.build(cfg.name, batch=batch, device=device)
+    if seq is not None and seq != user.sequence(inputs):
+        raise ValueError(f"{cfg.name}: sequence length {seq} was asked, but the function's inputs have "
+                         f"{user.sequence(inputs)}; the function's inputs set it")
+    if dropout is not None:
+        for layer in module.modules():
+            if isinstance(layer, nn.modules.dropout._DropoutNd):
+                layer.p = dropout
+    return module, inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-FAMILIES = ("gpt", "llama", "bert", "t5", "moe", "wrn", "hf")
+FAMILIES = ("gpt", "llama", "bert", "t5", "moe", "wrn", "hf", "user")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -14,6 +14,9 @@ class ModelConfig:
 
     ``seq`` is the default and maximum sequence length (the image side for Wide-ResNet). Zero means "derived":
     ``kv_heads`` 0 = ``heads``; ``head_dim`` 0 = ``hidden // heads``; ``decoder_layers`` 0 = ``layers``.
+    Family ``hf``: ``layers``, ``hidden`` and ``heads`` are 0 where the config has no such field (a convolutional
+    network), ``vocab`` is the classes of an image classifier. Family ``user`` (a model your function builds):
+    ``name`` says where the function is; the shape fields are 0 (unknown: the function decides them).
     """
 
     family: str
@@ -38,19 +41,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
-        for name in ("layers", "hidden", "vocab", "seq"):
+        required = {"hf": ("vocab", "seq"), "user": ()}.get(self.family, ("layers", "hidden", "vocab", "seq"))
+        for name in required:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{self.name}: {name} must be positive, got {getattr(self, name)}")
-        for name in ("heads", "ffn", "kv_heads", "head_dim", "decoder_layers", "experts", "width"):
+        for name in ("layers", "hidden", "vocab", "seq", "heads", "ffn", "kv_heads", "head_dim", "decoder_layers",
+                     "experts", "width"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must not be negative, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{self.name}: dropout must be in [0, 1), got {self.dropout}")
-        if self.family == "wrn":
+        if self.family in ("wrn", "user") or self.family == "hf" and not self.heads:
             return
         if self.heads <= 0:
             raise ValueError(f"{self.name}: heads must be positive, got {self.heads}")
-        if not self.head_dim and self.hidden % self.heads:
+        if not self.head_dim and self.hidden % self.heads and self.family != "hf":  # (a Hugging Face config decides)
             raise ValueError(
                 f"{self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads}); "
                 "change --hidden or --heads"
@@ -74,6 +79,8 @@ class ModelConfig:
             changes["ffn"] = 4 * changes["hidden"]
         return replace(self, **changes)
 
-    def summary(self) -> dict[str, int]:
-        """The fields ``autopar profile --json`` reports under ``config``."""
+    def summary(self) -> dict[str, int | None]:
+        """The fields ``autopar profile --json`` reports under ``config`` (None: a user's function decides them)."""
+        if self.family == "user":
+            return dict.fromkeys(("layers", "hidden", "heads", "vocab"))
         return {"layers": self.layers, "hidden": self.hidden, "heads": self.heads, "vocab": self.vocab}

@@ -1,4 +1,7 @@
-"""Hugging Face models built from built-in configs (no download): ``hf:<type>`` full size, ``hf:<type>-tiny`` small.
+"""Hugging Face models built from configs (no download). Seven types have hand-written specs here, full size as
+``hf:<type>`` and small as ``hf:<type>-tiny`` (gpt2, llama, mistral, qwen2, mixtral, bert, t5); every other type the
+installed transformers builds with a causal-LM, masked-LM, seq2seq, speech or image-classification head, and any
+config file of those types, come from `autopar.zoo.hf_auto` (``hf:<model_type>``, ``hf:path/to/config.json``).
 
 Needs the ``hf`` extra (``pip install autopar[hf]``). Each type maps autopar's option names (layers, hidden, heads,
 ...) onto its config's field names, so ``--layers`` and friends work the same as for the native zoo.
@@ -6,14 +9,15 @@ Needs the ``hf`` extra (``pip install autopar[hf]``). Each type maps autopar's o
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from autopar.zoo import hf_auto
 from autopar.zoo.config import ModelConfig
+from autopar.zoo.hf_tasks import transformers_module
 
 _COMMON_KEYS = {
     "layers": "num_hidden_layers",
@@ -101,17 +105,20 @@ def names() -> list[str]:
     return [f"hf:{t}{suffix}" for t in SPECS for suffix in ("", "-tiny")]
 
 
+def _hand_written(name: str) -> bool:
+    return name.removeprefix("hf:").removesuffix("-tiny") in SPECS
+
+
 def _split(name: str) -> tuple[str, HFSpec, bool]:
     kind = name.removeprefix("hf:")
     tiny = kind.endswith("-tiny")
     kind = kind.removesuffix("-tiny")
-    spec = SPECS.get(kind)
-    if spec is None:
-        raise ValueError(f"unknown Hugging Face model {name!r}; known: {', '.join(names())}")
-    return kind, spec, tiny
+    return kind, SPECS[kind], tiny
 
 
 def get_config(name: str) -> ModelConfig:
+    if not _hand_written(name):
+        return hf_auto.get_config(name)
     kind, spec, tiny = _split(name)
     values = spec.tiny if tiny else spec.full
     mapped = {ours: values[theirs] for ours, theirs in spec.keys.items() if theirs in values}
@@ -121,17 +128,16 @@ def get_config(name: str) -> ModelConfig:
     return ModelConfig(family="hf", name=name, hf_type=kind, seq=128 if tiny else spec.seq, **mapped)
 
 
-def _transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise ImportError(
-            "hf: models need Hugging Face transformers; install it with `pip install 'autopar[hf]'`"
-        ) from exc
+def exact_seq(cfg: ModelConfig) -> bool:
+    """Whether a ``seq`` other than the model's sets its size (an image classifier's side) rather than only raising
+    its maximum."""
+    return not _hand_written(cfg.name) and hf_auto.images(cfg)
 
 
 def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
-    transformers = _transformers()
+    if not _hand_written(cfg.name):
+        return hf_auto.build(cfg, dtype=dtype, device=device)
+    transformers = transformers_module()
     kind, spec, tiny = _split(cfg.name)
     values = dict(spec.tiny if tiny else spec.full)
     for ours, theirs in spec.keys.items():
@@ -149,6 +155,8 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
 
 
 def example_inputs(cfg: ModelConfig, *, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
+    if not _hand_written(cfg.name):
+        return hf_auto.example_inputs(cfg, batch=batch, seq=seq, device=device)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     if cfg.hf_type == "t5":
         return {"input_ids": ids, "decoder_input_ids": ids.clone(), "labels": ids.clone()}

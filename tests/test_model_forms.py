@@ -1,0 +1,330 @@
+"""MODEL in every form: hf:<model_type> from transformers' own configs, hf:path/config.json, file.py:function; their
+errors; a plan from each rebuilds its model; and tp refused where the model cuts a fused projection's output."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cli.main import main
+from autopar.plan import load_plan
+from autopar.zoo import describe, get_config, load
+
+pytest.importorskip("transformers")
+
+SMALL = {"layers": 2, "hidden": 64, "heads": 4}
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- hf:<model_type> ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("model_type", "task_inputs", "head"), [
+    ("gemma", {"input_ids", "labels"}, "GemmaForCausalLM"),
+    ("roberta", {"input_ids", "labels"}, "RobertaForMaskedLM"),
+    ("bart", {"input_ids", "decoder_input_ids", "labels"}, "BartForConditionalGeneration"),
+    ("vit", {"pixel_values", "labels"}, "ViTForImageClassification"),
+    ("whisper", {"input_features", "decoder_input_ids", "labels"}, "WhisperForConditionalGeneration"),
+])
+def test_hf_types_build_with_options_on_their_own_fields(model_type: str, task_inputs: set[str], head: str) -> None:
+    zoo = load(f"hf:{model_type}", batch=2, seq=32 if model_type != "vit" else None, **SMALL)
+    config = zoo.module.config
+    assert type(zoo.module).__name__ == head
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 64, 4)
+    assert set(zoo.inputs) == task_inputs and all(v.shape[0] == 2 for v in zoo.inputs.values())
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    assert graph.num_params == sum(p.numel() for p in zoo.module.parameters())
+    assert graph.flops_forward > 0
+
+
+def test_encoder_decoder_options_set_both_stacks() -> None:
+    config = load("hf:whisper", batch=1, seq=16, **SMALL).module.config
+    assert (config.encoder_layers, config.decoder_layers) == (2, 2)
+    assert (config.encoder_attention_heads, config.decoder_attention_heads) == (4, 4)
+
+
+def test_seq_is_an_image_classifier_s_image_side() -> None:
+    zoo = load("hf:vit", batch=1, seq=64, **SMALL)
+    assert zoo.module.config.image_size == 64 and zoo.inputs["pixel_values"].shape == (1, 3, 64, 64)
+    assert load("hf:convnext", batch=1, layers=2).module.config.depths == [3, 3]  # per-stage lists at the new depth
+
+
+def test_derived_sizes_follow_unless_the_config_sets_them() -> None:
+    qwen3 = load("hf:qwen3", batch=1, seq=16, **SMALL).module.config  # default head_dim 128 = 4096 / 32
+    assert (qwen3.head_dim, qwen3.num_key_value_heads) == (16, 4)  # both follow (multi-head default)
+    gemma = load("hf:gemma", batch=1, seq=16, **SMALL).module.config  # default head_dim 256 != 3072 / 16
+    assert gemma.head_dim == 256
+    gemma3 = load("hf:gemma3_text", batch=1, seq=16, **SMALL, kv_heads=2).module.config
+    assert gemma3.num_key_value_heads == 2 and len(gemma3.layer_types) == 2  # per-layer pattern at the new depth
+
+
+def test_grouped_query_default_needs_kv_heads_that_divide() -> None:
+    assert get_config("hf:gpt_oss").kv_heads == 8
+    with pytest.raises(ValueError, match=r"heads \(4\) must be a multiple of kv_heads \(8\)"):
+        get_config("hf:gpt_oss", heads=4)
+
+
+def test_dropout_off_sets_every_dropout_field() -> None:
+    config = load("hf:roberta", batch=1, seq=16, dropout=0.0, **SMALL).module.config
+    assert config.hidden_dropout_prob == 0.0 and config.attention_probs_dropout_prob == 0.0
+    assert load("hf:roberta", batch=1, seq=16, **SMALL).module.config.hidden_dropout_prob == 0.1
+
+
+def test_hand_written_specs_keep_their_sizes() -> None:
+    assert get_config("hf:llama-tiny").layers == 2 and get_config("hf:llama").hidden == 4096
+    assert type(load("hf:t5-tiny", batch=1, seq=16).module).__name__ == "T5ForConditionalGeneration"
+
+
+def test_profile_prints_the_configuration_it_built(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "profile", "hf:gemma3_text", "--layers", "2", "--hidden", "64", "--heads", "4",
+                             "--kv-heads", "2", "--seq", "64")
+    assert code == 0, err
+    built = out.splitlines()[1]
+    assert built.startswith("built Gemma3ForCausalLM from Gemma3TextConfig")
+    for part in ("kv heads 2", "head dim 256", "ffn 9216", "positions 131072", "sliding window 4096"):
+        assert part in built
+    code, out, err = run_cli(capsys, "profile", "hf:qwen2_moe", *_flags(SMALL), "--experts", "4", "--seq", "64",
+                             "--json")
+    assert code == 0, err
+    built = json.loads(out)["built"]
+    assert (built["experts"], built["sliding_window"], built["set"]["num_experts"]) == (4, None, 4)
+
+
+def _flags(options: dict[str, int]) -> list[str]:
+    return [item for key, value in options.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+
+
+# ---- hf:path/config.json -----------------------------------------------------------------------------------------
+
+def test_config_file_builds_its_architecture_with_options(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "intermediate_size": 128, "vocab_size": 300}))
+    cfg = get_config(f"hf:{path}")
+    assert cfg.name == f"hf:{path}" and (cfg.layers, cfg.kv_heads, cfg.vocab) == (3, 2, 300)
+    zoo = load(f"hf:{tmp_path}", batch=1, seq=16, layers=1)  # a folder holding config.json
+    assert zoo.module.config.num_hidden_layers == 1 and zoo.module.config.intermediate_size == 128
+    assert describe(zoo)["set"]["vocab_size"] == 300
+
+
+# ---- file.py:function --------------------------------------------------------------------------------------------
+
+def _user_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(50, 16)
+                self.out = nn.Linear(16, 50)
+
+            def forward(self, ids, labels):
+                logits = self.out(self.embed(ids))
+                return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    """) + textwrap.dedent(body))
+    return path
+
+
+def test_function_builds_its_model_on_meta_with_its_inputs(tmp_path: Path) -> None:
+    path = _user_file(tmp_path, """
+        def build(batch):
+            return Net().to("cpu"), {"ids": torch.randint(0, 50, (batch, 12)), "labels": torch.randint(0, 50, (batch, 12))}
+    """)
+    zoo = load(f"{path}:build", batch=3)
+    assert zoo.config.name == f"{path}:build" and zoo.seq == 12
+    assert all(p.device.type == "meta" for p in zoo.module.parameters())
+    assert zoo.inputs["ids"].shape == (3, 12) and zoo.inputs_at(5)["ids"].shape == (5, 12)
+    assert autopar.trace(zoo.module, example_kwargs=zoo.inputs).num_params == 16 * 50 + 16 * 50 + 50
+
+
+@pytest.mark.parametrize(("body", "name", "message"), [
+    ("", "missing.py:build", "no such file"),
+    ("def build(batch): pass", "mine.py:biuld", "has no function 'biuld'; did you mean build"),
+    ("def build(batch): return Net()", "mine.py:build", r"must return \(model, inputs\).*returned a Net"),
+    ("def build(batch): return Net(), [1]", "mine.py:build", "second item is a list"),
+    ("def build(batch): return Net(), {'ids': [1]}", "mine.py:build", "input 'ids' is a list"),
+    ("def build(batch): return Net(), {'ids': torch.zeros(batch + 1, 4, dtype=torch.long)}", "mine.py:build",
+     r"input 'ids' has shape \[3, 4\], but its first dim must be the batch \(2\)"),
+    ("def build(batch): raise RuntimeError('no data here')", "mine.py:build", r"build\(2\) raised RuntimeError: no data"),
+    ("raise ImportError('needs a package')", "mine.py:build", "importing .* failed: ImportError: needs a package"),
+    ("", "no_such_package_xyz.module:build", "no module named 'no_such_package_xyz'"),
+])
+def test_function_errors_name_the_input_and_the_fix(tmp_path: Path, body: str, name: str, message: str) -> None:
+    _user_file(tmp_path, body)
+    target = name if name.startswith("no_such") else str(tmp_path / name)
+    with pytest.raises(ValueError, match=message):
+        load(target, batch=2)
+
+
+def test_forward_that_returns_no_loss_is_refused(tmp_path: Path) -> None:
+    path = _user_file(tmp_path, """
+        class Logits(Net):
+            def forward(self, ids, labels):
+                return self.out(self.embed(ids))
+
+        def build(batch):
+            return Logits(), {"ids": torch.zeros(batch, 8, dtype=torch.long), "labels": torch.zeros(batch, 8, dtype=torch.long)}
+    """)
+    zoo = load(f"{path}:build", batch=2)
+    with pytest.raises(Exception, match=r"returned a tensor of shape \[2, 8, 50\]; it must return the training loss"):
+        autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+
+
+def test_model_options_do_not_apply_to_a_function(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _user_file(tmp_path, "def build(batch): return Net(), {'ids': torch.zeros(batch, 8, dtype=torch.long), "
+                                "'labels': torch.zeros(batch, 8, dtype=torch.long)}")
+    code, _, err = run_cli(capsys, "profile", f"{path}:build", "--layers", "2")
+    assert code == 2 and "option(s) layers do not apply to a model your function builds" in err
+    code, _, err = run_cli(capsys, "profile", f"{path}:build", "--seq", "16")
+    assert code == 2 and "the function's inputs have 8" in err
+
+
+def test_unknown_forms_list_close_matches(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "profile", "hf:gemmma")
+    assert code == 2 and "unknown Hugging Face model type 'gemmma'; close: hf:gemma" in err
+    code, _, err = run_cli(capsys, "profile", "hf:gemma-tiny")
+    assert code == 2 and "-tiny names only the seven hand-written specs" in err
+    code, _, err = run_cli(capsys, "profile", "hf:/no/such/config.json")
+    assert code == 2 and "no such config file" in err
+
+
+# ---- plans record what rebuilds the model ------------------------------------------------------------------------
+
+def test_plan_from_a_file_records_its_absolute_path_and_rebuilds(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopar.runtime import check_runnable
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "plan", "examples/nanogpt.py:build", "--cluster", "cpu", "--gpus", "2", "--batch",
+                           "4", "--budget-s", "2", "--runnable", "--out", str(out))
+    assert code == 0, err
+    plan = load_plan(str(out))
+    assert plan.workload.model == f"{EXAMPLES / 'nanogpt.py'}:build"
+    monkeypatch.chdir(tmp_path)  # elsewhere: the recorded path still finds the file
+    check_runnable(plan, rehearse=False)
+
+
+def test_plan_from_a_type_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "plan", "hf:qwen3", *_flags(SMALL), "--seq", "32", "--cluster", "cpu", "--gpus",
+                           "2", "--batch", "2", "--budget-s", "2", "--out", str(out))
+    assert code == 0, err
+    work = load_plan(str(out)).workload
+    assert (work.model, work.override_map, work.seq) == ("hf:qwen3", SMALL, 32)
+
+
+# ---- tp where the model cuts a fused projection ------------------------------------------------------------------
+
+def test_fused_qkv_split_is_refused_under_tp_naming_the_module(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    example = f"{EXAMPLES / 'nanogpt.py'}:build"
+    code, _, err = run_cli(capsys, "estimate", example, "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp",
+                           "2", "--pp", "1", "--mbs", "4", "--out", str(tmp_path / "tp.json"))
+    assert code == 2
+    assert "module 'model.transformer.h.0.attn.c_attn' would be split by output features over tp 2" in err
+    assert not (tmp_path / "tp.json").exists()
+
+
+def test_a_chunked_fused_projection_is_refused_and_separate_ones_are_not(tmp_path: Path) -> None:
+    from autopar.runtime.validate import tensor_parallel_refusal
+
+    path = tmp_path / "attn.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self, fused):
+                super().__init__()
+                self.fused = fused
+                self.qkv = nn.Linear(32, 96) if fused else None
+                self.q, self.k, self.v = (nn.Linear(32, 32) for _ in range(3)) if not fused else (None,) * 3
+                self.proj = nn.Linear(32, 32)
+
+            def forward(self, x):
+                b, t, _ = x.shape
+                q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
+                q, k, v = (y.view(b, t, 4, 8).transpose(1, 2) for y in (q, k, v))
+                y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.proj(y.transpose(1, 2).reshape(b, t, 32)).pow(2).mean()
+
+        def fused(batch):
+            return Block(True), {"x": torch.randn(batch, 8, 32)}
+
+        def separate(batch):
+            return Block(False), {"x": torch.randn(batch, 8, 32)}
+    """))
+    for function, refused in (("fused", True), ("separate", False)):
+        zoo = load(f"{path}:{function}", batch=2)
+        reason = tensor_parallel_refusal(autopar.trace(zoo.module, example_kwargs=zoo.inputs), zoo.module)
+        assert (reason is not None) == refused
+        if refused:
+            assert reason.startswith("module 'qkv' would be split by output features over tp")
+
+
+def test_the_zoo_fused_attention_is_not_refused() -> None:
+    from autopar.runtime.validate import tensor_parallel_refusal
+
+    zoo = load("gpt3-125m", batch=1, seq=16, layers=2, hidden=64, heads=4, vocab=128)
+    assert tensor_parallel_refusal(autopar.trace(zoo.module, example_kwargs=zoo.inputs), zoo.module) is None
+
+
+@pytest.mark.slow
+def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "nanogpt.json"
+    example = f"{EXAMPLES / 'nanogpt.py'}:build"
+    code, _, err = run_cli(capsys, "plan", example, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--runnable",
+                           "--budget-s", "5", "--out", str(out))
+    assert code == 0, err
+    code, text, err = run_cli(capsys, "run", str(out), "--nproc", "2", "--check")
+    assert code == 0, err
+    assert "check: losses and gradients match" in text
+    assert os.path.exists(out)
+
+
+def test_a_replicated_norm_between_split_linears_is_refused_under_tp(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3 normalises q and k per head with one weight: under tp each rank would see only its own heads'
+    gradient of it (`autopar run --check` measured a difference of 1.5e-3 before this refusal)."""
+    common = ["--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "4"]
+    code, _, err = run_cli(capsys, "estimate", "hf:qwen3", *_flags(SMALL), "--kv-heads", "2", *common, "--out",
+                           str(tmp_path / "qwen3.json"))
+    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
+    code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", *common, "--out", str(tmp_path / "llama.json"))
+    assert code == 0, err
+
+
+def test_a_model_that_traces_in_fp32_only_is_traced_in_fp32_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """FNet's FFT has no bf16 kernel under fake tensors: the trace falls back to fp32, labelled."""
+    code, out, err = run_cli(capsys, "profile", "hf:fnet", "--layers", "2", "--hidden", "64", "--seq", "64", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["dtype"] == "bf16" and data["note"].startswith("traced in fp32, with fp32's bytes: the bf16 trace")
+    code, out, err = run_cli(capsys, "profile", "hf:fnet", "--layers", "2", "--hidden", "64", "--seq", "64", "--dtype",
+                             "fp32", "--json")
+    assert code == 0 and "note" not in json.loads(out)
+
+
+def test_a_hugging_face_moe_plan_is_runnable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its grouped matmul has a bf16-only fake kernel on CPU: the fp32 rehearsal fails where the real fp32 step runs
+    (`autopar run --check` passes on 2 ranks), so the rehearsal is taken in bf16 then."""
+    code, _, err = run_cli(capsys, "plan", "hf:qwen2_moe", *_flags(SMALL), "--experts", "4", "--seq", "32", "--cluster",
+                           "cpu", "--gpus", "2", "--batch", "4", "--runnable", "--budget-s", "2", "--out",
+                           str(tmp_path / "moe.json"))
+    assert code == 0, err
+    assert load_plan(str(tmp_path / "moe.json")).workload.override_map["experts"] == 4
