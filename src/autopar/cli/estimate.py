@@ -12,11 +12,13 @@ from autopar.cli.common import (
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text
 from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
+from autopar.report import check_report, estimate_report, write_report
 from autopar.cluster import load_cluster
 from autopar.cost import ParallelConfig
 from autopar.cost.megatron import pipeline_config
 from autopar.cost.pipeline import PipelineModel
 from autopar.cost.types import RECOMPUTE, SCHEDULES
+from autopar.search.pipeline import Found, pipeline_plan
 
 
 def register(subparsers: Any) -> None:
@@ -44,6 +46,9 @@ def register(subparsers: Any) -> None:
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
     parser.add_argument("--timeline", metavar="FILE",
                         help="draw the simulated iteration per device to FILE (.svg or .png; needs matplotlib)")
+    parser.add_argument("--report", metavar="FILE.html",
+                        help="write one self-contained HTML page with the stages, the simulated timeline and memory "
+                        "per stage (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -66,6 +71,7 @@ def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
 def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     check_out(args)
     check_timeline(args.timeline)
+    check_report(args.report)
     config, gpus = _config(args)
     cluster = load_cluster(args.cluster).with_devices(gpus)
     global_batch = args.batch
@@ -101,10 +107,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     }
     if args.timeline:
         write_timeline(priced.simulation, args.timeline, title=_head(data))
+    if args.report:
+        plan = pipeline_plan(model, Found(pipeline, priced, 1), name=zoo.config.name, kind="estimate",
+                             global_batch=global_batch)
+        write_report(args.report, estimate_report(data, plan=plan, simulation=priced.simulation))
     if fits:
-        return data if args.json else render(data, timeline=args.timeline)
+        return data if args.json else render(data, timeline=args.timeline, report=args.report)
     data["fit"] = fit_advice(model, pipeline, global_batch=global_batch, memory=result.memory)
-    text = render(data, timeline=args.timeline) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
+    text = render(data, timeline=args.timeline, report=args.report) + "\n\n" + "\n".join(advice_text(data["fit"], cluster=cluster.name, what="this configuration"))
     if args.out:
         text += f"\n\nplan not written to {args.out}: it does not fit"
     return Outcome(data if args.json else text, 3, f"does not fit {gpus} x {cluster.name}: {summary(data['fit'])}")
@@ -115,7 +125,6 @@ def _write_plan(args: argparse.Namespace, zoo: Any, model: PipelineModel, pipeli
     """The configuration as a plan file, in the form the planner writes (even stages, its layouts)."""
     from autopar.cli.plan import refusal, workload
     from autopar.plan import save_plan
-    from autopar.search.pipeline import Found, pipeline_plan
 
     plan = pipeline_plan(model, Found(pipeline, result, 1), name=zoo.config.name, kind="estimate",
                          global_batch=global_batch, workload=workload(args, zoo))
@@ -137,6 +146,7 @@ def _head(data: dict[str, Any]) -> str:
     )
 
 
-def render(data: dict[str, Any], *, timeline: str | None = None) -> str:
+def render(data: dict[str, Any], *, timeline: str | None = None, report: str | None = None) -> str:
     text = _head(data) + "\n\n" + estimate_text(data["estimate"])
-    return text + (f"\n\ntimeline written to {timeline}" if timeline else "")
+    return (text + (f"\n\ntimeline written to {timeline}" if timeline else "")
+            + (f"\nreport written to {report}" if report else ""))

@@ -18,6 +18,7 @@ from autopar.export import Export, Target, to_megatron, to_torchtitan
 from autopar.plan import Plan, load_plan
 from autopar.zoo import ModelConfig, config_for
 
+_NAMES = {Target.TORCHTITAN: "torchtitan", Target.MEGATRON: "Megatron-LM"}
 _HEADS = {
     Target.TORCHTITAN: "torchtitan 0.3: overrides of its Trainer.Config (torchrun ... -m torchtitan.train ARGUMENTS)",
     Target.MEGATRON: "Megatron-LM: arguments of pretrain_gpt.py (it derives dp = world size / (tp x pp))",
@@ -72,7 +73,7 @@ def render(export: Export, *, plan: Plan, source: str) -> str:
         groups[:2] = [groups[0] + groups[1]]
     lines.append(" \\\n  ".join(" ".join(shlex.quote(t) for t in group) for group in groups))
     if export.warnings:
-        lines += ["#", f"# {len(export.warnings)} approximated: the plan asks what {export.target.value} cannot "
+        lines += ["#", f"# {len(export.warnings)} approximated: the plan asks what {_NAMES[export.target]} cannot "
                   "express; the closest setting is written above"]
         for w in export.warnings:
             lines += _wrapped(f"{w.feature}: {w.plan}", "# - ") + _wrapped(f"-> {w.closest}", "#   ")

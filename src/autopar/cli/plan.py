@@ -22,6 +22,7 @@ from autopar.cli.common import (
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, binary_bytes, estimate_text, table
 from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
+from autopar.report import check_report, plan_report, write_report
 from autopar.cluster import load_cluster
 from autopar.plan import Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
@@ -61,6 +62,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--timeline", metavar="FILE",
                         help="pipeline searches: draw the plan's simulated iteration per device to FILE (.svg or "
                         ".png; needs matplotlib)")
+    parser.add_argument("--report", metavar="FILE.html",
+                        help="pipeline searches: write one self-contained HTML page with the stages, the simulated "
+                        "timeline, memory per stage and the runners-up and baselines (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -74,6 +78,10 @@ def _default_mesh(args: argparse.Namespace, per_node: int) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     check_out(args)  # before any trace or search: a path that cannot be written fails now, not after the search
     check_timeline(args.timeline)
+    check_report(args.report)
+    if args.search == "ilp" and args.report:
+        raise ValueError("--report shows a pipeline plan's stages and simulated iteration; --search ilp plans one mesh "
+                         "without a pipeline: leave --report out or choose a pipeline search")
     if args.search == "ilp" and args.timeline:
         raise ValueError("--timeline draws a pipeline plan's simulated iteration; --search ilp plans one mesh without "
                          "a pipeline: leave --timeline out or choose a pipeline search")
@@ -265,10 +273,13 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                 timeline=timeline_data(chosen.result.simulation))
     if args.timeline:
         write_timeline(chosen.result.simulation, args.timeline, title=_title(data))
+    if args.report:
+        write_report(args.report, plan_report(data, simulation=chosen.result.simulation))
+    written = f"\nreport written to {args.report}" if args.report else ""
     if fits:
-        return data if args.json else render_pipeline(data, out=args.out, timeline=args.timeline)
+        return data if args.json else render_pipeline(data, out=args.out, timeline=args.timeline) + written
     data["fit"] = fit_advice(model, chosen.config, global_batch=args.batch, memory=chosen.result.estimate.memory)
-    return _no_fit(args, data, render_pipeline(data, out=None))
+    return _no_fit(args, data, render_pipeline(data, out=None) + written)
 
 
 def refusal(plan: Plan) -> str | None:

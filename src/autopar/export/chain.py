@@ -94,8 +94,8 @@ def intra_warnings(plan: Plan, views: tuple[StageView, ...], *, target: str) -> 
     return [Approximation(
         feature="intra", plan=f"{layers} layers of stage {', '.join(str(v.index) for v in laid)} laid out by the "
         f"intra-op planner ({example or 'per-op splits'})",
-        closest=f"{target}'s own tensor-parallel plan (Megatron's column/row layout) on every layer: those stages "
-        "run Megatron's layout, which the search priced slower for them")]
+        closest=f"the column/row (Megatron) tensor-parallel layout {target} applies to every layer: those stages "
+        "run it, which the search priced slower for them")]
 
 
 def recompute_text(views: tuple[StageView, ...], mode: str) -> str:

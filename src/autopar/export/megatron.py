@@ -15,8 +15,9 @@ micro-batches of ``b`` samples across dp, ``N`` repeated layers:
   layers per stage is ``--recompute-method block --recompute-num-layers c`` (the first c of each stage);
 - ZeRO 1 is ``--use-distributed-optimizer`` (sharded optimizer state, whole gradients reduce-scattered once);
   ZeRO 2 and 3 are Megatron-FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` or
-  ``optim_grads_params``, with the ``fsdp_dtensor`` checkpoint format it requires); data-parallel collectives overlap the backward as the estimate simulates them
-  (``--overlap-grad-reduce``, and ``--overlap-param-gather`` with sharded weights);
+  ``optim_grads_params``, with the ``fsdp_dtensor`` checkpoint format it requires); data-parallel collectives
+  overlap the backward as the estimate simulates them (``--overlap-grad-reduce``, and ``--overlap-param-gather``
+  with sharded weights);
 - ``--sequence-parallel``; ``--bf16`` or ``--fp16``; the model's shape (`megatron_model_arguments`).
 """
 

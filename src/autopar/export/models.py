@@ -96,8 +96,9 @@ def titan_config(model: ModelConfig | None, label: str) -> tuple[TitanConfig | N
     sizes = ", ".join(f"{c.name} ({c.layers} x {c.hidden})" for c in TITAN_LLAMA3)
     return None, [Approximation(
         feature="model", plan=f"{label}: {mine['layers']} layers x {mine['hidden']}",
-        closest=f"torchtitan's llama3 module has configs {sizes} only: no --config is written; add a config "
-        "function of this shape to its config_registry and pass --module llama3 --config <it>")]
+        closest=f"torchtitan's llama3 module has configs {sizes} only: no --module/--config is written (the module "
+        "lists are in its llama3 names); add a config function of this shape to its config_registry and pass "
+        "--module llama3 --config <it>")]
 
 
 def megatron_model_arguments(model: ModelConfig | None, layers: int, seq: int,

@@ -31,7 +31,7 @@ from autopar.export.chain import (
     StageView, choose_grid, intra_warnings, is_layer, rank_micro_batch, recompute_text, require_pipeline,
     runs_warning, stage_views,
 )
-from autopar.export.models import TITAN_MODULE, titan_config, titan_name
+from autopar.export.models import TITAN_MODULE, is_llama, titan_config, titan_name
 from autopar.export.result import Approximation, Export, Target, Value
 from autopar.plan import Plan
 from autopar.zoo import ModelConfig
@@ -58,7 +58,7 @@ def to_torchtitan(plan: Plan, *, model: ModelConfig | None = None) -> Export:
         settings.append(("parallelism.fsdp_reshard_after_forward", reshard))
     settings += [("parallelism.tensor_parallel_degree", tp), ("parallelism.enable_sequence_parallel", plan.sp),
                  ("parallelism.pipeline_parallel_degree", plan.pp)]
-    settings += _pipeline(plan, views, dp, known=config is not None, warnings=warnings)
+    settings += _pipeline(plan, views, dp, known=is_llama(model), warnings=warnings)
     settings += _training(plan, dp, warnings)
     mode, found = _checkpointing(views)
     warnings += found

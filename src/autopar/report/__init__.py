@@ -1,0 +1,37 @@
+"""Plan reports: one self-contained HTML page (inline SVG pictures drawn with matplotlib, nothing fetched) with the
+plan's stages, its simulated timeline, memory per stage against the device budget, and the runners-up and
+baselines (``autopar plan ... --report FILE.html``, ``autopar estimate ... --report FILE.html``)."""
+
+from __future__ import annotations
+
+import os
+
+from autopar.files import check_writable, write_atomic
+from autopar.report.build import estimate_report, plan_report
+from autopar.report.page import render_html
+from autopar.report.records import Comparison, Report, Role
+
+FORMATS = (".html", ".htm")
+
+
+def check_report(path: str | None) -> None:
+    """Refuse, before any work, a ``--report`` path that cannot be written, or a report matplotlib cannot draw."""
+    if path is None:
+        return
+    if os.path.splitext(path)[1].lower() not in FORMATS:
+        raise ValueError(f"--report {path}: give a file ending in .html")
+    check_writable(path, flag="--report")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--report draws with matplotlib, which is not installed: pip install 'autopar[plot]'") \
+            from None
+
+
+def write_report(path: str, report: Report) -> None:
+    """Write ``report``'s page to ``path`` atomically."""
+    write_atomic(path, render_html(report))
+
+
+__all__ = ["Comparison", "Report", "Role", "check_report", "estimate_report", "plan_report", "render_html",
+           "write_report"]
