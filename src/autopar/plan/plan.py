@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,6 +75,10 @@ class Plan:
     modules: tuple[ModuleLayout, ...] = ()
     workload: Workload | None = None  # how to rebuild the model; without it `autopar run` cannot run the plan
     estimate: Estimate | None = None
+    # the planner's text report (the search, runners-up and baselines beside the plan), as `autopar plan` prints it;
+    # kept in memory only: a plan file holds the plan and its estimate, so a loaded plan explains those alone (a
+    # plan changed with dataclasses.replace keeps the report of the plan it came from: pass report=None)
+    report: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         text("model", self.model, limit=1024)
@@ -98,6 +102,8 @@ class Plan:
         elif self.schedule != "1f1b" or self.chunks != 1:
             raise FieldError("schedule", "applies to pipeline plans only; an intra-op plan has no stages")
         _check_modules(self)
+        if self.report is not None and not isinstance(self.report, str):
+            raise FieldError("report", f"must be text or None, got {quote(self.report)}")
 
     @property
     def is_pipeline(self) -> bool:
@@ -131,9 +137,18 @@ class Plan:
         return split_batch(batch, micro_batch_size=self.micro_batch_size, micro_batches=self.micro_batches, dp=dp,
                            dp_rank=dp_rank(rank, dp=dp, tp=tp))
 
+    def explain(self) -> str:
+        """The text report `autopar plan` prints: for a plan `autopar.plan` made, the search, its runners-up and
+        the baselines beside the plan; for a loaded plan, its stages and estimate (the comparison is not saved)."""
+        if self.report is not None:
+            return self.report
+        from autopar.api.report import plan_text  # the report layer sits above the plan in the data flow
+
+        return plan_text(self)
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan and its estimate to ``path`` as a plan file, atomically (a temporary file renamed into
-        place), so an interrupted write never leaves half a plan."""
+        place), so an interrupted write never leaves half a plan. The in-memory report is not saved."""
         write_atomic(path, json.dumps(self.to_file_dict(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
