@@ -12,11 +12,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from autopar.capture import Graph, trace
+
+if TYPE_CHECKING:
+    from autopar.runtime.train import Workload
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +35,7 @@ class ModelSource:
     batch: Callable[[int], dict[str, torch.Tensor]]
 
     @classmethod
-    def of_workload(cls, work) -> ModelSource:  # noqa: ANN001 - `autopar.runtime.train.Workload`
+    def of_workload(cls, work: Workload) -> ModelSource:
         """The zoo model a plan's workload names, as `autopar run` builds it (fp32, dropout off)."""
         from autopar.runtime.train import global_batch
         from autopar.zoo import load

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from autopar.capture import Graph
 from autopar.plan import Plan
 from autopar.runtime.apply import check_matches, check_supported, checkpoint_segments, parallelize, recompute
 from autopar.runtime.source import ModelSource
@@ -151,7 +152,7 @@ def _materialise(module: nn.Module) -> None:
             first[id(old)] = m._parameters[key]
 
 
-def _check_chain(plan: Plan, graph) -> None:  # noqa: ANN001 - a traced `Graph`
+def _check_chain(plan: Plan, graph: Graph) -> None:
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
     from autopar.search.pipeline import config_of
