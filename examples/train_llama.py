@@ -46,21 +46,22 @@ def main() -> None:
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     model = build_model()
+    # cluster: the preset of your GPUs (a100-80g-sxm, h100-80g-sxm, ...) or a file from `autopar calibrate`
     plan = autopar.plan_once(model, global_batch(0), cluster="cpu", gpus=world, batch=BATCH, budget_s=10)
     if rank == 0:
         print(plan.explain(), flush=True)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    parallel = autopar.parallelize(model, plan)
+    parallel = autopar.parallelize(model.to(device), plan)
     optimizer = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
 
     losses = []
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = parallel.step(global_batch(step))
+        loss = parallel.step({key: value.to(device) for key, value in global_batch(step).items()})
         optimizer.step()
         losses.append(loss)
         if rank == 0:
