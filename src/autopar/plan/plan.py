@@ -17,16 +17,25 @@ is checked by the runtime before any rank starts (`autopar.runtime.validate`).
 
 JSON: ``{"plan": {...}, "estimate": {...}}``, the plan with ``schema`` 2. Schema 1 files (autopar 0.1) read the
 same, and files without ``kernels`` (written before it existed) read as ``eager``. A plan without a ``workload``
-prints but cannot run. Unknown fields are refused.
+(one made from Python by `autopar.plan`, or by an older autopar) cannot be run by ``autopar run``, which rebuilds
+the model from it; ``autopar.parallelize(model, plan)`` runs it on the model it was made for. Unknown fields are
+refused. `Plan.save` writes a plan file atomically and `Plan.load` reads one: loading parses strict JSON from a
+bounded regular file, validates every field and never imports or executes anything from the file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Shard
 
+from autopar.files import PLAN_FILE_LIMIT, read_text, write_atomic
+from autopar.plan.batch import LocalBatch, dp_rank, split_batch
 from autopar.plan.checks import FieldError, at, choice, flag, integer, mapping, quote, sequence, text, unknown_fields
 from autopar.plan.estimate import Estimate
 from autopar.plan.records import (
@@ -64,8 +73,12 @@ class Plan:
     stages: tuple[Stage, ...] = ()  # a pipeline plan (one stage: no pipelining)
     blocks: tuple[Block, ...] = ()  # an intra-op plan
     modules: tuple[ModuleLayout, ...] = ()
-    workload: Workload | None = None  # how to rebuild the model; without it a plan prints but cannot run
+    workload: Workload | None = None  # how to rebuild the model; without it `autopar run` cannot run the plan
     estimate: Estimate | None = None
+    # the planner's text report (the search, runners-up and baselines beside the plan), as `autopar plan` prints it;
+    # kept in memory only: a plan file holds the plan and its estimate, so a loaded plan explains those alone (a
+    # plan changed with dataclasses.replace keeps the report of the plan it came from: pass report=None)
+    report: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         text("model", self.model, limit=1024)
@@ -89,6 +102,8 @@ class Plan:
         elif self.schedule != "1f1b" or self.chunks != 1:
             raise FieldError("schedule", "applies to pipeline plans only; an intra-op plan has no stages")
         _check_modules(self)
+        if self.report is not None and not isinstance(self.report, str):
+            raise FieldError("report", f"must be text or None, got {quote(self.report)}")
 
     @property
     def is_pipeline(self) -> bool:
@@ -109,6 +124,52 @@ class Plan:
 
     def with_workload(self, workload: Workload) -> Plan:
         return replace(self, workload=workload)
+
+    def local_batch(self, batch: Mapping[str, torch.Tensor], rank: int) -> LocalBatch:
+        """The rows of the global ``batch`` (every tensor holds its ``micro_batch_size x micro_batches`` rows along
+        dim 0) that ``rank`` trains, micro-batch by micro-batch (`autopar.plan.batch`: data-parallel rank
+        ``(rank // tp) % dp`` takes its ``micro_batch_size / dp`` rows of each micro-batch). A data loader that
+        reads only its own rows reads ``local_batch(...).rows``."""
+        if not self.stages:
+            raise FieldError("stages", "are missing: an intra-op plan cannot be run yet, so it has no local batches")
+        integer("rank", rank, low=0, high=self.devices - 1)
+        dp, tp = self.grid
+        return split_batch(batch, micro_batch_size=self.micro_batch_size, micro_batches=self.micro_batches, dp=dp,
+                           dp_rank=dp_rank(rank, dp=dp, tp=tp))
+
+    def explain(self) -> str:
+        """The text report `autopar plan` prints: for a plan `autopar.plan` made, the search, its runners-up and
+        the baselines beside the plan; for a loaded plan, its stages and estimate (the comparison is not saved)."""
+        if self.report is not None:
+            return self.report
+        from autopar.api.report import plan_text  # the report layer sits above the plan in the data flow
+
+        return plan_text(self)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan and its estimate to ``path`` as a plan file, atomically (a temporary file renamed into
+        place), so an interrupted write never leaves half a plan. The in-memory report is not saved."""
+        write_atomic(path, json.dumps(self.to_file_dict(), indent=1, allow_nan=False) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """The plan of a plan file, with its estimate, validated; a ValueError naming the file and field otherwise."""
+        raw = read_text(path, what="plan file", limit=PLAN_FILE_LIMIT)
+        try:
+            data = json.loads(raw, parse_constant=_no_constant)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a plan file (invalid JSON at line {exc.lineno}: {exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: not a plan file (JSON nested too deeply)") from None
+        if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
+            raise ValueError(f"{path}: not a plan file (no 'plan' object)")
+        extra = sorted(set(data) - {"plan", "estimate"})
+        if extra:
+            raise ValueError(f"{path}: unknown top-level field {extra[0]!r} (a plan file holds 'plan' and 'estimate')")
+        try:
+            return cls.from_dict(data["plan"], estimate=data.get("estimate"))
+        except FieldError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``plan`` object of a plan file (its estimate goes beside it)."""
@@ -162,6 +223,10 @@ class Plan:
                    zero=data.get("zero", 0), sp=data.get("sp", False), schedule=data.get("schedule", "1f1b"),
                    chunks=data.get("chunks", 1), kernels=data.get("kernels", "eager"), stages=stages, blocks=blocks,
                    modules=tuple(modules), workload=workload, estimate=estimate)
+
+
+def _no_constant(name: str) -> None:
+    raise json.JSONDecodeError(f"{name} is not a number JSON allows", name, 0)
 
 
 def _each(name: str, value: Any, read) -> list:  # noqa: ANN001

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +38,19 @@ import torch
 from torch import nn
 
 from autopar.plan import Plan
+from autopar.plan.batch import LocalBatch
 from autopar.sharding import short
+
+PIPELINE_INPUTS = ("input_ids", "labels")  # what a pipeline feeds its first stage and its loss
 
 
 @dataclass
 class ParallelModel:
-    """The parallelised module, how to build its optimizer, and what each micro-batch must tell it."""
+    """The parallelised module, how to build its optimizer, and what each micro-batch must tell it.
+
+    A training step in one's own loop is ``loss = parallel.step(batch)`` (forward and backward over this rank's
+    micro-batches, or the pipeline schedule, and the gradient synchronisation), then the optimizer's step, on
+    every rank with the same global ``batch``."""
 
     module: nn.Module
     zero: int
@@ -54,6 +61,75 @@ class ParallelModel:
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
     names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
     chunks: list[nn.Module] = field(default_factory=list)  # an interleaved stage's chunks, synchronised one by one
+    plan: Plan | None = None  # the plan `parallelize` applied: which rows of a batch this rank trains
+    rank: int = 0  # this process's rank in the plan's mesh
+
+    def step(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> float:
+        """One step's forward and backward (`forward_backward`); returns the loss one process training the whole
+        global batch would see: the mean of the micro-batches' losses, averaged over the data-parallel ranks (an
+        all-reduce, `average_loss`). Every rank must call it, with the same global batch."""
+        return self.average_loss(self.forward_backward(batch))
+
+    def forward_backward(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches of ``batch`` (the global batch: every tensor holds
+        it along dim 0; this rank takes its rows, `Plan.local_batch`), or through the plan's pipeline schedule,
+        each loss scaled by 1 / micro-batches; then the gradient synchronisation the plan prices
+        (`finish_backward`). The gradients are then those of the global batch's mean loss, ready for the
+        optimizer. Returns this rank's loss, detached and not synchronised: the mean of its micro-batches' losses,
+        0 on pipeline stages other than the last. A ``LocalBatch`` is taken as this rank's rows as they are."""
+        local = batch if isinstance(batch, LocalBatch) else self._local(batch)
+        m = len(local.micro_batches)
+        if self.pipeline is not None:
+            total = self._schedule(local)
+        else:
+            losses = []
+            for k, inputs in enumerate(local.micro_batches):
+                with self.micro_batch(k, m):
+                    loss = loss_of(self.module(**inputs)) / m
+                    loss.backward()
+                losses.append(loss.detach())
+            total = torch.stack(losses).sum()
+        self.finish_backward()
+        return total
+
+    def average_loss(self, local: torch.Tensor) -> float:
+        """A rank's loss (`forward_backward`) averaged over the data-parallel ranks: the sum over all ranks divided
+        by the ranks holding a loss (a stage's dp x tp; tensor-parallel ranks hold equal ones). One collective; a
+        model not made by `parallelize` (one process) returns its own loss."""
+        import torch.distributed as dist
+
+        if self.plan is None or not dist.is_initialized():
+            return float(local)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        total = local.detach().to(device=device, dtype=torch.float64).reshape(1)
+        dist.all_reduce(total)
+        dp, tp = self.plan.grid
+        return float(total) / (dp * tp)
+
+    def _local(self, batch: Mapping[str, torch.Tensor]) -> LocalBatch:
+        if self.plan is None:
+            raise ValueError("this model was not made by autopar.parallelize, so it does not know which rows of a "
+                             "global batch it trains: pass a LocalBatch (autopar.plan.batch.split_batch)")
+        return self.plan.local_batch(batch, self.rank)
+
+    def _schedule(self, local: LocalBatch) -> torch.Tensor:
+        """One step through the pipeline schedule: this data-parallel rank's rows of every micro-batch, back to
+        back (the schedule splits them again); the mean micro-batch loss on the last stage, 0 elsewhere."""
+        inputs = local.inputs
+        if set(inputs) != set(PIPELINE_INPUTS):
+            raise ValueError(f"a pipeline plan feeds input_ids to its first stage and labels to its loss; the batch "
+                             f"holds {sorted(inputs)}")
+        pipe, losses = self.pipeline, []
+        if pipe.first:
+            pipe.schedule.step(inputs["input_ids"])
+        elif pipe.last:
+            pipe.schedule.step(target=inputs["labels"], losses=losses)
+        else:
+            pipe.schedule.step()
+        pipe.sync_tied()
+        if not losses:
+            return torch.zeros(())
+        return torch.stack([loss.detach() for loss in losses]).sum() / len(local.micro_batches)
 
     def micro_batch(self, k: int, m: int) -> contextlib.AbstractContextManager:
         """Enter around micro-batch ``k`` of ``m``: gradients synchronise once per step, as the plan priced.
@@ -112,24 +188,42 @@ class ParallelModel:
             offset += g.numel()
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered)."""
-        grads = {}
+        """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered), under its name
+        in the whole model."""
         inner = getattr(self.module, "module", self.module)  # DDP wraps the model
-        for name, p in inner.named_parameters():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if hasattr(grad, "full_tensor"):
-                grad = grad.full_tensor()
-            grad = grad.detach().clone()
+        return self._whole((name, p.grad) for name, p in inner.named_parameters() if p.grad is not None)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameters this rank holds (a pipeline stage's, or all of them), whole (FSDP and tensor
+        -parallel shards are gathered: every rank of the stage must call it), under their names in the whole model
+        and in its own row order."""
+        inner = getattr(self.module, "module", self.module)
+        return self._whole((name, p.detach()) for name, p in inner.named_parameters())
+
+    def _whole(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in tensors:
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach().clone()
             whole = self.names.get(name, name)  # its name in the whole model
             order = self.permutations.get(whole)
             if order is not None:  # back to the model's own row order
-                restored = torch.empty_like(grad)
-                restored[order] = grad
-                grad = restored
-            grads.setdefault(whole, grad)
-        return grads
+                restored = torch.empty_like(tensor)
+                restored[order] = tensor
+                tensor = restored
+            out.setdefault(whole, tensor)
+        return out
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The training loss a forward returned: the zoo's models return it, Hugging Face ones carry it as ``.loss``."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"the model's forward must return its loss, a scalar tensor or an output whose .loss is "
+                         f"one; it returned {type(output).__name__}"
+                         + (f" of shape {list(output.shape)}" if isinstance(output, torch.Tensor) else ""))
+    return loss
 
 
 def check_supported(plan: Plan) -> None:
@@ -173,7 +267,12 @@ def parallelize(
     model: nn.Module, plan: Plan, *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True,
     compile: bool = True,  # noqa: A002
 ) -> ParallelModel:
-    """Wrap ``model`` (already on this rank's device, same initial weights on every rank) for ``plan``.
+    """Wrap ``model`` for ``plan`` on this rank, in place; train it through the returned `ParallelModel`.
+
+    ``model`` is already on this rank's device, with the same initial weights on every rank (build it with one seed,
+    or load one checkpoint, on every rank). A plan made from Python (`autopar.plan`) applies to the model it was
+    made for, or one built the same way; any plan names modules and parameter shapes, and one made for another
+    model is refused (`check_matches`).
 
     A plan with compiled kernels gets its repeated layers compiled (`compile_layers`); ``compile=False`` leaves
     them eager, for a rehearsal on fake tensors only (it checks layouts and collectives, not kernels).
@@ -192,7 +291,6 @@ def parallelize(
     pp, (dp, tp) = plan.pp, plan.grid
     if dist.get_world_size() != pp * dp * tp:
         raise ValueError(f"the plan needs {pp * dp * tp} ranks, this process group has {dist.get_world_size()}")
-    zero = plan.zero
     compiled = plan.kernels == "compiled" and compile
     for stage in stages:
         recompute(model, dict(stage.recompute), compiled=compiled)
@@ -211,8 +309,16 @@ def parallelize(
     sizes = dict(zip(names, mesh.shape))
     spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
-    if pp > 1:
-        return _pipelined(model, plan, mesh, axes)
+    parallel = _pipelined(model, plan, mesh, axes) if pp > 1 else _one_stage(model, plan, mesh, axes, units=units,
+                                                                               ddp=ddp)
+    parallel.plan, parallel.rank = plan, dist.get_rank()
+    return parallel
+
+
+def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *, units: Iterable[nn.Module],
+               ddp: bool) -> ParallelModel:
+    """A single-stage plan: tensor parallelism over tp, then data parallelism over dp (DDP, by hand, or FSDP2)."""
+    zero, (dp, tp) = plan.zero, plan.grid
     permutations = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else {}
 
     def plain(cls, **kw):  # noqa: ANN001, ANN003, ANN202

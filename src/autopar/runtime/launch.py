@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -28,21 +29,12 @@ def _rank_main(
         parallel = parallelize(model, plan)
         optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
 
-        dp, tp = plan.grid
-
-        def average(value: float) -> float:  # over the last stage's ranks (the others hold 0)
-            t = torch.tensor([value], dtype=torch.float64)
-            dist.all_reduce(t)
-            return float(t) / (dp * tp)
-
         counter = CollectiveCounter(parallel.axes) if check_comm else None
-        log = train(
-            parallel, optimizer, work, steps=steps, rank=(rank // tp) % dp, dp=dp,
-            gradients=parallel.full_gradients if check else None, reduce_loss=average, counter=counter,
-        )
+        log = train(parallel, optimizer, work, steps=steps, gradients=parallel.full_gradients if check else None,
+                    counter=counter)
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
-        if check and rank % (dp * tp) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
+        if check and rank % math.prod(plan.grid) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
             torch.save(log.grads, f"{out}.grads{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)

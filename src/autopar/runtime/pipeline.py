@@ -104,6 +104,11 @@ def chain_kind(model: nn.Module) -> str:
         return "llama"
     inner = getattr(model, "model", None)
     if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+        if attention != "sdpa":  # a stage runs its layers without a mask: only SDPA then attends causally
+            raise NotImplementedError(f"pipeline stages of a {type(model).__name__} with {attention!r} attention "
+                                      "cannot be run yet: stages pass no attention mask, which only 'sdpa' attention "
+                                      "makes causal; build the model with attn_implementation='sdpa'")
         return "hf"
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models and Hugging Face "

@@ -1,9 +1,10 @@
 """Training steps on synthetic data, on a rank of a plan or in one process as the reference.
 
 Every rank builds the model from the plan's workload with one seed (so all start from the same weights), draws the
-same global batch for each step from a seeded generator, and takes its data-parallel slice of each micro-batch.
-Losses are scaled by 1/micro-batches and gradients accumulate, so a rank's averaged gradient equals the
-single-process gradient of the whole global batch. Dropout is off: ranks and the reference must see the same
+same global batch for each step from a seeded generator, and trains it with `ParallelModel.forward_backward`: its
+data-parallel slice of each micro-batch (`autopar.plan.batch`), losses scaled by 1/micro-batches and gradients
+accumulated, so a rank's averaged gradient equals the single-process gradient of the whole global batch. The
+reference trains the same micro-batches in one process. Dropout is off: ranks and the reference must see the same
 numbers. The optimizer is SGD (Adam's eps turns 1e-9 gradient noise into visible parameter differences).
 """
 
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from autopar.plan import Plan
-from autopar.runtime.apply import ParallelModel
+from autopar.plan.batch import split_batch
+from autopar.runtime.apply import ParallelModel, loss_of  # noqa: F401 - bench/tp_runtime.py reads it here
 from autopar.runtime.comm import CollectiveCounter
 from autopar.zoo import config_for, load, synthetic_batch
 
@@ -40,7 +42,9 @@ class Workload:
         work = plan.workload
         if work is None:
             raise ValueError("the plan has no workload (model, overrides, seq, batch) to rebuild its model from: it "
-                             "was written by an older autopar; plan again with autopar plan --out")
+                             "was made from Python (autopar.plan), which runs in one's own script with "
+                             "autopar.parallelize(model, plan), or written by an older autopar; plan with autopar "
+                             "plan --out")
         return cls(model=work.model, overrides=work.override_map, seq=work.seq, batch=work.batch,
                    micro_batch=plan.micro_batch_size, micro_batches=plan.micro_batches)
 
@@ -68,62 +72,31 @@ def global_batch(work: Workload, step: int) -> dict[str, torch.Tensor]:
 
 
 def train(
-    parallel: ParallelModel, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int, rank: int = 0,
-    dp: int = 1,
+    parallel: ParallelModel, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int,
     gradients=None,  # noqa: ANN001 - callable returning the whole gradients after backward
-    reduce_loss=None,  # noqa: ANN001 - callable averaging a float over ranks
     counter: CollectiveCounter | None = None,  # counts the collectives of the last step
 ) -> StepLog:
+    """``steps`` steps on the workload's synthetic batches; losses as one process sees them
+    (`ParallelModel.average_loss`). A model `parallelize` made takes its own rows of each batch; any other (the
+    one-process reference) trains all of them, in the workload's micro-batches."""
     log = StepLog()
-    share = work.micro_batch // dp
-    m = work.micro_batches
     for step in range(steps):
         batch = global_batch(work, step)
+        if parallel.plan is None:
+            batch = split_batch(batch, micro_batch_size=work.micro_batch, micro_batches=work.micro_batches, dp=1,
+                                dp_rank=0)
         optimizer.zero_grad(set_to_none=True)
         counting = counter if counter is not None and step == steps - 1 else contextlib.nullcontext()
         start = time.perf_counter()
-        total = 0.0
         with counting:
-            if parallel.pipeline is not None:
-                total = _pipeline_step(parallel.pipeline, batch, work, rank=rank, dp=dp)
-            else:
-                for k in range(m):
-                    first = k * work.micro_batch + rank * share
-                    inputs = {key: value[first : first + share] for key, value in batch.items()}
-                    with parallel.micro_batch(k, m):
-                        loss = loss_of(parallel.module(**inputs)) / m
-                        loss.backward()
-                    total += float(loss.detach())
-            parallel.finish_backward()
+            loss = parallel.forward_backward(batch)
             if gradients is not None:
                 _paused(counter, lambda: log.grads.append(gradients()))
             optimizer.step()
         log.seconds.append(time.perf_counter() - start)
-        log.losses.append(reduce_loss(total) if reduce_loss is not None else total)
+        log.losses.append(parallel.average_loss(loss))
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
-
-
-def loss_of(output) -> torch.Tensor:  # noqa: ANN001
-    """The training loss a forward returned: the zoo's models return it, Hugging Face ones carry it as ``.loss``."""
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
-def _pipeline_step(pipeline, batch: dict[str, torch.Tensor], work: Workload, *, rank: int, dp: int) -> float:  # noqa: ANN001
-    """One step through the schedule: this data-parallel rank's slice of every micro-batch, back to back (the
-    schedule splits them again). Returns the mean micro-batch loss on the last stage, 0 elsewhere."""
-    share = work.micro_batch // dp
-    rows = torch.cat([torch.arange(share) + k * work.micro_batch + rank * share for k in range(work.micro_batches)])
-    mine = {key: value[rows] for key, value in batch.items()}
-    losses: list[torch.Tensor] = []
-    if pipeline.first:
-        pipeline.schedule.step(mine["input_ids"])
-    elif pipeline.last:
-        pipeline.schedule.step(target=mine["labels"], losses=losses)
-    else:
-        pipeline.schedule.step()
-    pipeline.sync_tied()
-    return float(sum(loss.detach() for loss in losses)) / work.micro_batches if losses else 0.0
 
 
 def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001

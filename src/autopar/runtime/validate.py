@@ -2,9 +2,10 @@
 same `check_runnable`, so they accept and refuse the same plans.
 
 A `Plan` is already consistent in itself (`autopar.plan`). What needs the model is checked here, on the model
-built on the meta device (no memory) and traced once:
+built on the meta device (no memory) and traced once (the model its workload names, or for a plan made from Python
+the model it was made for: `autopar.runtime.source`):
 
-- the runtime can apply the plan's kind (`check_supported`) and the plan carries its workload;
+- the runtime can apply the plan's kind (`check_supported`) and the plan carries its workload or is given its model;
 - a plan with compiled kernels finds ``torch.compile`` working on this machine (`check_compiler`);
 - every module and parameter the plan names exists, with the planned shape (`check_matches`);
 - the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_of`);
@@ -31,28 +32,30 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from autopar.capture import Graph
 from autopar.plan import Plan
 from autopar.runtime.apply import check_matches, check_supported, checkpoint_segments, parallelize, recompute
-from autopar.runtime.train import LEARNING_RATE, Workload, global_batch, loss_of
+from autopar.runtime.source import ModelSource
+from autopar.runtime.train import LEARNING_RATE, Workload
 
 
-def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
+def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | None = None) -> None:
     """Raise ValueError (or NotImplementedError for what the runtime cannot apply yet) naming the module and the
     reason if ``plan`` cannot train exactly what one process trains. With ``rehearse``, a single-stage plan is
     also applied and stepped once on a fake process group of its full size (`rehearsal`), so that what would fail
-    on the ranks fails here, before any starts."""
+    on the ranks fails here, before any starts. ``source``: the model the plan is for (default: the one its
+    workload names, as `autopar run` builds it)."""
     from autopar.runtime.pipeline import stage_layers
-    from autopar.zoo import load
 
     check_supported(plan)
-    work = Workload.of(plan)
+    source = source or ModelSource.of_workload(Workload.of(plan))
     if plan.kernels == "compiled":
         check_compiler()
-    # the model as the runtime trains it (dropout off), and as the planner traced it (its chain of layers)
-    model = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, device="meta", dropout=0.0,
-                 **work.overrides).module
+    # the model as the runtime trains it, and (its chain of layers) as the planner traced it
+    model = source.meta()
     check_matches(model, plan)
-    graph = _check_chain(plan, load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides))
+    graph = source.chain()
+    _check_chain(plan, graph)
     _check_divisible(model, plan)
     _check_split_outputs(graph, plan, model)
     _check_batch_norm(model, plan)
@@ -62,7 +65,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True) -> None:
     if plan.pp > 1:
         stage_layers(model, plan)
     elif rehearse:
-        _rehearse(plan)
+        _rehearse(plan, source)
 
 
 @contextlib.contextmanager
@@ -78,16 +81,16 @@ def fake_errors_quiet() -> Any:
         logger.setLevel(level)
 
 
-def _rehearse(plan: Plan) -> None:
+def _rehearse(plan: Plan, source: ModelSource) -> None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
     fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype."""
     try:
         with fake_errors_quiet():
-            rehearsal(plan)
+            rehearsal(plan, source=source)
     except ValueError as exc:
         try:
-            rehearsal(plan, dtype=torch.bfloat16)
+            rehearsal(plan, source=source, dtype=torch.bfloat16)
         except (ValueError, NotImplementedError):
             raise exc from None
 
@@ -110,10 +113,12 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x * 2 + 1)
 
 
-def rehearsal(plan: Plan, *, count: bool = False, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]] | None:
+def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
+              dtype: torch.dtype = torch.float32) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
-    default); with ``count``, the collectives rank 0 issued.
+    default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
+    workload's).
 
     The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
@@ -126,15 +131,13 @@ def rehearsal(plan: Plan, *, count: bool = False, dtype: torch.dtype = torch.flo
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
     from autopar.runtime.comm import CollectiveCounter
-    from autopar.zoo import load
 
     if dist.is_initialized():
         raise RuntimeError("a rehearsal needs its own fake process group; a process group is already initialised")
-    work = Workload.of(plan)
+    source = source or ModelSource.of_workload(Workload.of(plan))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
-        model = load(work.model, batch=1, seq=work.seq, dtype=dtype, device="meta", dropout=0.0,
-                     **work.overrides).module.train()
+        model = source.meta().to(dtype)
         parallel = parallelize(model, plan, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -145,7 +148,8 @@ def rehearsal(plan: Plan, *, count: bool = False, dtype: torch.dtype = torch.flo
             # function), which checkpointing without early stop does too, collectives alike
             whole = plan.kernels == "compiled"
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
-                _step(parallel, optimizer, work, _cast(global_batch(work, 0), dtype), dp=plan.grid[0])
+                parallel.forward_backward(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype))
+                optimizer.step()  # as rank 0
     except (ValueError, NotImplementedError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever PyTorch raised: the plan does not apply to this model
@@ -189,37 +193,13 @@ def _materialise(module: nn.Module) -> None:
             first[id(old)] = m._parameters[key]
 
 
-def _step(parallel, optimizer, work: Workload, batch: dict[str, torch.Tensor], *, dp: int) -> None:  # noqa: ANN001
-    """One training step of rank 0 (data-parallel coordinate 0) of a single-stage plan, losses left unread (they
-    are fake)."""
-    share = work.micro_batch // dp
-    m = work.micro_batches
-    for k in range(m):
-        inputs = {key: value[k * work.micro_batch : k * work.micro_batch + share] for key, value in batch.items()}
-        with parallel.micro_batch(k, m):
-            (loss_of(parallel.module(**inputs)) / m).backward()
-    parallel.finish_backward()
-    optimizer.step()
-
-
-def _check_chain(plan: Plan, planned):  # noqa: ANN001, ANN202 - returns the traced Graph
-    from autopar.capture import CaptureError, trace
+def _check_chain(plan: Plan, graph: Graph) -> None:
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
     from autopar.search.pipeline import config_of
 
-    try:
-        with fake_errors_quiet():
-            graph = trace(planned.module, example_kwargs=planned.inputs)
-    except CaptureError as exc:  # a kernel whose fake implementation takes bf16 only (MoE's grouped matmul on CPU)
-        try:  # the chain of layers is the same in any dtype
-            graph = trace(planned.module.to(torch.bfloat16), example_kwargs={
-                k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in planned.inputs.items()})
-        except CaptureError:
-            raise ValueError(f"the model cannot be traced as the runtime builds it (fp32): {exc}") from None
     model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1, dtype="fp32")
     config_of(model, plan)
-    return graph
 
 
 def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph

@@ -1,0 +1,263 @@
+"""The pipeline planner as a library: search, simulate the best, and keep a plan the runtime can run.
+
+`autopar plan MODEL` (a zoo model, which `autopar run` rebuilds from the plan's workload) and `autopar.plan(model,
+...)` (a user's module, run in the user's own script) both call `search_pipeline`:
+
+1. the search (`autopar.search.pipeline.pipeline_searches`) ranks configurations by the closed form, with the
+   baselines (DP, FSDP, the Megatron grid) priced beside it; with ``runnable_only`` it keeps to shapes the runtime
+   runs (`runtime_limit`);
+2. the plan and its runners-up are re-priced by the simulator (`simulated`): what a user sees is simulated;
+3. the chosen plan, when it fits, is checked against the model itself (``Subject.check``: the runtime's own checks,
+   `refusal`); with ``runnable_only`` the runners-up are tried in order when it would be refused, and when none can
+   run the answer is an error naming the reason, never a plan that fails on the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from autopar.capture import Graph
+from autopar.cluster.spec import Cluster
+from autopar.cost.memory import OPTIMIZER_STATE_BYTES, Precision
+from autopar.cost.pipeline import PipelineModel
+from autopar.plan import Plan, Workload
+from autopar.plan.checks import FieldError, choice, finite, flag, integer, text
+from autopar.plan.records import DTYPES, KERNELS, MAX_BATCH
+from autopar.runtime.source import ModelSource
+from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
+
+log = logging.getLogger(__name__)
+
+PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
+MAX_BUDGET_S = 86_400.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """What to search: ``search`` (auto, aceso, exhaustive, or one baseline: megatron, dp, fsdp) for a global batch
+    of ``batch`` samples, within ``budget_s`` seconds; ``runnable_only``: only plans the runtime can run;
+    ``kernels``: eager or compiled; ``dtype`` the model's (fp32, bf16, fp16); ``optimizer`` whose state the memory
+    estimate holds (sgd, momentum, adam; None: SGD for fp32, Adam with an fp32 master copy otherwise)."""
+
+    search: str = "auto"
+    batch: int
+    budget_s: float = 60.0
+    runnable_only: bool = True
+    kernels: str = "eager"
+    dtype: str = "bf16"
+    optimizer: str | None = None
+
+    def __post_init__(self) -> None:
+        choice("search", self.search, PIPELINE_SEARCHES)
+        integer("batch", self.batch, high=MAX_BATCH)
+        finite("budget_s", self.budget_s)
+        if not 0 < self.budget_s <= MAX_BUDGET_S:
+            raise FieldError("budget_s", f"must be a positive number of seconds up to {MAX_BUDGET_S:,.0f}, got "
+                             f"{self.budget_s!r}")
+        flag("runnable_only", self.runnable_only)
+        choice("kernels", self.kernels, KERNELS)
+        choice("dtype", self.dtype, DTYPES)
+        if self.optimizer is not None:
+            choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATE_BYTES))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Subject:
+    """What is planned: the model's trace at batch 1 (``graph``; costs scale with the batch), its display ``name``,
+    its ``workload`` for `autopar run` (None for a user's module), whether the runtime can cut it into pipeline
+    stages, ``no_tp``: why no plan with tp > 1 can run it, or None (`runtime.validate.tensor_parallel_refusal`), and
+    ``check``: why the runtime would refuse a plan for it, or None (`refusal`)."""
+
+    graph: Graph
+    name: str
+    check: Callable[[Plan], str | None]
+    pipelines: bool = True
+    no_tp: str | None = None
+    workload: Workload | None = None
+
+    @classmethod
+    def of(cls, graph: Graph, module: nn.Module, *, name: str, check: Callable[[Plan], str | None],
+           pipelines: bool = True, workload: Workload | None = None) -> Subject:
+        """``module`` (its trace ``graph``), with what keeps its plans runnable worked out: the pipeline cut
+        (`can_pipeline`, and ``pipelines``) and the tp refusal."""
+        from autopar.runtime.validate import tensor_parallel_refusal
+
+        return cls(graph=graph, name=name, check=check, pipelines=pipelines and can_pipeline(module),
+                   no_tp=tensor_parallel_refusal(graph, module), workload=workload)
+
+    def __post_init__(self) -> None:
+        text("name", self.name, limit=1024)
+
+
+@dataclass(slots=True)
+class Searched:
+    """What a pipeline search found: the cost model it priced with, the chosen configuration (simulated, with its
+    runners-up, best first), it as a `Plan` (with the subject's workload), the baselines as plans (None where the
+    batch does not divide), why the runtime would refuse the plan (None: it can run it), whether the search was
+    stopped early, and the seconds it took."""
+
+    model: PipelineModel
+    chosen: Found
+    plan: Plan
+    baselines: dict[str, Plan | None]
+    not_runnable: str | None
+    interrupted: bool
+    seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen.result.estimate.memory.fits
+
+
+def search_pipeline(
+    subject: Subject, cluster: Cluster, options: SearchOptions, *,
+    progress: Callable[[str], None] | None = None, should_stop: Callable[[], bool] = lambda: False,
+    started: float | None = None,
+) -> Searched:
+    """Search ``subject``'s plans on ``cluster`` (sized to the devices used) as the module docstring says;
+    ``should_stop`` ends the search early, keeping the best plan found so far. ``Searched.seconds`` count from
+    ``started`` (a `time.perf_counter` reading; default: this call) to the end of the simulation."""
+    start = time.perf_counter() if started is None else started
+    precision = Precision.of(options.dtype, optimizer=options.optimizer)
+    model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
+                          screen=True, precision=precision)  # searches: the closed form
+    limit = _limit(subject.pipelines, options.kernels, subject.no_tp)
+    found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
+                              progress=progress, should_stop=should_stop,
+                              limit=limit if options.runnable_only else None)
+    interrupted = should_stop()
+    if progress is not None:
+        progress("simulating the best plans")
+    found = simulated(model, found, global_batch=options.batch, own=options.search)
+    seconds = time.perf_counter() - start
+    chosen = found[options.search]
+    if chosen is None:
+        raise FieldError("batch", f"{options.batch} does not divide over the {cluster.num_devices} devices: no "
+                         f"{options.search} plan exists for it")
+
+    def typed(kind: str, f: Found) -> Plan:
+        return pipeline_plan(model, f, name=subject.name, kind=kind, global_batch=options.batch)
+
+    baselines = {k: (typed(k, f) if f is not None else None) for k, f in found.items() if k != options.search}
+    chosen, refused = _runnable_choice(subject, options, chosen, typed, limit)
+    plan = typed(options.search, chosen)
+    if subject.workload is not None:
+        plan = plan.with_workload(subject.workload)
+    log.info("%s plan for %s found in %.1f s (%d configurations priced)", options.search, subject.name, seconds,
+             chosen.evaluated)
+    return Searched(model=model, chosen=chosen, plan=plan, baselines=baselines, not_runnable=refused,
+                    interrupted=interrupted, seconds=seconds)
+
+
+def _limit(pipelines: bool, kernels: str, no_tp: str | None) -> Callable[[Any], str | None]:
+    """Why `autopar run` cannot run a configuration (`runtime_limit`), tp > 1 included where the model cuts the
+    output of a projection tp would split (``no_tp``)."""
+    def limit(config: Any) -> str | None:
+        if no_tp is not None and any(s.tp > 1 for s in config.stages):
+            return no_tp
+        return runtime_limit(config, pipelines=pipelines, kernels=kernels)
+
+    return limit
+
+
+def refusal(plan: Plan, *, source: ModelSource | None = None) -> str | None:
+    """Why the runtime would refuse ``plan`` for its model, or None: the runtime's own checks
+    (`runtime.check_runnable`), with a single-stage plan applied and stepped once on a fake process group of its
+    full size, so that a plan fails when it is planned rather than after ranks start. ``source``: the model (default:
+    the one the plan's workload names)."""
+    from autopar.runtime.validate import check_runnable
+
+    try:
+        check_runnable(plan, source=source)
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+def can_pipeline(module: nn.Module) -> bool:
+    """Whether the runtime can cut ``module`` into pipeline stages (`autopar.runtime.pipeline.chain_kind`)."""
+    from autopar.runtime.pipeline import chain_kind
+
+    try:
+        chain_kind(module)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _runnable_choice(subject: Subject, options: SearchOptions, chosen: Found, typed: Callable[[str, Found], Plan],
+                     limit: Callable[[Any], str | None]) -> tuple[Found, str | None]:
+    """The search's plan and why the runtime would refuse it (or None). A fitting plan is checked on the model
+    itself (``subject.check``); with ``runnable_only`` the runners-up are tried in order when it would be refused,
+    and when none can run the answer is an error naming the reason, never a plan that fails on the ranks."""
+    if not chosen.result.estimate.memory.fits:
+        return chosen, limit(chosen.config)  # not offered to run: the coarse reason is enough
+    reasons = []
+    for found in [chosen, *chosen.runners_up] if options.runnable_only else [chosen]:
+        if not found.result.estimate.memory.fits:
+            continue
+        plan = typed(options.search, found)
+        reason = limit(found.config) or subject.check(
+            plan.with_workload(subject.workload) if subject.workload is not None else plan)
+        if reason is None:
+            return (_promoted(found, chosen) if found is not chosen else chosen), None
+        reasons.append(reason)
+    if options.runnable_only:
+        raise ValueError(f"none of the {len(reasons)} best fitting plans found can run on {subject.name}: "
+                         f"{reasons[0]}")
+    return chosen, reasons[0]
+
+
+def _promoted(found: Found, chosen: Found) -> Found:
+    """A runner-up taking the chosen plan's place: the search's figures carry over."""
+    rest = [f for f in chosen.runners_up if f is not found]
+    return replace(found, evaluated=chosen.evaluated, runners_up=rest)
+
+
+def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_batch: int,
+              own: str) -> dict[str, Found | None]:
+    """The searches rank configurations by the closed form (``model`` screens); what a user sees is simulated.
+    Each search's plan and runners-up (the best of the other layouts it priced) are re-priced by the simulator;
+    the best simulated of them becomes the plan, the others its runners-up, one per layout, best first. For auto,
+    whose space holds the baselines (the Megatron grid is its first step, DP and FSDP are single-stage points), they
+    are candidates too: its plan is never slower than a baseline it beat on the screen.
+    A configuration the simulator refuses (an interleaved micro-batch count torch's schedule refuses) drops out;
+    a baseline left with none is n/a, the search's own an error."""
+    priced = {kind: _repriced(model, f, global_batch) for kind, f in found.items()}
+    result: dict[str, Found | None] = {}
+    for kind, f in found.items():
+        ranked, reasons = priced[kind]
+        candidates = ranked + ([c for k, (cs, _) in priced.items() if k != own for c in cs[:1]]
+                               if kind == own == "auto" else [])
+        if not candidates:
+            if reasons and kind == own:
+                raise ValueError(f"the {kind} plan cannot be simulated: {reasons[0]}")
+            result[kind] = None
+            continue
+        best = min(candidates, key=lambda c: score(c.result))  # ties keep the search's order
+        seen, rest = {shape(best.config)}, []
+        for c in ranked:
+            if c is not best and shape(c.config) not in seen:
+                seen.add(shape(c.config))
+                rest.append(c)
+        result[kind] = replace(best, evaluated=f.evaluated, runners_up=rest)
+    return result
+
+
+def _repriced(model: PipelineModel, found: Found | None, global_batch: int) -> tuple[list[Found], list[str]]:
+    """``found`` and its runners-up simulated, best first, and why any could not be."""
+    priced, reasons = [], []
+    for c in (found, *found.runners_up) if found is not None else ():
+        try:
+            priced.append(replace(c, result=model.estimate(c.config, global_batch=global_batch, simulate=True),
+                                  runners_up=[]))
+        except ValueError as exc:
+            reasons.append(str(exc))
+    return sorted(priced, key=lambda c: score(c.result)), reasons
+
