@@ -21,7 +21,10 @@ vocabulary of V entries (V / tp per rank: Megatron-LM pads V to a multiple of 12
 
 A tied head's copy on the last pipeline stage is split the same way (`PipelineModel` divides it by the stage's tp).
 The head is the parameter-reading contraction after the last repeated layer; the split region is everything
-computed from its output; the embeddings split are those reading a table of V rows.
+computed from its output; the embeddings split are those reading a table of V rows. Memory follows the split
+(the tables, their gradients and optimizer state, the logits and what the loss saves, 1/tp), except the last
+pipeline stage's buffer of returned outputs, which stays as autopar's runtime keeps it (whole logits per
+micro-batch; Megatron-LM returns only the loss).
 """
 
 from __future__ import annotations
