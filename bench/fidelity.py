@@ -1,9 +1,10 @@
 """How well autopar's cost model predicts published runs: Megatron-LM's weak-scaling table (Narayanan et al., SC'21,
 Table 1: GPT models of 1.7 to 1008 billion parameters on 32 to 3,072 A100-80GB GPUs of Selene).
 
-Run: python bench/fidelity.py [--cluster a100-80g-sxm] [--kernels compiled] [--without OPTION]. Prints, per row, the published and the
-predicted TFLOP/s per GPU and the error, then the mean and largest error and whether the predicted TFLOP/s rise
-with model size as the published ones do (the slope of TFLOP/s over log(parameters), published 137 -> 163).
+Run: python bench/fidelity.py [--cluster a100-80g-sxm] [--kernels compiled] [--without OPTION]. Prints, per row,
+the published and the predicted TFLOP/s per GPU and the error, then the mean and largest error and whether the
+predicted TFLOP/s rise with model size as the published ones do (the slope of TFLOP/s over log(parameters),
+published 137 -> 163).
 
 Each row is priced the way it ran, through autopar's public estimate path (`autopar.cost.estimate`, the same call
 `autopar estimate` makes) on a model traced on fake tensors with the table's sizes:
@@ -39,8 +40,8 @@ estimate's options for that (`autopar.cost.ParallelConfig`; autopar's own plans 
   was not set), 2 bytes each, as autopar's bf16 prices them; the tied embedding's gradient is summed between the
   first and last stages after the data-parallel all-reduce, as autopar's serial synchronisation orders it.
 
-What autopar still does not price (measured in the README, "Fidelity"): the optimizer step (Megatron-LM's fp32
-master weights, Adam and gradient clipping: some 1-2% of an iteration on the smallest rows), Megatron-LM's attention
+What autopar still does not price (see the README, "Fidelity"): the optimizer step (Megatron-LM's fp32 master
+weights, Adam and gradient clipping: by arithmetic 1-2% of an iteration on the smallest rows), Megatron-LM's attention
 core of 2021 (softmax materialised, the scores of b x heads x s x s written and read by several kernels), which
 the fitted attention efficiency stands for per FLOP whatever the head size, and blocking point-to-point
 communication (Megatron-LM of 2021 synchronises the device around each send and receive).
