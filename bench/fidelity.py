@@ -1,9 +1,10 @@
 """How well autopar's cost model predicts published runs: Megatron-LM's weak-scaling table (Narayanan et al., SC'21,
 Table 1: GPT models of 1.7 to 1008 billion parameters on 32 to 3,072 A100-80GB GPUs of Selene).
 
-Run: python bench/fidelity.py [--cluster a100-80g-sxm] [--kernels compiled]. Prints, per row, the published and the
-predicted TFLOP/s per GPU and the error, then the mean and largest error and whether the predicted TFLOP/s rise
-with model size as the published ones do (the slope of TFLOP/s over log(parameters), published 137 -> 163).
+Run: python bench/fidelity.py [--cluster a100-80g-sxm] [--kernels compiled] [--without OPTION]. Prints, per row,
+the published and the predicted TFLOP/s per GPU and the error, then the mean and largest error and whether the
+predicted TFLOP/s rise with model size as the published ones do (the slope of TFLOP/s over log(parameters),
+published 137 -> 163).
 
 Each row is priced the way it ran, through autopar's public estimate path (`autopar.cost.estimate`, the same call
 `autopar estimate` makes) on a model traced on fake tensors with the table's sizes:
@@ -23,10 +24,27 @@ TFLOP/s per GPU are counted as the table counts them, model FLOPs including the 
 ``96 B s l h^2 (1 + s / (6h) + V / (16 l h)) / (iteration seconds x GPUs)`` (autopar's Estimate counts model
 FLOPs without recomputation, so the count is made here).
 
-What autopar prices differently from what Megatron-LM ran (terms of the model, not of the device; see README,
-"Fidelity"): autopar's tensor parallelism keeps a tied LM head whole on every tp rank (Megatron-LM splits it over
-the vocabulary), and its pipeline sends the whole activation from every tp rank (Megatron-LM's scatter/gather sends
-1/tp of it from each and all-gathers over NVLink).
+Megatron-LM ran three parts otherwise than autopar's runtime does; the rows are priced as it ran them, with the
+estimate's options for that (`autopar.cost.ParallelConfig`; autopar's own plans never set them):
+
+- ``vocab_parallel``: Megatron-LM splits the embedding, the tied LM head and the cross entropy over tp by
+  vocabulary (VocabParallelEmbedding, parallel_lm_logits, vocab_parallel_cross_entropy in ``megatron/mpu``), where
+  autopar keeps a tied head whole on every tp rank (`autopar.cost.vocab` has the terms);
+- ``scatter_gather_sends``: its pipeline sends 1/tp of an activation or gradient from each tp rank and all-gathers
+  it over NVLink at the receiver (``--scatter-gather-tensors-in-pipeline``, on by default in 2021), where autopar
+  sends all of it from every tp rank;
+- ``overlap_dp``: the script's ``--DDP-impl`` is ``torch`` for the rows without pipelining (PyTorch DDP: buckets
+  all-reduced during the last micro-batch's backward, as autopar prices) and ``local`` for the rest (Megatron-LM's
+  own DDP, which all-reduced every gradient after the pipeline's last backward: ``--overlap-grad-reduce`` came in
+  2023), so ``overlap_dp`` is off for those. Gradients were reduced in fp16 (``--accumulate-allreduce-grads-in-fp32``
+  was not set), 2 bytes each, as autopar's bf16 prices them; the tied embedding's gradient is summed between the
+  first and last stages after the data-parallel all-reduce, as autopar's serial synchronisation orders it.
+
+What autopar still does not price (see the README, "Fidelity"): the optimizer step (Megatron-LM's fp32 master
+weights, Adam and gradient clipping: by arithmetic 1-2% of an iteration on the smallest rows), Megatron-LM's attention
+core of 2021 (softmax materialised, the scores of b x heads x s x s written and read by several kernels), which
+the fitted attention efficiency stands for per FLOP whatever the head size, and blocking point-to-point
+communication (Megatron-LM of 2021 synchronises the device around each send and receive).
 """
 
 from __future__ import annotations
@@ -35,7 +53,7 @@ import argparse
 import csv
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,12 +64,14 @@ from autopar.cost import ParallelConfig, estimate
 from autopar.zoo import load
 
 TABLE = Path(__file__).parent / "data" / "megatron-sc21-table1.csv"
+OPTIONS = ("vocab_parallel", "scatter_gather_sends", "overlap_dp")  # what Megatron-LM ran otherwise than autopar
 VOCAB, SEQ = 51200, 2048
 # From Megatron-LM's examples/sc21/run_table_1.sh, by model size: (micro-batch per data-parallel rank, layers per
-# virtual pipeline stage, 0 for the plain 1F1B schedule)
+# virtual pipeline stage, 0 for the plain 1F1B schedule, --DDP-impl)
 SCRIPT = {
-    1.7: (16, 0), 3.6: (16, 0), 7.5: (16, 0), 18.4: (8, 0), 39.1: (4, 0), 76.1: (2, 5), 145.6: (2, 5),
-    310.1: (1, 3), 529.6: (1, 1), 1008.0: (1, 0),
+    1.7: (16, 0, "torch"), 3.6: (16, 0, "torch"), 7.5: (16, 0, "torch"), 18.4: (8, 0, "torch"),
+    39.1: (4, 0, "local"), 76.1: (2, 5, "local"), 145.6: (2, 5, "local"), 310.1: (1, 3, "local"),
+    529.6: (1, 1, "local"), 1008.0: (1, 0, "local"),
 }
 
 
@@ -70,12 +90,16 @@ class Row:
     published: float  # TFLOP/s per GPU
     micro_batch: int  # samples per data-parallel rank
     chunks: int  # model chunks per device (interleaved 1F1B when > 1)
+    ddp: str  # Megatron-LM's --DDP-impl: "torch" (overlapped with the backward) or "local" (after it)
 
     @property
     def config(self) -> ParallelConfig:
+        """The row as Megatron-LM ran it: vocabulary-parallel ends, scatter/gather sends, and the data-parallel
+        all-reduce overlapped under PyTorch DDP only."""
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp), mbs=self.micro_batch,
                               recompute="full", schedule="interleaved" if self.chunks > 1 else "1f1b",
-                              chunks=self.chunks)
+                              chunks=self.chunks, vocab_parallel=True, scatter_gather_sends=True,
+                              overlap_dp=self.ddp == "torch")
 
     @property
     def flops(self) -> float:
@@ -85,18 +109,18 @@ class Row:
 
 
 def read_table(path: Path = TABLE) -> list[Row]:
-    """The table's rows (comment lines skipped) with Megatron-LM's micro-batch and schedule for each."""
+    """The table's rows (comment lines skipped) with Megatron-LM's micro-batch, schedule and DDP for each."""
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     rows = []
     for entry in csv.DictReader(lines):
         size = float(entry["params_billion"])
-        micro, per_virtual = SCRIPT[size]
+        micro, per_virtual, ddp = SCRIPT[size]
         layers, pp = int(entry["layers"]), int(entry["pipeline_parallel"])
         rows.append(Row(
             params_billion=size, heads=int(entry["heads"]), hidden=int(entry["hidden"]), layers=layers,
             tp=int(entry["tensor_parallel"]), pp=pp, gpus=int(entry["gpus"]), batch=int(entry["global_batch"]),
             published=float(entry["tflops_per_gpu"]), micro_batch=micro,
-            chunks=layers // pp // per_virtual if per_virtual else 1,
+            chunks=layers // pp // per_virtual if per_virtual else 1, ddp=ddp,
         ))
     return rows
 
@@ -109,9 +133,11 @@ def traced(row: Row) -> Graph:
 
 
 def iteration(row: Row, graph: Graph, cluster: Cluster, *, kernels: str = "compiled",
-              recompute: str = "full") -> float:
-    """Predicted seconds of one iteration of ``row`` (through `autopar.cost.estimate`)."""
-    config = replace(row.config, recompute=recompute)
+              recompute: str = "full", without: tuple[str, ...] = ()) -> float:
+    """Predicted seconds of one iteration of ``row`` (through `autopar.cost.estimate`), the options named in
+    ``without`` (of `OPTIONS`) left at autopar's defaults."""
+    defaults = {f.name: f.default for f in fields(ParallelConfig)}
+    config = replace(row.config, recompute=recompute, **{name: defaults[name] for name in without})
     result = estimate(graph, cluster.with_devices(row.gpus), config, global_batch=row.batch, dtype="bf16",
                       kernels=kernels)
     return result.iteration_seconds
@@ -139,18 +165,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="a100-80g-sxm", help="preset name or cluster file")
     parser.add_argument("--kernels", choices=("eager", "compiled"), default="compiled")
+    parser.add_argument("--without", action="append", choices=OPTIONS, default=[],
+                        help="price the rows with this option as autopar's runtime runs it, not as Megatron-LM ran "
+                        "(repeatable)")
     args = parser.parse_args()
     cluster = load_cluster(args.cluster)
     rows = read_table()
-    print(f"Megatron-LM SC'21 Table 1 on {cluster.name}, full recomputation, {args.kernels} kernels")
+    without = tuple(args.without)
+    print(f"Megatron-LM SC'21 Table 1 on {cluster.name}, full recomputation, {args.kernels} kernels"
+          + (f", without {', '.join(without)}" if without else ""))
     print(f"{'params':>8} {'tp':>3} {'pp':>3} {'gpus':>5} {'batch':>5} {'mbs':>4} {'sched':>6} "
           f"{'published':>9} {'predicted':>9} {'error':>7} {'full/sel':>8} {'s':>5}")
     predicted = []
     for row in rows:
         start = time.perf_counter()
         graph = traced(row)
-        seconds = iteration(row, graph, cluster, kernels=args.kernels)
-        selective = iteration(row, graph, cluster, kernels=args.kernels, recompute="selective")
+        seconds = iteration(row, graph, cluster, kernels=args.kernels, without=without)
+        selective = iteration(row, graph, cluster, kernels=args.kernels, recompute="selective", without=without)
         value = row.flops / seconds / row.gpus / 1e12
         predicted.append(value)
         schedule = f"int x{row.chunks}" if row.chunks > 1 else "1f1b"

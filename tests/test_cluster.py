@@ -38,6 +38,14 @@ def test_presets_exist_and_round_trip_through_yaml_and_toml(tmp_path) -> None:
     assert loaded.intra.bandwidth == 100 * GB and loaded.device.peak("bf16") == 100e12
 
 
+def test_every_preset_reads_back_exactly_as_written(tmp_path) -> None:
+    """Microseconds (kernel overhead, link latency) come back as the same floats."""
+    for name, cluster in PRESETS.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cluster_to_dict(cluster)))
+        assert load_cluster(str(path)) == cluster, name
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -300,7 +300,7 @@ def _device(r: _FileReader, dev: Any) -> Device:
         hbm_bandwidth=r.number(r.need(dev, "hbm_gbps", "device."), "device.hbm_gbps", most=MAX_GBPS) * GB,
         efficiency=efficiency,
         kernel_overhead=r.number(dev.get("kernel_overhead_us", 4.0), "device.kernel_overhead_us", zero=True,
-                                 most=MAX_OVERHEAD_US) * 1e-6,
+                                 most=MAX_OVERHEAD_US) / 1e6,
         reserved=reserved_gib * GIB,
         gemm_efficiency=_gemm_curve(r, dev.get("gemm_efficiency")),
     )
@@ -355,7 +355,7 @@ def _link(r: _FileReader, links: dict[str, Any], tier: str) -> Link:
     bandwidth = r.number(r.need(spec, "bandwidth_gbps", f"{where}."), f"{where}.bandwidth_gbps", most=MAX_GBPS)
     latency = r.number(spec.get("latency_us", 0.0), f"{where}.latency_us", zero=True, most=MAX_LATENCY_US)
     measured = spec.get("measured")
-    return Link(bandwidth=bandwidth * GB, latency=latency * 1e-6,
+    return Link(bandwidth=bandwidth * GB, latency=latency / 1e6,
                 measured=None if measured is None else _measured(r, measured, f"{where}.measured"))
 
 

@@ -20,7 +20,9 @@ def estimate(
     kernels: str = "eager",
 ) -> Estimate:
     """Price ``config`` for a model whose ``graph`` was traced at one micro-batch (batch = ``config.mbs``), its
-    memory-bound ops run as ``kernels`` says (`autopar.cost.compute`)."""
+    memory-bound ops run as ``kernels`` says (`autopar.cost.compute`), its vocabulary, pipeline sends and
+    data-parallel overlap as the configuration's ``vocab_parallel``, ``scatter_gather_sends`` and ``overlap_dp``
+    say (`ParallelConfig`)."""
     if config.devices != cluster.num_devices:
         raise ValueError(
             f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.devices} devices, but the cluster "
@@ -30,8 +32,10 @@ def estimate(
         raise ValueError(
             f"--batch {global_batch} is not a multiple of dp x mbs = {config.dp} x {config.mbs}"
         )
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=dtype, kernels=kernels)
-    return model.estimate(pipeline_config(model, config), global_batch=global_batch).estimate
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=dtype, kernels=kernels,
+                          vocab_parallel=config.vocab_parallel, scatter_gather_sends=config.scatter_gather_sends)
+    return model.estimate(pipeline_config(model, config), global_batch=global_batch,
+                          overlap=config.overlap_dp).estimate
 
 
 def pipeline_config(model: PipelineModel, config: ParallelConfig) -> PipelineConfig:

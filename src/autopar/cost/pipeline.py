@@ -65,6 +65,7 @@ from autopar.cost.memory import Precision, ddp_buckets, gradient_itemsize, gradi
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
+from autopar.cost.vocab import split_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,10 @@ class PipelineModel:
     """Prices pipeline configurations of one traced graph on one cluster (layer prices cached)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16",
-                 screen: bool = False, kernels: str = "eager", precision: Precision | None = None) -> None:
+                 screen: bool = False, kernels: str = "eager", precision: Precision | None = None,
+                 vocab_parallel: bool = False, scatter_gather_sends: bool = False) -> None:
+        """``vocab_parallel`` and ``scatter_gather_sends`` price Megatron-LM's vocabulary split
+        (`autopar.cost.vocab`) and pipeline sends (`_send`) where autopar's runtime does otherwise (the default)."""
         self.graph = graph
         self.screen = screen  # estimate by the closed form unless asked to simulate (searches' screen)
         if kernels not in KERNELS:
@@ -288,7 +292,8 @@ class PipelineModel:
         self.cluster = cluster
         self.dtype = dtype
         self.precision = precision or Precision.of(dtype)  # bytes per parameter of each model state
-        self.layers = analyse(graph)
+        self.vocab_parallel, self.scatter_gather_sends = vocab_parallel, scatter_gather_sends
+        self.layers = split_vocabulary(analyse(graph), graph) if vocab_parallel else analyse(graph)
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
@@ -410,9 +415,10 @@ class PipelineModel:
             if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
                 sends = (index > 0) + (index < virtual - 1)
-                split.send = collective_seconds(Collective.SEND_RECV, boundary, mesh.axis("pp"), self.cluster)
+                split.send, calls = self._send(boundary, stage, config, mesh)
                 comm += 2 * sends * split.send
-                stage_uses[(Collective.SEND_RECV.value, "pp", boundary)] += sends * m  # counted where sent
+                for key in calls:  # counted where sent (a scatter/gather's all-gather: as many, where received)
+                    stage_uses[key] += sends * m
             reduced = sum(layout.reduced for layout in view.layouts.values())
             if reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
                 nbytes = reduced * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
@@ -524,18 +530,45 @@ class PipelineModel:
         return mesh
 
     def _tied_copies(self, config: PipelineConfig) -> dict[int, list[tuple[int, bool]]]:
-        """Per stage, weights it shares with another stage (a head tied to the embedding): (size, whether this
-        stage holds the extra copy). TP does not split them (the runtime keeps tied weights whole)."""
-        copies: dict[int, list[tuple[int, bool]]] = {}
+        """Per stage, weights it shares with another stage (a head tied to the embedding): (size on one device,
+        whether this stage holds the extra copy). TP does not split them (the runtime keeps tied weights whole),
+        except under ``vocab_parallel``: size / tp."""
+        copies: dict[int, list[tuple[float, bool]]] = {}
         if not self._tied:
             return copies
         starts = [stage.start for stage in config.stages]
         for row, owner, size in self._tied:
             index, other = bisect_right(starts, row) - 1, bisect_right(starts, owner) - 1
             if other != index:
-                copies.setdefault(index, []).append((size, True))
-                copies.setdefault(other, []).append((size, False))
+                mine, theirs = (size / config.stages[index].tp, size / config.stages[other].tp) \
+                    if self.vocab_parallel else (size, size)
+                copies.setdefault(index, []).append((mine, True))
+                copies.setdefault(other, []).append((theirs, False))
         return copies
+
+    def _send(self, boundary: float, stage: Stage, config: PipelineConfig,
+              mesh) -> tuple[float, list[tuple[str, str, float]]]:  # noqa: ANN001
+        """Seconds of one activation (or gradient) of ``boundary`` bytes crossing to a neighbouring stage, and its
+        collectives as (kind, axis, bytes). Every tp rank sends all of it (autopar's runtime):
+
+            t = send_recv(M) on pp
+
+        or, with ``scatter_gather_sends`` (Megatron-LM's scatter/gather, which it skips under sequence
+        parallelism, where M is already 1/tp), each tp rank sends its 1/tp and the receiver all-gathers over tp:
+
+            t = send_recv(M / tp) on pp + all_gather(M) on tp
+        """
+        pp_axis = mesh.axis("pp")
+        if not self.scatter_gather_sends or stage.tp == 1 or config.sp:
+            return (collective_seconds(Collective.SEND_RECV, boundary, pp_axis, self.cluster),
+                    [(Collective.SEND_RECV.value, "pp", boundary)])
+        if len({s.tp for s in config.stages}) > 1:
+            raise ValueError("scatter_gather_sends prices Megatron-LM's sends between stages of one tp width, got "
+                             f"tp {sorted({s.tp for s in config.stages})}")
+        piece = boundary / stage.tp
+        seconds = collective_seconds(Collective.SEND_RECV, piece, pp_axis, self.cluster) + \
+            collective_seconds(Collective.ALL_GATHER, boundary, mesh.axis("tp"), self.cluster)
+        return seconds, [(Collective.SEND_RECV.value, "pp", piece), (Collective.ALL_GATHER.value, "tp", boundary)]
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
         rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]

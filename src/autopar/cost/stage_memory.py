@@ -118,6 +118,7 @@ class StageMemoryModel:
                 parts.append((tail[-1].id, row, part if mine and not lead else replace(part, params=0.0), 1))
         for reader, owner, size in self.model._tied:  # a weight read twice on this device: its gradients summed
             if stage.start <= reader < stage.end and stage.start <= owner < stage.end:
+                size = size / stage.tp if self.model.vocab_parallel else size  # split by vocabulary over tp
                 for k, (key, row, part, count) in enumerate(parts):
                     if row in (reader, owner) and count == 1:
                         parts[k] = (key, row, replace(part, shared=part.shared + size * (row == reader),

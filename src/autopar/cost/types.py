@@ -12,7 +12,19 @@ __all__ = ["KERNELS", "RECOMPUTE", "SCHEDULES", "CollectiveUse", "Estimate", "Me
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """One Megatron-style configuration: global tp x pp x dp, micro-batch, recomputation, ZeRO stage, SP."""
+    """One Megatron-style configuration: global tp x pp x dp, micro-batch, recomputation, ZeRO stage, SP.
+
+    The last three fields price a system that runs some parts otherwise than autopar's runtime (Megatron-LM, whose
+    published runs `bench/fidelity.py` prices); their defaults are what autopar's runtime does, and its plans
+    keep them (formulas in `autopar.cost.vocab` and `PipelineModel`):
+
+    - ``vocab_parallel``: the embedding, a tied LM head and the loss split over tp by vocabulary (Megatron-LM's
+      VocabParallelEmbedding and vocab-parallel cross entropy) instead of kept whole on every tp rank;
+    - ``scatter_gather_sends``: each tp rank sends 1/tp of a pipeline activation or gradient, all-gathered over tp
+      at the receiver (Megatron-LM's scatter/gather), instead of every tp rank sending all of it;
+    - ``overlap_dp``: data-parallel collectives overlapped with the backward (DDP buckets, FSDP2 units), or all run
+      after the last backward (Megatron-LM's local DDP, until its ``--overlap-grad-reduce`` of 2023).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -23,6 +35,9 @@ class ParallelConfig:
     sp: bool = False
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks per device under the interleaved schedule
+    vocab_parallel: bool = False
+    scatter_gather_sends: bool = False
+    overlap_dp: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "mbs", "chunks"):
@@ -42,6 +57,12 @@ class ParallelConfig:
                              f"{self.chunks} and --pp {self.pp}")
         if self.schedule != "interleaved" and self.chunks != 1:
             raise ValueError(f"--chunks {self.chunks} applies to --schedule interleaved only")
+        for name in ("vocab_parallel", "scatter_gather_sends", "overlap_dp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.vocab_parallel and self.sp:
+            raise ValueError("vocab_parallel prices Megatron-LM's vocabulary split without sequence parallelism; "
+                             "with sp it is not modelled")
 
     @property
     def devices(self) -> int:
