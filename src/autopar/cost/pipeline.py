@@ -262,7 +262,7 @@ class StageReport:
     comm: float  # per micro-batch: TP collectives and point-to-point sends
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
-    calls: tuple[CommCall, ...] = ()  # per iteration on each device, merged (`merge_calls`)
+    calls: tuple[CommCall, ...] = ()  # per iteration on each device (`collectives` sums those of one collective)
     parts: _Split | None = None  # what the simulator needs beyond the figures above (`cost.simulator`)
 
     @property
@@ -460,7 +460,7 @@ class PipelineModel:
             issued += stage_calls
             memory = self.stage_memory(config, index, view, micro_batches=m, copy=copy, segments=extra)
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
-                                       calls=merge_calls(stage_calls), parts=split))
+                                       calls=tuple(stage_calls), parts=split))
         devices = _per_device(reports, pp) if chunks > 1 else reports
         simulate = not self.screen if simulate is None else simulate
         simulation = self._simulate(config, reports, m, overlap) if simulate else None
@@ -728,7 +728,7 @@ def _per_device(reports: list[StageReport], pp: int) -> list[StageReport]:
         )
         devices.append(StageReport(compute=sum(r.compute for r in mine), comm=sum(r.comm for r in mine),
                                    sync=sum(r.sync for r in mine), memory=memory,
-                                   calls=merge_calls(c for r in mine for c in r.calls)))
+                                   calls=tuple(c for r in mine for c in r.calls)))
     return devices
 
 

@@ -14,17 +14,24 @@ def collective_uses(calls: Iterable[CommCall], *, labels: Mapping[str, str] | No
     """What one device issues in an iteration: the calls of each (kind, axis, bytes) summed over phases, sorted by
     (kind, axis, bytes). ``labels`` renames mesh axes (an intra-op plan names an axis by what it does on it). A
     record without an axis, or calls summing to a fraction, has no place in the file: refused."""
-    totals: dict[tuple, list] = {}
+    merged: dict[tuple, list] = {}
     for c in calls:
-        if c.axis is None:
-            raise ValueError(f"{c.kind.value} of {c.bytes} bytes has no mesh axis to report it on")
-        axis = labels[c.axis] if labels is not None else c.axis
-        key = (c.kind.value, axis, c.bytes)
-        found = totals.get(key)
+        key = (c.kind, c.axis, c.bytes)
+        found = merged.get(key)
         if found is None:
-            totals[key] = [c.bytes, c.calls]
+            merged[key] = [c.bytes, c.calls]
         else:
             found[1] += c.calls
+    totals: dict[tuple, list] = {}  # by the names the file gives them
+    for (kind, axis, _), (nbytes, count) in merged.items():
+        if axis is None:
+            raise ValueError(f"{kind.value} of {nbytes} bytes has no mesh axis to report it on")
+        key = (kind.value, axis if labels is None else labels[axis], nbytes)
+        found = totals.get(key)
+        if found is None:
+            totals[key] = [nbytes, count]
+        else:
+            found[1] += count
     uses = []
     for (kind, axis, _), (nbytes, count) in sorted(totals.items()):
         if count != int(count):
