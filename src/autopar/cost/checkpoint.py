@@ -22,9 +22,10 @@ nested one.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from autopar.cluster.calls import CommCall, Phase, merge_calls, subtract_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,7 @@ class SegmentCosts:
     transient: float = 0.0  # the largest segment peak while its backward runs
     # per outermost segment: (first row, end row, bytes it keeps, its peak while its backward runs)
     runs: list[tuple[int, int, float, float]] = field(default_factory=list)
-    collectives: Counter = field(default_factory=Counter)  # (kind, bytes) -> replayed calls per micro-batch
+    collectives: tuple[CommCall, ...] = ()  # replayed calls per micro-batch (in the backward), merged
 
 
 def check_segments(segments, start: int, end: int, level_of: Callable[[int], str]) -> None:  # noqa: ANN001
@@ -95,6 +96,8 @@ def segment_costs(stage, price) -> SegmentCosts:  # noqa: ANN001
     `LayerPrice` at that recomputation level."""
     costs = SegmentCosts()
     level = stage.recompute_of
+    replayed: list[CommCall] = []
+    stopped: list[CommCall] = []  # the last collectives of segments' last rows, which do not replay
 
     def keep(child: int | Segment) -> float:
         first = child if isinstance(child, int) else child.start
@@ -122,11 +125,10 @@ def segment_costs(stage, price) -> SegmentCosts:  # noqa: ANN001
                 p = price(row, level(row))
                 costs.backward += p.forward
                 costs.comm += p.comm_forward
-                costs.collectives.update({(k, b): c for k, b, c in p.forward_collectives})
+                replayed.extend(c.during(Phase.BACKWARD) for c in p.forward_collectives)
             if j == last and p.tail is not None:  # the last saved tensor comes before the layer's last collective
-                kind, nbytes, seconds = p.tail
-                costs.comm -= seconds
-                costs.collectives[(kind, nbytes)] -= 1
+                costs.comm -= p.tail_seconds
+                stopped.append(p.tail.during(Phase.BACKWARD))
         for child in segment.children:
             if isinstance(child, Segment):
                 replay(child)
@@ -137,5 +139,5 @@ def segment_costs(stage, price) -> SegmentCosts:  # noqa: ANN001
             costs.kept += keep(child) - sum(price(r, level(r)).activations for r in rows_of(child))
             costs.transient = max(costs.transient, peak(child))
             costs.runs.append((child.start, child.end, keep(child), peak(child)))
-    costs.collectives = +costs.collectives  # drop zero counts
+    costs.collectives = subtract_calls(merge_calls(replayed), stopped)
     return costs

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
 from autopar.capture import Node
 from autopar.cluster import Cluster, collective_seconds
+from autopar.cluster.calls import CommCall, Phase
 from autopar.cluster.mesh import Mesh
 from autopar.cost.compute import sequence_seconds
 from autopar.cost.memory import gradient_sync
@@ -66,8 +67,7 @@ class BlockCost:
     params: list[ParamUse] = field(default_factory=list)
     entries: dict[Key, tuple[Layout, Layout]] = field(default_factory=dict)  # value -> (layout needed, gradient)
     exits: dict[Key, Layout] = field(default_factory=dict)
-    collectives: list[tuple[str, int, float]] = field(default_factory=list)  # per micro-batch
-    phases: list[str] = field(default_factory=list)  # "f" or "b" for each of ``collectives``
+    collectives: list[CommCall] = field(default_factory=list)  # per micro-batch, one call each, forward or backward
     strategies: dict[int, Strategy] = field(default_factory=dict)  # node id -> its strategy (for the plan)
 
     @property
@@ -78,7 +78,6 @@ class BlockCost:
         self.comm_forward += transfer.forward
         self.comm_backward += transfer.backward
         self.collectives.extend(transfer.collectives)
-        self.phases.extend("f" if i < transfer.forward_moves else "b" for i in range(len(transfer.collectives)))
 
 
 class IntraCost:
@@ -444,7 +443,7 @@ class _NodeView:
 
 def sync_seconds(
     params: list[ParamUse], *, zero: int, micro_batches: int, itemsize: int, mesh: Mesh, cluster: Cluster,
-    uses: list | None = None, latency: bool = True,
+    uses: list[CommCall] | None = None, latency: bool = True,
 ) -> float:
     """Gradient synchronisation per iteration for the parameters listed: all-reduce over their data-parallel
     axes (ZeRO 0), reduce-scatter + all-gather (ZeRO 1-2), or per micro-batch two all-gathers and a
@@ -452,8 +451,8 @@ def sync_seconds(
     DDP's buckets and the runtime's flattened sum of sequence-parallel norm gradients send them (bucket latency
     once, not once per parameter); ZeRO 3 gathers each parameter's unit on its own. Without ``latency`` the
     buckets' fixed cost (a collective of no bytes) is left out: a block's share of the model's buckets, additive
-    over blocks as the ILP needs it. Records
-    ``(kind, axis, bytes, count)`` in ``uses`` when given."""
+    over blocks as the ILP needs it. Records each collective (its calls an iteration, on its mesh axis by name) in
+    ``uses`` when given."""
     total = 0.0
     buckets: dict[tuple[str, int, int], float] = {}
     for p in params:
@@ -465,13 +464,13 @@ def sync_seconds(
                     continue
                 total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
                 if uses is not None:
-                    uses.append((kind.value, axis, nbytes, count))
+                    uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=nbytes, phase=Phase.SYNC, calls=count))
     for (kind, axis, count), nbytes in buckets.items():
         total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
         if not latency:
             total -= count * collective_seconds(kind, 0.0, mesh.placements[axis], cluster)
         if uses is not None:
-            uses.append((kind.value, axis, nbytes, count))
+            uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=nbytes, phase=Phase.SYNC, calls=count))
     return total
 
 

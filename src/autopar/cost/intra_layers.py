@@ -40,6 +40,7 @@ import numpy as np
 
 from autopar.analysis import ParallelBlock, build_blocks
 from autopar.cluster import Collective, collective_seconds
+from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cluster.mesh import AxisPlacement, Mesh
 from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra import Candidate, IntraCost
@@ -91,11 +92,12 @@ class Conditions:
 
 @dataclass(slots=True)
 class _Part:
-    """One block under one candidate, scaled: compute, conversions (kind, bytes, phase), memory."""
+    """One block under one candidate, scaled: compute, conversions (one call each on tp, forward or backward),
+    memory."""
 
     forward: float
     backward: float
-    calls: list[tuple[str, float, str]]
+    calls: list[CommCall]
     saved: float
     temporary: float
     params: float
@@ -249,7 +251,7 @@ class IntraLayers:
         return sum(model_states(1.0, dtype=self.model.dtype, zero=when.zero, dp=when.dp))
 
     def _seconds(self, part: _Part, tp_axis: AxisPlacement, when: Conditions) -> float:
-        comm = sum(collective_seconds(Collective(k), n, tp_axis, self.model.cluster) for k, n, _ in part.calls)
+        comm = sum(collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster) for c in part.calls)
         return part.forward + part.backward + comm + self._sync(part.params, part.reduced, tp_axis, when)
 
     def seconds_of(self, price: LayerPrice, reduced: float, tp_axis: AxisPlacement, when: Conditions) -> float:
@@ -287,7 +289,7 @@ class IntraLayers:
                 if "attention" in node.op:
                     attn_seconds += node_seconds(node, device, backward=False, shard=shard)
                     attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
-            calls = [(kind, nbytes * scale, phase) for (kind, _axis, nbytes), phase in zip(bc.collectives, bc.phases)]
+            calls = [c.scaled(scale) for c in bc.collectives]
             # values from other layers arrive in the layout between layers; values other layers read leave in it
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
@@ -297,7 +299,7 @@ class IntraLayers:
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
                         return None
-                    calls += _phased(move.collectives, move.forward_moves, scale)
+                    calls += [c.scaled(scale) for c in move.collectives]
             leaving = self.leaving.get(row, set())
             for (kind, pos, index), have in bc.exits.items():
                 if kind != "out" or (block.nodes[pos], index) not in leaving:
@@ -310,7 +312,7 @@ class IntraLayers:
                 if not math.isfinite(move.seconds):
                     self._parts[key] = None
                     return None
-                calls += _phased(move.collectives, move.forward_moves, scale)
+                calls += [c.scaled(scale) for c in move.collectives]
             params = sum(p.local for p in bc.params)
             part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale, params,
                          sum(p.local for p in bc.params if p.reduce_axes), (attn_seconds, attn_saved))
@@ -335,8 +337,8 @@ class IntraLayers:
                 for i, cc in enumerate(cands[v]):
                     move = ic.transfer(block, key_in, producer, pc, cc)
                     matrix[j, i] += math.inf if move is None or not math.isfinite(move.seconds) else sum(
-                        collective_seconds(Collective(k), n, tp_axis, self.model.cluster)
-                        for k, n, _ in _phased(move.collectives, move.forward_moves, scale))
+                        collective_seconds(c.kind, c.bytes * scale, tp_axis, self.model.cluster)
+                        for c in move.collectives)
         return found
 
     def _inner_inputs(self, ic: IntraCost, block: ParallelBlock, options: list[Candidate],
@@ -351,9 +353,9 @@ class IntraLayers:
         return found
 
     def _inner_calls(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...],
-                     scale: float) -> list[tuple[str, float, str]]:
+                     scale: float) -> list[CommCall]:
         index = {b.id: v for v, b in enumerate(blocks)}
-        calls: list[tuple[str, float, str]] = []
+        calls: list[CommCall] = []
         done: set[tuple] = set()  # a value read by several blocks in one layout is converted once
         for b, cand in zip(blocks, choice):
             for key_in, producer in self._inner_inputs(ic, b, [cand], index):
@@ -362,7 +364,7 @@ class IntraLayers:
                     continue
                 done.add(what)
                 move = ic.transfer(b, key_in, producer, choice[index[producer.id]], cand)
-                calls += _phased(move.collectives, move.forward_moves, scale)
+                calls += [c.scaled(scale) for c in move.collectives]
         return calls
 
     def _price(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...], row: int, scale: float,
@@ -376,44 +378,33 @@ class IntraLayers:
         backward = sum(p.backward for p in parts)
         saved = sum(p.saved for p in parts)
         temporary = max(p.temporary for p in parts)
-        forward_calls = [(k, n, "b") for k, n, phase in calls if phase == "f"]
+        forward_calls = [c for c in calls if c.phase is Phase.FORWARD]
         # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
-        tail = next(((k, n, "b") for k, n, phase in reversed(parts[-1].calls) if phase == "f"), None) \
+        tail = next((c for c in reversed(parts[-1].calls) if c.phase is Phase.FORWARD), None) \
             if self.model.kernels == "eager" else None
         if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
             # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
             backward += forward
-            replay = list(forward_calls)
+            replay = [c.during(Phase.BACKWARD) for c in forward_calls]
             if tail is not None:
-                replay.remove(tail)
+                replay.remove(tail.during(Phase.BACKWARD))
             calls = calls + replay
             temporary = max(temporary, saved)
             saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
         elif level == "selective":
             backward += sum(p.attention[0] for p in parts)
             saved -= sum(p.attention[1] for p in parts)
-        seconds = {"f": 0.0, "b": 0.0}
-        counted: dict[tuple[str, float], int] = defaultdict(int)
-        forward_counted: dict[tuple[str, float], int] = defaultdict(int)
-        for kind, nbytes, phase in calls:
-            seconds[phase] += collective_seconds(Collective(kind), nbytes, tp_axis, self.model.cluster)
-            counted[(kind, nbytes)] += 1
-        for kind, nbytes, _ in forward_calls:
-            forward_counted[(kind, nbytes)] += 1
+        seconds = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
+        for c in calls:
+            seconds[c.phase] += collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster)
         return LayerPrice(
-            forward=forward, backward=backward, comm_forward=seconds["f"], comm_backward=seconds["b"],
-            activations=saved, temporary=temporary, params=sum(p.params for p in parts),
-            collectives=tuple((k, b, c) for (k, b), c in counted.items()),
-            forward_collectives=tuple((k, b, c) for (k, b), c in forward_counted.items()),
-            tail=None if tail is None else (tail[0], tail[1], collective_seconds(Collective(tail[0]), tail[1], tp_axis,
-                                                                                  self.model.cluster)),
+            forward=forward, backward=backward, comm_forward=seconds[Phase.FORWARD],
+            comm_backward=seconds[Phase.BACKWARD], activations=saved, temporary=temporary,
+            params=sum(p.params for p in parts), collectives=merge_calls(calls),
+            forward_collectives=merge_calls(forward_calls), tail=tail,
+            tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
+                                                                     self.model.cluster),
         )
-
-
-def _phased(collectives, forward_moves: int, scale: float) -> list[tuple[str, float, str]]:  # noqa: ANN001
-    """(kind, bytes at the stage's batch, "f" | "b") of a conversion's or a block's collectives."""
-    return [(kind, nbytes * scale, "f" if i < forward_moves else "b")
-            for i, (kind, _axis, nbytes) in enumerate(collectives)]
 
 
 def _between(ic: IntraCost, value: tuple[int, int], sp: bool, tp: int) -> tuple:

@@ -57,6 +57,7 @@ from functools import cached_property
 
 from autopar.capture import Graph
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
+from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cost.checkpoint import SegmentCosts, check_segments, segment_costs
 from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
@@ -65,6 +66,7 @@ from autopar.cost.memory import Precision, ddp_buckets, gradient_itemsize, gradi
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
+from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,12 @@ class LayerPrice:
     activations: float  # bytes kept until its backward
     temporary: float
     params: float  # parameters on one device: what TP splits divided by tp, the rest whole
-    collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes, calls) on the tp axis per micro-batch
+    collectives: tuple[CommCall, ...]  # on the tp axis per micro-batch, merged (`merge_calls`)
     # the forward's collectives alone (what a recomputing segment replays), and its last one, which a segment
-    # ending in this layer does not replay (checkpointing stops once it has every saved tensor)
-    forward_collectives: tuple[tuple[str, float, int], ...] = ()
-    tail: tuple[str, float, float] | None = None  # (kind, bytes, seconds)
+    # ending in this layer does not replay (checkpointing stops once it has every saved tensor), with its seconds
+    forward_collectives: tuple[CommCall, ...] = ()
+    tail: CommCall | None = None
+    tail_seconds: float = 0.0
 
 
 def price_layer(
@@ -101,24 +104,12 @@ def price_layer(
     shards = [(node, tp if (node.id in layer.sharded or on_shards) else 1) for node in layer.nodes]
     forward, backward = sequence_seconds([(node, ways / scale) for node, ways in shards], device, kernels=kernels)
     temporary = max((node.output_bytes / ways * scale for node, ways in shards), default=0.0)  # largest output
-    calls: list[tuple[Collective, float, str]] = []  # (kind, bytes, "f" | "b")
+    calls = _tp_calls(layer, scale=scale, sp=sp) if tp > 1 else []  # one call each, in the order issued
     tail = None
-    if tp > 1:
-        for nbytes in layer.row_outputs:
-            calls += [(Collective.REDUCE_SCATTER, nbytes * scale, "f"), (Collective.ALL_GATHER, nbytes * scale, "b")] \
-                if sp else [(Collective.ALL_REDUCE, nbytes * scale, "f")]
-        for nbytes in layer.column_inputs:
-            calls += [(Collective.ALL_GATHER, nbytes * scale, "f"), (Collective.REDUCE_SCATTER, nbytes * scale, "b")] \
-                if sp else [(Collective.ALL_REDUCE, nbytes * scale, "b")]
-        calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.gathered_outputs]
-        if sp:
-            if layer.sp_entry:  # scattered into sequence shards: free forward, gathered gradient
-                calls.append((Collective.ALL_GATHER, layer.sp_entry * scale, "b"))
-            # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
-            calls += [(Collective.ALL_GATHER, nbytes * scale, "f") for nbytes in layer.sp_gathers]
-        if layer.row_outputs and kernels == "eager":  # a compiled layer's forward replays whole (one function)
-            tail = (Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale, "f")
-    forward_calls = Counter((kind.value, nbytes) for kind, nbytes, phase in calls if phase == "f")
+    if tp > 1 and layer.row_outputs and kernels == "eager":  # a compiled layer's forward replays whole (one function)
+        tail = _on_tp(Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale,
+                      Phase.FORWARD)
+    forward_calls = merge_calls(c for c in calls if c.phase is Phase.FORWARD)
     # column-parallel ops save the input they were given whole: under sequence parallelism, gathered from the
     # shards (torch's ColwiseParallel gathers before the op; Megatron-LM's own kernels would save the shard)
     saved = (layer.saved_sharded / tp + layer.saved_columns
@@ -130,9 +121,9 @@ def price_layer(
         # the forward replays in the backward, its collectives too, except the layer's last one: checkpointing
         # stops recomputing once it has every saved tensor, and the layer's output (the final row-parallel
         # reduction, read by the residual add only) is not one of them
-        replay = [(kind, nbytes, "b") for kind, nbytes, phase in calls if phase == "f"]
+        replay = [c.during(Phase.BACKWARD) for c in calls if c.phase is Phase.FORWARD]
         if tail is not None:
-            replay.remove((tail[0], tail[1], "b"))
+            replay.remove(tail.during(Phase.BACKWARD))
         calls += replay
         temporary = max(temporary, saved)  # one layer's activations live again during its recompute
         saved = layer.input_bytes / (tp if sp else 1) * scale
@@ -140,18 +131,44 @@ def price_layer(
         attention = [n for n in layer.nodes if "attention" in n.op]
         backward += sum(node_seconds(n, device, backward=False, shard=tp / scale) for n in attention)
         saved -= layer.attention_saved / tp * scale
-    comm = {"f": 0.0, "b": 0.0}
-    counted: Counter[tuple[str, float]] = Counter()
-    for kind, nbytes, phase in calls:
-        comm[phase] += tp_seconds(kind, nbytes)
-        counted[(kind.value, nbytes)] += 1
+    comm = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
+    for c in calls:
+        comm[c.phase] += tp_seconds(c.kind, c.bytes)
     return LayerPrice(
-        forward=forward, backward=backward, comm_forward=comm["f"], comm_backward=comm["b"], activations=saved,
-        temporary=temporary, params=device_params(layer, tp),
-        collectives=tuple((k, b, c) for (k, b), c in counted.items()),
-        forward_collectives=tuple((k, b, c) for (k, b), c in forward_calls.items()),
-        tail=None if tail is None else (tail[0].value, tail[1], tp_seconds(tail[0], tail[1])),
+        forward=forward, backward=backward, comm_forward=comm[Phase.FORWARD], comm_backward=comm[Phase.BACKWARD],
+        activations=saved, temporary=temporary, params=device_params(layer, tp), collectives=merge_calls(calls),
+        forward_collectives=forward_calls, tail=tail,
+        tail_seconds=0.0 if tail is None else tp_seconds(tail.kind, tail.bytes),
     )
+
+
+def _on_tp(kind: Collective, nbytes: float, phase: Phase) -> CommCall:
+    return CommCall(kind=kind, axis="tp", bytes=nbytes, phase=phase)
+
+
+def _tp_calls(layer: LayerCost, *, scale: float, sp: bool) -> list[CommCall]:
+    """Megatron's collectives of ``layer`` on the tp axis for one micro-batch of ``scale`` times the traced batch,
+    one call each: per row-parallel output an all-reduce forward (under sp: a reduce-scatter forward, an all-gather
+    backward), per column-parallel input an all-reduce backward (under sp: an all-gather forward, a reduce-scatter
+    backward), an all-gather forward per gathered output; under sp the gradient of the scattered stream gathered
+    and a whole head's input gathered."""
+    forward, backward = Phase.FORWARD, Phase.BACKWARD
+    calls: list[CommCall] = []
+    for nbytes in layer.row_outputs:
+        calls += [_on_tp(Collective.REDUCE_SCATTER, nbytes * scale, forward),
+                  _on_tp(Collective.ALL_GATHER, nbytes * scale, backward)] \
+            if sp else [_on_tp(Collective.ALL_REDUCE, nbytes * scale, forward)]
+    for nbytes in layer.column_inputs:
+        calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward),
+                  _on_tp(Collective.REDUCE_SCATTER, nbytes * scale, backward)] \
+            if sp else [_on_tp(Collective.ALL_REDUCE, nbytes * scale, backward)]
+    calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward) for nbytes in layer.gathered_outputs]
+    if sp:
+        if layer.sp_entry:  # scattered into sequence shards: free forward, gathered gradient
+            calls.append(_on_tp(Collective.ALL_GATHER, layer.sp_entry * scale, backward))
+        # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
+        calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward) for nbytes in layer.sp_gathers]
+    return calls
 
 
 def device_params(layer: LayerCost, tp: int) -> float:
@@ -245,13 +262,13 @@ class StageReport:
     comm: float  # per micro-batch: TP collectives and point-to-point sends
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
-    counted: Counter = field(default_factory=Counter)  # (kind, axis, bytes) -> calls per iteration on each device
+    calls: tuple[CommCall, ...] = ()  # per iteration on each device (`collectives` sums those of one collective)
     parts: _Split | None = None  # what the simulator needs beyond the figures above (`cost.simulator`)
 
     @property
     def collectives(self) -> tuple[CollectiveUse, ...]:
         """What one device of the stage issues in an iteration."""
-        return _uses(self.counted)
+        return collective_uses(self.calls)
 
     @property
     def seconds(self) -> float:
@@ -298,7 +315,8 @@ class PipelineModel:
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
         self._meshes: dict[tuple[int, int, int], object] = {}
-        self._syncs: dict[tuple, tuple[float, Counter]] = {}  # a stage's gradient synchronisation, by its shape
+        # a stage's gradient synchronisation (seconds, collectives, units), by its shape
+        self._syncs: dict[tuple, tuple[float, tuple[CommCall, ...], tuple]] = {}
         self.intra_layers = IntraLayers(self)
         self._layouts: dict[tuple, dict[int, LayerLayout]] = {}  # an intra stage's layer layouts, by its shape
         self.memory = StageMemoryModel(self)  # stages' peaks as the runtime allocates them
@@ -367,10 +385,9 @@ class PipelineModel:
         if not (sp and layer.sp_entry):
             return price
         entry = layer.sp_entry * samples / self.traced_batch
-        calls = Counter({(k, n): c for k, n, c in price.collectives})
-        calls[(Collective.ALL_GATHER.value, entry)] += 1
+        gather = _on_tp(Collective.ALL_GATHER, entry, Phase.BACKWARD)
         return replace(price, comm_backward=price.comm_backward + collective_seconds(
-            Collective.ALL_GATHER, entry, tp_axis, self.cluster), collectives=tuple((k, n, c) for (k, n), c in calls.items()))
+            Collective.ALL_GATHER, entry, tp_axis, self.cluster), collectives=merge_calls((*price.collectives, gather)))
 
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
                  overlap: bool = True) -> PipelineEstimate:
@@ -389,62 +406,61 @@ class PipelineModel:
         m = global_batch // config.micro_batch
         pp, chunks, virtual = config.pp, config.chunks, len(config.stages)
         copies = self._tied_copies(config)
-        uses: Counter[tuple[str, str, float]] = Counter()
+        issued: list[CommCall] = []  # what every stage's devices issue in the iteration
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
             view = self.stage_view(config, index, global_batch=global_batch)
             mesh = view.mesh
             fwd = bwd = comm = 0.0
             params = 0
-            stage_uses: Counter[tuple[str, str, float]] = Counter()
+            per_micro_batch: list[CommCall] = []  # the rows' tp collectives (and their segments' replays)
             split = _Split(view=view)  # the simulator's view of the same figures
             for row in range(stage.start, stage.end):
                 price = view.price(row, stage.recompute_of(row))
                 fwd, bwd = fwd + price.forward, bwd + price.backward
                 comm += price.comm_forward + price.comm_backward
                 params += price.params
-                for kind, nbytes, calls in price.collectives:
-                    stage_uses[(kind, "tp", nbytes)] += calls * m
+                per_micro_batch += price.collectives
             extra = None
             if stage.segments:
                 extra = segment_costs(stage, view.price)
                 bwd, comm = bwd + extra.backward, comm + extra.comm
                 split.replayed, split.replayed_tp = extra.backward, extra.comm
-                for (kind, nbytes), calls in extra.collectives.items():
-                    stage_uses[(kind, "tp", nbytes)] += calls * m
+                per_micro_batch += extra.collectives
+            stage_calls = [c.times(m) for c in merge_calls(per_micro_batch)]
             if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
                 sends = (index > 0) + (index < virtual - 1)
                 split.send, calls = self._send(boundary, stage, config, mesh)
                 comm += 2 * sends * split.send
-                for key in calls:  # counted where sent (a scatter/gather's all-gather: as many, where received)
-                    stage_uses[key] += sends * m
+                # counted where sent (a scatter/gather's all-gather: as many, where received)
+                stage_calls += [c.times(sends * m) for c in calls]
             reduced = sum(layout.reduced for layout in view.layouts.values())
             if reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
                 nbytes = reduced * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
-                stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
+                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
             partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end)
                           if r not in view.layouts)  # a layout's own partial gradients are in ``reduced``
             if config.sp and stage.tp > 1 and partial:  # norm weights' gradients from sequence shards: summed
                 nbytes = partial * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
-                stage_uses[(Collective.ALL_REDUCE.value, "tp", nbytes)] += 1
+                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
             copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
             params += copy
-            sync, split.units = self._sync(stage, config.zero, m, mesh, stage_uses, extra=copy, view=view)
+            sync, split.units = self._sync(stage, config.zero, m, mesh, stage_calls, extra=copy, view=view)
             for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
                 # (under ZeRO 1-3 each rank sums its own shard of them)
                 nbytes = size * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
                 split.pp_once, sync = split.pp_once + seconds, sync + seconds
-                stage_uses[(Collective.ALL_REDUCE.value, "pp", nbytes)] += 1
-            uses.update(stage_uses)
+                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="pp", bytes=nbytes, phase=Phase.SYNC))
+            issued += stage_calls
             memory = self.stage_memory(config, index, view, micro_batches=m, copy=copy, segments=extra)
-            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory, counted=stage_uses,
-                                       parts=split))
+            reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
+                                       calls=tuple(stage_calls), parts=split))
         devices = _per_device(reports, pp) if chunks > 1 else reports
         simulate = not self.screen if simulate is None else simulate
         simulation = self._simulate(config, reports, m, overlap) if simulate else None
@@ -461,7 +477,7 @@ class PipelineModel:
             tflops_per_device=per_device / 1e12,
             mfu=per_device / self.cluster.device.peak(self.dtype),
             memory=worst.memory,
-            collectives=_uses(uses),
+            collectives=collective_uses(issued),
             micro_batches=m,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
@@ -547,9 +563,9 @@ class PipelineModel:
         return copies
 
     def _send(self, boundary: float, stage: Stage, config: PipelineConfig,
-              mesh) -> tuple[float, list[tuple[str, str, float]]]:  # noqa: ANN001
+              mesh) -> tuple[float, tuple[CommCall, ...]]:  # noqa: ANN001
         """Seconds of one activation (or gradient) of ``boundary`` bytes crossing to a neighbouring stage, and its
-        collectives as (kind, axis, bytes). Every tp rank sends all of it (autopar's runtime):
+        collectives, one call each. Every tp rank sends all of it (autopar's runtime):
 
             t = send_recv(M) on pp
 
@@ -561,14 +577,15 @@ class PipelineModel:
         pp_axis = mesh.axis("pp")
         if not self.scatter_gather_sends or stage.tp == 1 or config.sp:
             return (collective_seconds(Collective.SEND_RECV, boundary, pp_axis, self.cluster),
-                    [(Collective.SEND_RECV.value, "pp", boundary)])
+                    (CommCall(kind=Collective.SEND_RECV, axis="pp", bytes=boundary, phase=Phase.SEND),))
         if len({s.tp for s in config.stages}) > 1:
             raise ValueError("scatter_gather_sends prices Megatron-LM's sends between stages of one tp width, got "
                              f"tp {sorted({s.tp for s in config.stages})}")
         piece = boundary / stage.tp
         seconds = collective_seconds(Collective.SEND_RECV, piece, pp_axis, self.cluster) + \
             collective_seconds(Collective.ALL_GATHER, boundary, mesh.axis("tp"), self.cluster)
-        return seconds, [(Collective.SEND_RECV.value, "pp", piece), (Collective.ALL_GATHER.value, "tp", boundary)]
+        return seconds, (CommCall(kind=Collective.SEND_RECV, axis="pp", bytes=piece, phase=Phase.SEND),
+                         CommCall(kind=Collective.ALL_GATHER, axis="tp", bytes=boundary, phase=Phase.SEND))
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
         rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
@@ -576,11 +593,11 @@ class PipelineModel:
         size = max((layer.largest_input for layer in rows), default=0)
         return size / (stage.tp if config.sp else 1)
 
-    def _sync(self, stage: Stage, zero: int, m: int, mesh, uses: Counter, *, extra: float = 0,  # noqa: ANN001
+    def _sync(self, stage: Stage, zero: int, m: int, mesh, calls: list[CommCall], *, extra: float = 0,  # noqa: ANN001
               view: StageView | None = None) -> tuple[float, tuple]:
-        """Gradient synchronisation of one stage over its dp axis. ZeRO 1-3 run per FSDP unit: each repeated layer,
-        and the stage's other parameters together (the root unit, with ``extra`` parameters: a tied weight's
-        copy); ZeRO 0 all-reduces DDP buckets."""
+        """Gradient synchronisation of one stage over its dp axis, its collectives added to ``calls``. ZeRO 1-3 run
+        per FSDP unit: each repeated layer, and the stage's other parameters together (the root unit, with
+        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets."""
         if stage.dp == 1:
             return 0.0, ()
         layouts = view.layouts if view is not None else {}
@@ -589,13 +606,13 @@ class PipelineModel:
         cached = self._syncs.get(key)
         if cached is None:
             cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes))
-        total, counted, units = cached
-        uses.update(counted)
+        total, synced, units = cached
+        calls += synced
         return total, units
 
     def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float,  # noqa: ANN001
-                    layouts: dict[int, float]) -> tuple[float, Counter, tuple]:
-        uses: Counter[tuple[str, str, float]] = Counter()
+                    layouts: dict[int, float]) -> tuple[float, tuple[CommCall, ...], tuple]:
+        uses: list[CommCall] = []
         itemsize = gradient_itemsize(self.dtype)
         rows = [self.layers[r] for r in range(stage.start, stage.end)]
         units = [(layouts.get(r, device_params(self.layers[r], stage.tp)) * itemsize, False)
@@ -613,10 +630,10 @@ class PipelineModel:
                 seconds = calls.setdefault((nbytes, root), {})[kind] = collective_seconds(kind, nbytes, axis,
                                                                                             self.cluster)
                 total += same * count * seconds
-                uses[(kind.value, "dp", nbytes)] += same * count
+                uses.append(CommCall(kind=kind, axis="dp", bytes=nbytes, phase=Phase.SYNC, calls=same * count))
         # for the simulator, the units in order (ZeRO 1-3: the stage's repeated rows, then the root unit; ZeRO 0:
         # the buckets) as (bytes, root), with one call's seconds of each kind by (bytes, root)
-        return total, uses, (tuple(units), calls)
+        return total, merge_calls(uses), (tuple(units), calls)
 
 
 @dataclass(slots=True)
@@ -709,16 +726,10 @@ def _per_device(reports: list[StageReport], pp: int) -> list[StageReport]:
             optimizer=sum(r.memory.optimizer for r in mine), activations=sum(r.memory.activations for r in mine),
             other=max(r.memory.other for r in mine), reserve=mine[0].memory.reserve, budget=mine[0].memory.budget,
         )
-        counted: Counter = Counter()
-        for r in mine:
-            counted.update(r.counted)
         devices.append(StageReport(compute=sum(r.compute for r in mine), comm=sum(r.comm for r in mine),
-                                   sync=sum(r.sync for r in mine), memory=memory, counted=counted))
+                                   sync=sum(r.sync for r in mine), memory=memory,
+                                   calls=tuple(c for r in mine for c in r.calls)))
     return devices
-
-
-def _uses(counted: Counter) -> tuple[CollectiveUse, ...]:
-    return tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(counted.items()))
 
 
 def even_stages(model: PipelineModel, pp: int, *, tp: int, dp: int, recompute: str = "none") -> tuple[Stage, ...]:

@@ -18,7 +18,6 @@ import gc
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,10 +27,12 @@ import numpy as np
 from autopar.analysis import BlockGraph, ParallelBlock, Segment, Split, build_blocks, find_segments, op_dims
 from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
+from autopar.cluster.calls import CommCall
 from autopar.cluster.mesh import Mesh
 from autopar.cost.intra import Candidate, IntraCost, Key, ParamUse, sync_seconds
 from autopar.cost.memory import gradient_itemsize, model_states
-from autopar.cost.types import CollectiveUse, Estimate, MemoryBreakdown
+from autopar.cost.types import Estimate, MemoryBreakdown
+from autopar.cost.uses import collective_uses
 from autopar.plan import Block, ModuleLayout, ParamLayout, Plan, Workload
 from autopar.plan import Mesh as PlanMesh
 from autopar.search.ilp import Edge, Solution, solve
@@ -254,8 +255,7 @@ def estimate_choice(
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     compute = comm = saved = temporary = 0.0
     weights = grads = optim = 0.0
-    uses: Counter[tuple[str, str, float]] = Counter()
-    names = _axis_labels(space, choice)
+    calls: list[CommCall] = []
     synced: list[ParamUse] = []
     for cls in space.classes:
         n = cls.count
@@ -263,22 +263,18 @@ def estimate_choice(
         assert bc is not None
         compute += n * m * (bc.compute_forward + bc.compute_backward)
         comm += n * m * (bc.comm_forward + bc.comm_backward)
-        for kind, axis, nbytes in bc.collectives:
-            uses[(kind, names[axis], nbytes)] += n * m
+        calls += [c.times(n * m) for c in bc.collectives]
         synced += bc.params * n
         w, g, o = _states(bc.params, zero=zero, dtype=dtype, sizes=sizes)
         weights, grads, optim = weights + n * w, grads + n * g, optim + n * o
         saved += n * bc.saved
         temporary = max(temporary, bc.temporary)
-    sync_uses: list = []  # the whole model's gradients at once: one bucketed collective per axis (ZeRO 0-2)
+    # the whole model's gradients at once: one bucketed collective per axis (ZeRO 0-2)
     comm += sync_seconds(synced, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
-                         cluster=ic.cluster, uses=sync_uses)
-    for kind, axis, nbytes, count in sync_uses:
-        uses[(kind, names[axis], nbytes)] += count
+                         cluster=ic.cluster, uses=calls)
     for transfer in conversions(space, choice):
         comm += m * transfer.seconds
-        for kind, axis, nbytes in transfer.collectives:
-            uses[(kind, names[axis], nbytes)] += m
+        calls += [c.times(m) for c in transfer.collectives]
     device = ic.cluster.device
     iteration = compute + comm
     model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
@@ -296,7 +292,7 @@ def estimate_choice(
         tflops_per_device=per_device / 1e12,
         mfu=per_device / device.peak(dtype),
         memory=memory,
-        collectives=tuple(CollectiveUse(kind=k, axis=a, bytes=b, count=c) for (k, a, b), c in sorted(uses.items())),
+        collectives=collective_uses(calls, labels=dict(zip(space.mesh.names, _axis_labels(space, choice)))),
         micro_batches=m,
     )
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 __all__ = ["Layout", "LayoutCosts", "Partial", "Replicate", "Shard", "StridedShard", "Transfer", "is_shard", "shard_of"]
 
 from autopar.cluster import Cluster, Collective, collective_seconds
+from autopar.cluster.calls import CommCall, Phase
 from autopar.cluster.mesh import Mesh
 
 Layout = tuple[Placement, ...]
@@ -101,8 +102,7 @@ def as_gradient(layout: Layout) -> Layout:
 class Transfer:
     forward: float
     backward: float
-    collectives: tuple[tuple[str, int, float], ...] = ()  # (kind, mesh axis, bytes), forward then backward
-    forward_moves: int = 0  # how many of ``collectives`` the forward issues
+    collectives: tuple[CommCall, ...] = ()  # one call each on its mesh axis (by name), forward then backward
 
     @property
     def seconds(self) -> float:
@@ -132,18 +132,18 @@ class LayoutCosts:
         if single:  # an axis of one device holds every layout whole: nothing moves on it
             source, target = _whole_on(source, single), _whole_on(target, single)
             gradient = None if gradient is None else _whole_on(gradient, single)
-        fwd, fwd_moves = self._path(shape, itemsize, source, target)
+        fwd, fwd_moves = self._path(shape, itemsize, source, target, Phase.FORWARD)
         if gradient is None or fwd == INF:
-            return Transfer(fwd, 0.0, fwd_moves, len(fwd_moves))
-        bwd, bwd_moves = self._path(shape, itemsize, gradient, as_gradient(source))
-        return Transfer(fwd, bwd, fwd_moves + bwd_moves, len(fwd_moves))
+            return Transfer(fwd, 0.0, fwd_moves)
+        bwd, bwd_moves = self._path(shape, itemsize, gradient, as_gradient(source), Phase.BACKWARD)
+        return Transfer(fwd, bwd, fwd_moves + bwd_moves)
 
     def _move(self, kind: Collective, nbytes: float, axis: int) -> float:
         return collective_seconds(kind, nbytes, self.mesh.placements[axis], self.cluster)
 
     def _path(
-        self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout
-    ) -> tuple[float, tuple[tuple[str, int, float], ...]]:
+        self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout, phase: Phase
+    ) -> tuple[float, tuple[CommCall, ...]]:
         if source == target:
             return 0.0, ()
         if local_shape(shape, target, self.sizes) is None:
@@ -177,21 +177,25 @@ class LayoutCosts:
                     total = cost + seconds
                     if total < best.get(nxt, INF):
                         best[nxt] = total
-                        extra = ((kind, axis, size),) if kind else ()
+                        extra = (CommCall(kind=kind, axis=self.mesh.names[axis], bytes=size, phase=phase),) \
+                            if kind is not None else ()
                         heapq.heappush(heap, (total, tie, nxt, moves + extra))
                         tie += 1
         return INF, ()
 
-    def _step(self, have: Placement, goal: Placement, nbytes: float, axis: int) -> tuple[float, str, float] | None:
+    def _step(self, have: Placement, goal: Placement, nbytes: float,
+              axis: int) -> tuple[float, Collective | None, float] | None:
+        """(seconds, collective or None where the move is free, bytes of its buffer) of one move on ``axis``; None
+        where the move is illegal."""
         n = self.sizes[axis]
         if isinstance(goal, Partial):
             return None
         if is_shard(have) and goal == REPLICATE:
-            return self._move(Collective.ALL_GATHER, nbytes * n, axis), Collective.ALL_GATHER.value, nbytes * n
+            return self._move(Collective.ALL_GATHER, nbytes * n, axis), Collective.ALL_GATHER, nbytes * n
         if isinstance(have, Partial) and goal == REPLICATE:
-            return self._move(Collective.ALL_REDUCE, nbytes, axis), Collective.ALL_REDUCE.value, nbytes
+            return self._move(Collective.ALL_REDUCE, nbytes, axis), Collective.ALL_REDUCE, nbytes
         if isinstance(have, Partial):
-            return self._move(Collective.REDUCE_SCATTER, nbytes, axis), Collective.REDUCE_SCATTER.value, nbytes
+            return self._move(Collective.REDUCE_SCATTER, nbytes, axis), Collective.REDUCE_SCATTER, nbytes
         if have == REPLICATE:
-            return 0.0, "", 0.0
-        return self._move(Collective.ALL_TO_ALL, nbytes, axis), Collective.ALL_TO_ALL.value, nbytes
+            return 0.0, None, 0.0
+        return self._move(Collective.ALL_TO_ALL, nbytes, axis), Collective.ALL_TO_ALL, nbytes
