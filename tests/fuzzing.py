@@ -1106,7 +1106,7 @@ FLAG_SEEDS: list[list[str]] = [
      "--mbs", "2", "--schedule", "interleaved", "--chunks", "2", "--json"],
     ["analyze", *TINY, "--gpus", "4", "--mesh", "2x2", "--json"],
     ["plan", *TINY, "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--budget-s", "2", "--json"],
-    ["plan", *TINY, "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--budget-s", "2", "--search", "ilp",
+    ["plan", *TINY, "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--budget-s", "20", "--search", "ilp",
      "--mesh", "2x2", "--out", "{tmp}/p.json", "--json"],
     ["plan", *TINY, "--cluster", "cpu", "--gpus", "2", "--batch", "8", "--budget-s", "2", "--search", "megatron",
      "--json"],

@@ -154,7 +154,7 @@ def single_stage_peak(plan: Plan, *, optimizer: type[torch.optim.Optimizer] = to
 
     from autopar.runtime.apply import parallelize
     from autopar.runtime.train import LEARNING_RATE, Workload, build_model, global_batch
-    from autopar.runtime.validate import _materialise, _step
+    from autopar.runtime.validate import _materialise
     from autopar.zoo import load
 
     work = Workload.of(plan)
@@ -185,7 +185,8 @@ def single_stage_peak(plan: Plan, *, optimizer: type[torch.optim.Optimizer] = to
             with tracker:
                 for _ in range(steps):
                     stepper.zero_grad(set_to_none=True)
-                    _step(parallel, stepper, work, batch, dp=plan.grid[0])
+                    parallel.forward_backward(batch)  # rank 0's rows of the global batch
+                    stepper.step()
     finally:
         dist.destroy_process_group()
     return tracker.peak
@@ -212,9 +213,8 @@ def _pipeline_rank(rank: int, rendezvous: Any, plan: Plan) -> int:
         optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
         tracker = PeakTracker(modules=False)
         tracker.track_external(parallel.module)
-        dp, tp = plan.grid
         with tracker:
-            train(parallel, optimizer, work, steps=1, rank=(rank // tp) % dp, dp=dp)
+            train(parallel, optimizer, work, steps=1)
         dist.barrier()
         return tracker.peak
     finally:
