@@ -132,3 +132,13 @@ def test_plan_writes_its_report_with_the_baselines(tmp_path, capsys) -> None:
     assert page.count("<svg") == 3 and "Runners-up and baselines" in page
     comparison = page.split("<h2>Runners-up and baselines</h2>")[1]
     assert all(f"<td class=\"l\">{kind}</td>" in comparison for kind in ("megatron", "dp", "fsdp"))
+
+
+def test_runners_up_that_differ_only_in_their_intra_op_stages_read_differently() -> None:
+    from autopar.api.report import stage_grids
+
+    some = stage_grids({"dp_x_tp": [[8, 2]] * 4, "intra": [True, True, False, True]})
+    other = stage_grids({"dp_x_tp": [[8, 2]] * 4, "intra": [False, True, False, False]})
+    assert some == "8 x 2, intra-op stages 0, 1, 3" and other == "8 x 2, intra-op stage 1"
+    assert stage_grids({"dp_x_tp": [[8, 2]] * 2, "intra": [True, True]}) == "8 x 2 intra"
+    assert stage_grids({"dp_x_tp": [[8, 2], [4, 4]], "intra": [False, False]}) == "8 x 2, 4 x 4"

@@ -147,13 +147,24 @@ def _stages(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def stage_grids(layout: dict[str, Any]) -> str:
+    """A runner-up's stages in a few words: its distinct dp x tp grids, and which stages the intra-op planner laid
+    out (``8 x 2 intra`` when all are, ``8 x 2, intra-op stages 0, 1`` when some), so that two layouts that differ
+    only there read differently."""
+    grids = ", ".join(dict.fromkeys(f"{d} x {t}" for d, t in layout["dp_x_tp"]))
+    intra = [k for k, on in enumerate(layout.get("intra") or []) if on]
+    if not intra:
+        return grids
+    if len(intra) == len(layout["dp_x_tp"]):
+        return grids + " intra"
+    return f"{grids}, intra-op stage{'s' if len(intra) > 1 else ''} {', '.join(map(str, intra))}"
+
+
 def _runners_up(data: dict[str, Any]) -> list[str]:
     """The best of the other layouts the search priced, a line each, with how much slower each is."""
     if not data.get("runners_up"):
         return []
-    rows = [[str(r["pp"]), ", ".join(dict.fromkeys(f"{d} x {t}" + (" intra" if on else "") for (d, t), on in
-                                                    zip(r["dp_x_tp"], r.get("intra") or [False] * len(r["dp_x_tp"])))),
-             str(r["micro_batch_size"]),
+    rows = [[str(r["pp"]), stage_grids(r), str(r["micro_batch_size"]),
              str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
              f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
             for r in data["runners_up"]]

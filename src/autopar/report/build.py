@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.api.report import stage_grids
 from autopar.plan import Plan
 from autopar.report.records import Comparison, Report, Role
 
@@ -42,9 +43,7 @@ def estimate_report(data: dict[str, Any], *, plan: Plan, simulation: Any) -> Rep
 
 
 def _layout(r: dict[str, Any]) -> str:
-    grids = ", ".join(dict.fromkeys(f"{d} x {t}" + (" intra" if on else "") for (d, t), on in
-                                    zip(r["dp_x_tp"], r.get("intra") or [False] * len(r["dp_x_tp"]))))
-    return (f"pp {r['pp']}, {grids}, micro-batch {r['micro_batch_size']}, ZeRO {r['zero']}, {r['schedule']}"
+    return (f"pp {r['pp']}, {stage_grids(r)}, micro-batch {r['micro_batch_size']}, ZeRO {r['zero']}, {r['schedule']}"
             + (" + SP" if r["sp"] else "") + f", {r['recomputed_layers']} recomputed")
 
 
