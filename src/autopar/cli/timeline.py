@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from autopar.cost.simulator import Kind, PipelineSimulation, Stream
@@ -31,15 +32,21 @@ NAMES = {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "b
 
 def check_timeline(path: str | None) -> None:
     """Refuse, before any work, a ``--timeline`` path that cannot be written or drawn."""
+    check_drawing(path, flag="--timeline", formats=FORMATS, ending=".svg or .png")
+
+
+def check_drawing(path: str | None, *, flag: str, formats: Iterable[str], ending: str) -> None:
+    """Refuse, before any work, a path given to ``flag`` whose suffix is not one of ``formats`` (named ``ending``
+    in the message), that cannot be written, or that matplotlib (not installed) cannot draw."""
     if path is None:
         return
-    if os.path.splitext(path)[1].lower() not in FORMATS:
-        raise ValueError(f"--timeline {path}: give a file ending in .svg or .png")
-    check_writable(path, flag="--timeline")
+    if os.path.splitext(path)[1].lower() not in formats:
+        raise ValueError(f"{flag} {path}: give a file ending in {ending}")
+    check_writable(path, flag=flag)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--timeline draws with matplotlib, which is not installed: pip install 'autopar[plot]'") \
+        raise ValueError(f"{flag} draws with matplotlib, which is not installed: pip install 'autopar[plot]'") \
             from None
 
 

@@ -4,9 +4,8 @@ baselines (``autopar plan ... --report FILE.html``, ``autopar estimate ... --rep
 
 from __future__ import annotations
 
-import os
-
-from autopar.files import check_writable, write_atomic
+from autopar.cli.timeline import check_drawing
+from autopar.files import write_atomic
 from autopar.report.build import estimate_report, plan_report
 from autopar.report.page import render_html
 from autopar.report.records import Comparison, Report, Role
@@ -16,16 +15,7 @@ FORMATS = (".html", ".htm")
 
 def check_report(path: str | None) -> None:
     """Refuse, before any work, a ``--report`` path that cannot be written, or a report matplotlib cannot draw."""
-    if path is None:
-        return
-    if os.path.splitext(path)[1].lower() not in FORMATS:
-        raise ValueError(f"--report {path}: give a file ending in .html")
-    check_writable(path, flag="--report")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ValueError("--report draws with matplotlib, which is not installed: pip install 'autopar[plot]'") \
-            from None
+    check_drawing(path, flag="--report", formats=FORMATS, ending=".html")
 
 
 def write_report(path: str, report: Report) -> None:
