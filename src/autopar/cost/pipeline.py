@@ -292,6 +292,9 @@ class PipelineEstimate:
     simulation: PipelineSimulation | None = None
 
 
+_REPORTS_KEPT = 200_000  # stage reports cached before the cache starts again
+
+
 class PipelineModel:
     """Prices pipeline configurations of one traced graph on one cluster (layer prices cached)."""
 
@@ -319,6 +322,9 @@ class PipelineModel:
         self._syncs: dict[tuple, tuple[float, tuple[CommCall, ...], tuple]] = {}
         self.intra_layers = IntraLayers(self)
         self._layouts: dict[tuple, dict[int, LayerLayout]] = {}  # an intra stage's layer layouts, by its shape
+        # stage reports by what they depend on (`_report_key`): a configuration one search step changed re-prices
+        # only the stages it changed
+        self._reports: dict[tuple, StageReport] = {}
         self.memory = StageMemoryModel(self)  # stages' peaks as the runtime allocates them
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
@@ -409,6 +415,12 @@ class PipelineModel:
         issued: list[CommCall] = []  # what every stage's devices issue in the iteration
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
+            key = self._report_key(config, index, m, copies.get(index))
+            known = self._reports.get(key)
+            if known is not None:  # a stage a search's one-stage change left as it was: priced once
+                issued += known.calls
+                reports.append(known)
+                continue
             view = self.stage_view(config, index, global_batch=global_batch)
             mesh = view.mesh
             fwd = bwd = comm = 0.0
@@ -461,6 +473,9 @@ class PipelineModel:
             memory = self.stage_memory(config, index, view, micro_batches=m, copy=copy, segments=extra)
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
                                        calls=tuple(stage_calls), parts=split))
+            if len(self._reports) >= _REPORTS_KEPT:
+                self._reports.clear()
+            self._reports[key] = reports[-1]
         devices = _per_device(reports, pp) if chunks > 1 else reports
         simulate = not self.screen if simulate is None else simulate
         simulation = self._simulate(config, reports, m, overlap) if simulate else None
@@ -481,6 +496,14 @@ class PipelineModel:
             micro_batches=m,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
+
+    def _report_key(self, config: PipelineConfig, index: int, m: int, copies: list | None) -> tuple:
+        """What a stage's report depends on: the stage, its place, its next stage (the sends its memory holds),
+        the configuration's global settings and the tied weights it shares; the stage tps where sends gather."""
+        following = config.stages[index + 1] if index + 1 < len(config.stages) else None
+        tps = tuple(s.tp for s in config.stages) if self.scatter_gather_sends else ()
+        return (config.stages[index], following, index, len(config.stages), config.chunks, config.schedule,
+                config.micro_batch, config.zero, config.sp, m, tuple(copies or ()), tps)
 
     def _simulate(self, config: PipelineConfig, reports: list[StageReport], m: int,
                   overlap: bool) -> PipelineSimulation:
