@@ -34,7 +34,7 @@ from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, run
 
 log = logging.getLogger(__name__)
 
-PIPELINE_SEARCHES = ("auto", "aceso", "exhaustive", "megatron", "dp", "fsdp")
+PIPELINE_SEARCHES = ("auto", "aceso", "mcmc", "exhaustive", "megatron", "dp", "fsdp")
 MAX_BUDGET_S = 86_400.0
 
 

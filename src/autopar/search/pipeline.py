@@ -57,10 +57,38 @@ class Found:
     result: PipelineEstimate
     evaluated: int  # configurations priced by the search that found it
     runners_up: list[Found] = field(default_factory=list)  # the best of other shapes the search priced
+    by: str = ""  # the search that found it (auto: grid, aceso or mcmc)
+    converged: bool = False  # the search stopped because it stopped improving, not on its budget
 
     @property
     def score(self) -> Score:
         return score(self.result)
+
+
+class Window:
+    """Convergence: a search has converged once ``window`` configurations have been priced since its best last
+    improved by more than ``tolerance`` (relative; coming to fit counts as an improvement). The budget is then an
+    upper bound only."""
+
+    __slots__ = ("window", "tolerance", "anchor")
+
+    def __init__(self, window: int = 300, tolerance: float = 1e-3) -> None:
+        self.window, self.tolerance = window, tolerance
+        self.anchor: tuple[int, Score] | None = None  # (configurations priced, best) at the last real improvement
+
+    def converged(self, priced: int, best: Score) -> bool:
+        """Note the best after ``priced`` configurations; whether the search has converged."""
+        if self.anchor is None or gain(self.anchor[1], best) > self.tolerance:
+            self.anchor = (priced, best)
+            return False
+        return priced - self.anchor[0] >= self.window
+
+
+def gain(before: Score, after: Score) -> float:
+    """Relative improvement from ``before`` to ``after``: infinite where ``after`` fits and ``before`` did not."""
+    if before[0] != after[0]:
+        return math.inf if before[0] else -math.inf
+    return (before[1] - after[1]) / before[1] if before[1] > 0 else 0.0
 
 
 def score(result: PipelineEstimate) -> Score:
@@ -196,7 +224,7 @@ def megatron_grid(
         if best is None or score(result) < best.score:
             best = Found(woven, result, count)
     if best is not None:
-        best.evaluated = count
+        best.evaluated, best.by, best.converged = count, "grid", time.perf_counter() <= deadline
     return best
 
 
@@ -341,14 +369,19 @@ def aceso(
     evaluate: Evaluator | None = None,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    window: int = 300,
+    tolerance: float = 1e-3,
 ) -> Found | None:
     """Aceso's search over every pipeline depth (or ``depths``); ``seeds`` are extra starting points (the best
-    Megatron configuration, say), climbed at their own depth."""
+    Megatron configuration, say), climbed at their own depth. Each climb stops when it converges (`Window`:
+    ``window`` configurations without a gain of ``tolerance``); the result is ``converged`` when every climb did
+    within its share of ``time_limit``."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     depths = depths or pipeline_depths(model, model.cluster.num_devices)
     start_time = time.perf_counter()
     best: Found | None = None
     evaluated = 0
+    all_converged = True
     for k, pp in enumerate(depths):
         share = (time_limit - (time.perf_counter() - start_time)) / (len(depths) - k)
         deadline = time.perf_counter() + share
@@ -357,9 +390,12 @@ def aceso(
         if not starts:
             continue
         found = None
+        converged = True
         for n, start in enumerate(starts):  # each start climbs with its share of the depth's time
             sub_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - n)
-            climbed, count = _climb(model, start, evaluate, global_batch, sub_deadline, max_hops, beam, should_stop)
+            climbed, count = _climb(model, start, evaluate, global_batch, sub_deadline, max_hops, beam, should_stop,
+                                    window=Window(window, tolerance))
+            converged = converged and climbed.converged
             # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
             climbed, tried = _retune(model, climbed, evaluate, global_batch, zeros=range(climbed.config.zero))
             evaluated += count + tried
@@ -367,22 +403,27 @@ def aceso(
                 found = climbed
         if time.perf_counter() < deadline and not should_stop():  # the depth's time left: secondary bottlenecks
             climbed, count = _climb(model, found.config, evaluate, global_batch, deadline, max_hops, beam,
-                                    should_stop, secondary=secondary)
+                                    should_stop, secondary=secondary, window=Window(window, tolerance))
             evaluated += count
+            converged = converged and climbed.converged
             if climbed.score < found.score:
                 found = climbed
+        else:
+            converged = False
         # the exact per-stage recomputation on the depth's best configuration
         found, count = _retune(model, found, evaluate, global_batch, zeros=(found.config.zero,), rotor=True)
         evaluated += count
+        all_converged = all_converged and converged
         if progress:
             e = found.result.estimate
             progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)"))
         if best is None or found.score < best.score:
             best = found
         if should_stop():
+            all_converged = False
             break
     if best is not None:
-        best.evaluated = evaluated
+        best.evaluated, best.by, best.converged = evaluated, "aceso", all_converged
     return best
 
 
@@ -410,13 +451,17 @@ def _retune(
 
 def _climb(
     model: PipelineModel, start: PipelineConfig, evaluate: Evaluator, global_batch: int, deadline: float,
-    max_hops: int, beam: int, should_stop: Callable[[], bool], *, secondary: int = 0,
+    max_hops: int, beam: int, should_stop: Callable[[], bool], *, secondary: int = 0, window: Window | None = None,
 ) -> tuple[Found, int]:
-    """Relieve the bottleneck until no sequence of up to ``max_hops`` primitives improves; with ``secondary`` > 0,
-    the next ``secondary`` bottlenecks are tried in turn before giving up (Aceso's secondary bottlenecks)."""
+    """Relieve the bottleneck until no sequence of up to ``max_hops`` primitives improves, or ``window`` says
+    the gains have become too small to go on for; with ``secondary`` > 0, the next ``secondary`` bottlenecks are
+    tried in turn before giving up (Aceso's secondary bottlenecks). The result is ``converged`` unless the deadline
+    or ``should_stop`` ended it."""
     current, current_score = start, score(evaluate(start))
     visited = {start}
     count = 1
+    window = window or Window()
+    converged = False
     while time.perf_counter() < deadline and not should_stop():
         for rank in range(secondary + 1):
             improved, current, current_score, tried = _hops(
@@ -424,9 +469,12 @@ def _climb(
             count += tried
             if improved or time.perf_counter() > deadline:
                 break
-        if not improved:
+        if not improved and time.perf_counter() > deadline:
             break
-    return Found(current, evaluate(current), count), count
+        if not improved or window.converged(count, current_score):
+            converged = True
+            break
+    return Found(current, evaluate(current), count, by="aceso", converged=converged), count
 
 
 def _hops(
@@ -524,11 +572,16 @@ def auto(
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     limit: Limit | None = None,
+    seed: int = 0,
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
-    then Aceso over every depth; returns ``auto`` (the best) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
+    then Aceso over every depth, then MCMC chains (`search.mcmc`) from Aceso's result, the grid's best and pure DP;
+    each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
+    search that found it; a tie goes to the earlier search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
-    whatever it says."""
+    whatever it says. ``seed`` seeds the chains: a given seed gives the same plan whenever the searches converge."""
+    from autopar.search.mcmc import mcmc
+
     start = time.perf_counter()
     evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
     baselines = Evaluator(model, global_batch=global_batch)
@@ -542,20 +595,31 @@ def auto(
     remaining = max(time_limit - (time.perf_counter() - start), 0.1)
     # Aceso's primitives change one stage at a time: it climbs from the grid's best non-interleaved point
     plain = [config for config in evaluate.cache if config.chunks == 1]
-    seed = min(plain, key=lambda config: score(evaluate.cache[config]), default=None)
+    seed_config = min(plain, key=lambda config: score(evaluate.cache[config]), default=None)
     found = aceso(
-        model, global_batch=global_batch, time_limit=remaining, seeds=[seed] if seed is not None else None,
-        evaluate=evaluate, progress=progress, should_stop=should_stop,
+        model, global_batch=global_batch, time_limit=remaining * 2 / 3,
+        seeds=[seed_config] if seed_config is not None else None, evaluate=evaluate, progress=progress,
+        should_stop=should_stop,
     )
     allowed_grid = grid if grid is not None and (limit is None or not limit(grid.config)) else None
-    best = min((f for f in (found, allowed_grid) if f is not None), key=lambda f: f.score, default=None)
+    dp = data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines)
+    chains = None
+    if not should_stop():
+        chains = mcmc(model, global_batch=global_batch, seeds=[f.config for f in (found, allowed_grid, dp) if f],
+                      evaluate=evaluate, time_limit=max(time_limit - (time.perf_counter() - start), 0.1), seed=seed,
+                      progress=progress, should_stop=should_stop)
+    searches = [f for f in (allowed_grid, found, chains) if f is not None]
+    best = min(searches, key=lambda f: f.score, default=None)
     if best is not None:
-        best.evaluated = len(evaluate.cache)
-        best.runners_up = evaluate.top(3, besides=best.config)
+        complete = grid is not None and grid.converged
+        best = replace(best, by="grid" if best is allowed_grid else best.by, evaluated=len(evaluate.cache),
+                       runners_up=evaluate.top(3, besides=best.config),
+                       converged=complete and all(f.converged for f in (found, chains) if f is not None)
+                       and chains is not None)
     return {
         "auto": best,
         "megatron": grid,
-        "dp": data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines),
+        "dp": dp,
         "fsdp": data_parallel(model, global_batch=global_batch, zero=3, evaluate=baselines),
     }
 
@@ -669,12 +733,14 @@ def pipeline_searches(
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     limit: Limit | None = None,
+    seed: int = 0,
 ) -> dict[str, Found | None]:
-    """Run search ``kind`` (auto, aceso, exhaustive, megatron, dp, fsdp) and price the baselines beside it; with
-    ``limit``, the auto, aceso and exhaustive searches keep to the configurations it accepts."""
+    """Run search ``kind`` (auto, aceso, mcmc, exhaustive, megatron, dp, fsdp) and price the baselines beside it;
+    with ``limit``, the auto, aceso, mcmc and exhaustive searches keep to the configurations it accepts. ``seed``
+    seeds the MCMC chains (auto, mcmc)."""
     if kind == "auto":
         return auto(model, global_batch=global_batch, time_limit=time_limit, progress=progress, should_stop=should_stop,
-                    limit=limit)
+                    limit=limit, seed=seed)
     evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
     baselines = Evaluator(model, global_batch=global_batch)
     found: dict[str, Found | None] = {}
@@ -688,5 +754,31 @@ def pipeline_searches(
         found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline, within=limit)
     found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=baselines)
     found["dp"] = data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines)
+    if kind == "mcmc":
+        found["mcmc"] = _chains(model, global_batch=global_batch, deadline=deadline, evaluate=evaluate,
+                                baselines=baselines, dp=found["dp"], progress=progress, should_stop=should_stop,
+                                seed=seed)
     found["fsdp"] = data_parallel(model, global_batch=global_batch, zero=3, evaluate=baselines)
+    return found
+
+
+def _chains(
+    model: PipelineModel, *, global_batch: int, deadline: float, evaluate: Evaluator, baselines: Evaluator,
+    dp: Found | None, progress: Callable[[str], None] | None, should_stop: Callable[[], bool], seed: int = 0,
+) -> Found | None:
+    """MCMC alone (`search.mcmc`), seeded from pure DP and the Megatron grid's best point at each of its three
+    best depths (the grid has run: its points are in ``baselines``); the runners-up are the best other shapes it
+    priced."""
+    from autopar.search.mcmc import mcmc
+
+    per_depth: dict[int, PipelineConfig] = {}
+    for config, result in sorted(baselines.cache.items(), key=lambda item: score(item[1])):
+        if config.chunks == 1 and (evaluate.limit is None or not evaluate.limit(config)):
+            per_depth.setdefault(config.pp, config)
+    seeds = [*list(per_depth.values())[:3], *([dp.config] if dp is not None else [])]
+    found = mcmc(model, global_batch=global_batch, seeds=seeds, evaluate=evaluate,
+                 time_limit=max(deadline - time.perf_counter(), 0.1), seed=seed, progress=progress,
+                 should_stop=should_stop)
+    if found is not None:
+        found.runners_up = evaluate.top(3, besides=found.config)
     return found
