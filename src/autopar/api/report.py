@@ -36,6 +36,8 @@ def pipeline_report(searched: Searched, *, model: str, config: dict[str, Any], c
         "search_seconds": searched.seconds,
         "fits": searched.fits,
         "configurations_priced": chosen.evaluated,
+        "found_by": chosen.by or searched.plan.kind,  # auto: grid, aceso or mcmc (or a baseline on simulation)
+        "converged": chosen.converged,  # stopped because it stopped improving, not on --budget-s
         "interrupted": searched.interrupted,
         "runners_up": [_layout(f, chosen) for f in chosen.runners_up],
         "not_runnable": searched.not_runnable,  # why the runtime refuses it, or null
@@ -78,9 +80,7 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: s
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {config['batch']}"
         + (f" x seq {config['seq']}" if config.get("seq") is not None else ""),
-        f"plan ({data['search']}): {_shape(plan)}; "
-        f"{count(data['configurations_priced'], 'configuration')} priced in {data['search_seconds']:.1f} s"
-        + (" (interrupted: best so far)" if data["interrupted"] else ""),
+        f"plan ({_searched_by(data)}): {_shape(plan)}; " + _convergence(data),
         "",
         *_stages(plan),
     ]
@@ -90,6 +90,22 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: s
     lines += [estimate_text(data["estimate"]), ""]
     written = [f"timeline written to {timeline}", ""] if timeline else []
     return "\n".join(lines + _runners_up(data) + written + comparison(data, out))
+
+
+def _searched_by(data: dict[str, Any]) -> str:
+    """The search, and the one that found the plan where they differ (auto: grid, aceso or mcmc)."""
+    by = data.get("found_by")
+    return data["search"] + (f", found by {by}" if by and by != data["search"] else "")
+
+
+def _convergence(data: dict[str, Any]) -> str:
+    """How the search ended: converged after N configurations, stopped on its budget, or interrupted."""
+    priced = count(data["configurations_priced"], "configuration")
+    if data["interrupted"]:
+        return f"{priced} priced in {data['search_seconds']:.1f} s (interrupted: best so far)"
+    if data.get("converged"):
+        return f"converged after {priced} in {data['search_seconds']:.1f} s"
+    return f"{priced} priced in {data['search_seconds']:.1f} s"
 
 
 def plan_text(plan: Plan) -> str:

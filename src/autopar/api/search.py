@@ -40,8 +40,9 @@ MAX_BUDGET_S = 86_400.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchOptions:
-    """What to search: ``search`` (auto, aceso, exhaustive, or one baseline: megatron, dp, fsdp) for a global batch
-    of ``batch`` samples, within ``budget_s`` seconds; ``runnable_only``: only plans the runtime can run;
+    """What to search: ``search`` (auto, aceso, mcmc, exhaustive, or one baseline: megatron, dp, fsdp) for a global
+    batch of ``batch`` samples, within at most ``budget_s`` seconds (searches stop sooner when they converge);
+    ``seed``: the MCMC chains' (auto, mcmc); ``runnable_only``: only plans the runtime can run;
     ``kernels``: eager or compiled; ``dtype`` the model's (fp32, bf16, fp16); ``optimizer`` whose state the memory
     estimate holds (sgd, momentum, adam; None: SGD for fp32, Adam with an fp32 master copy otherwise)."""
 
@@ -52,9 +53,11 @@ class SearchOptions:
     kernels: str = "eager"
     dtype: str = "bf16"
     optimizer: str | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         choice("search", self.search, PIPELINE_SEARCHES)
+        integer("seed", self.seed, low=0, high=2**31 - 1)
         integer("batch", self.batch, high=MAX_BATCH)
         finite("budget_s", self.budget_s)
         if not 0 < self.budget_s <= MAX_BUDGET_S:
@@ -130,7 +133,7 @@ def search_pipeline(
     limit = _limit(subject.pipelines, options.kernels, subject.no_tp)
     found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
                               progress=progress, should_stop=should_stop,
-                              limit=limit if options.runnable_only else None)
+                              limit=limit if options.runnable_only else None, seed=options.seed)
     interrupted = should_stop()
     if progress is not None:
         progress("simulating the best plans")
@@ -217,7 +220,7 @@ def _runnable_choice(subject: Subject, options: SearchOptions, chosen: Found, ty
 def _promoted(found: Found, chosen: Found) -> Found:
     """A runner-up taking the chosen plan's place: the search's figures carry over."""
     rest = [f for f in chosen.runners_up if f is not found]
-    return replace(found, evaluated=chosen.evaluated, runners_up=rest)
+    return replace(found, evaluated=chosen.evaluated, runners_up=rest, by=chosen.by, converged=chosen.converged)
 
 
 def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_batch: int,
@@ -233,20 +236,23 @@ def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_ba
     result: dict[str, Found | None] = {}
     for kind, f in found.items():
         ranked, reasons = priced[kind]
-        candidates = ranked + ([c for k, (cs, _) in priced.items() if k != own for c in cs[:1]]
-                               if kind == own == "auto" else [])
+        others = [c for k, (cs, _) in priced.items() if k != own for c in cs[:1]] if kind == own == "auto" else []
+        candidates = ranked + others
         if not candidates:
             if reasons and kind == own:
                 raise ValueError(f"the {kind} plan cannot be simulated: {reasons[0]}")
             result[kind] = None
             continue
         best = min(candidates, key=lambda c: score(c.result))  # ties keep the search's order
+        # the search that found it: the search's own, or the baseline that won on simulation (auto)
+        by = f.by if best in ranked else next(k for k, (cs, _) in priced.items() if cs and cs[0] is best)
         seen, rest = {shape(best.config)}, []
         for c in ranked:
             if c is not best and shape(c.config) not in seen:
                 seen.add(shape(c.config))
                 rest.append(c)
-        result[kind] = replace(best, evaluated=f.evaluated, runners_up=rest)
+        result[kind] = replace(best, evaluated=f.evaluated, runners_up=rest, by={"megatron": "grid"}.get(by, by),
+                               converged=f.converged)
     return result
 
 

@@ -39,7 +39,8 @@ def register(subparsers: Any) -> None:
         help="search a parallel plan and compare it with pure DP, FSDP and the best Megatron configuration",
         description="Trace MODEL once and search pipeline stages (uneven allowed), each stage's dp x tp, per-layer "
         "recomputation, the micro-batch and the ZeRO stage with the pipeline cost model (Megatron grid, then "
-        "Aceso's bottleneck search); or, with --search ilp, the intra-op space on one mesh. Prints the plan, its "
+        "Aceso's bottleneck search, then MCMC), each search stopping once it converges; or, with --search ilp, the "
+        "intra-op space on one mesh. Prints the plan, its "
         "estimate and the baselines priced by the same cost model. Ctrl-C keeps the best plan found so far.",
     )
     add_model_arguments(parser)
@@ -49,11 +50,17 @@ def register(subparsers: Any) -> None:
                         "devices per node when --gpus spans nodes)")
     parser.add_argument(
         "--search", choices=SEARCHES, default="auto",
-        help="auto (default): Megatron grid, then Aceso's bottleneck search over pipeline depths; aceso; exhaustive "
-        "(small models); megatron, dp, fsdp: one baseline; ilp: the intra-op programme on one --mesh, no pipeline",
+        help="auto (default): Megatron grid, then Aceso's bottleneck search over pipeline depths, then MCMC chains "
+        "from the best of both and pure DP, keeping the best; aceso; mcmc (FlexFlow's Metropolis-Hastings search, "
+        "seeded from the grid and pure DP); exhaustive (small models); megatron, dp, fsdp: one baseline; ilp: the "
+        "intra-op programme on one --mesh, no pipeline",
     )
     parser.add_argument("--budget-s", type=bounded_seconds(MAX_BUDGET_S), default=60.0,
-                        help="search time budget in seconds (default 60, at most a day)")
+                        help="upper bound on the search time in seconds (default 60, at most a day): pipeline "
+                        "searches stop sooner once they converge")
+    parser.add_argument("--seed", type=bounded_int(2**31 - 1, least=0), default=0,
+                        help="seed of the MCMC chains (auto, mcmc; default 0): a seed gives the same plan whenever "
+                        "the search converges within its budget")
     add_kernels_argument(parser)
     parser.add_argument("--runnable", action="store_true",
                         help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
@@ -239,7 +246,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     graph = traced.graph
     subject = Subject.of(graph, zoo.module, name=zoo.config.name, check=refusal, workload=workload(args, zoo))
     options = SearchOptions(search=args.search, batch=args.batch, budget_s=args.budget_s,
-                            runnable_only=args.runnable, kernels=args.kernels, dtype=args.dtype)
+                            runnable_only=args.runnable, kernels=args.kernels, dtype=args.dtype, seed=args.seed)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         try:
             searched = search_pipeline(subject, cluster, options, progress=_progress(show, start),

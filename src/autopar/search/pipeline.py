@@ -780,5 +780,5 @@ def _chains(
                  time_limit=max(deadline - time.perf_counter(), 0.1), seed=seed, progress=progress,
                  should_stop=should_stop)
     if found is not None:
-        found.runners_up = evaluate.top(3, besides=found.config)
+        found.runners_up, found.evaluated = evaluate.top(3, besides=found.config), len(evaluate.cache)
     return found
