@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, even_stages
 from autopar.search.pipeline import (
-    Evaluator, Found, Window, micro_batches, pipeline_depths, primitives, score, tensor_parallel_sizes,
+    Evaluator, Found, Window, _bottlenecks, micro_batches, pipeline_depths, primitives, score, tensor_parallel_sizes,
 )
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Schedule:
     penalty0: float = 0.5
     penalty1: float = 50.0  # 1% over the memory budget costs as much as 65% slower
     ramp: int = 300
-    window: int = 300
+    window: int = 1000  # proposals: those already priced cost a cache look-up
     tolerance: float = 1e-3
 
     def at(self, k: int) -> tuple[float, float]:
@@ -137,7 +137,7 @@ def _chain(
     while time.perf_counter() < deadline and not should_stop():
         k += 1
         beta, penalty = schedule.at(k)
-        candidate = propose(model, current, global_batch, rng)
+        candidate = propose(model, current, current_result, global_batch, rng)
         if candidate is not None:
             try:
                 result = evaluate(candidate)
@@ -154,13 +154,15 @@ def _chain(
     return best, k, False
 
 
-def propose(model: PipelineModel, config: PipelineConfig, global_batch: int,
+def propose(model: PipelineModel, config: PipelineConfig, result: PipelineEstimate, global_batch: int,
             rng: random.Random) -> PipelineConfig | None:
-    """One random single change of ``config`` (the module docstring's moves), or None where the move drawn has
-    no valid result. Global moves (depth, schedule) are drawn one time in eight."""
+    """One random single change of ``config`` (priced as ``result``; the module docstring's moves), or None where
+    the move drawn has no valid result. Global moves (depth, schedule) are drawn one time in eight; otherwise a
+    stage's move, the stage being the bottleneck (`search.pipeline._bottlenecks`: the one most over its memory,
+    else the slowest) half the time and any stage the other half."""
     if rng.random() < 0.125 or config.chunks > 1:
         return _global_move(model, config, global_batch, rng)
-    stage = rng.randrange(len(config.stages))
+    stage = _bottlenecks(result)[0] if rng.random() < 0.5 else rng.randrange(len(config.stages))
     moves = list(primitives(model, config, stage, global_batch))
     return rng.choice(moves) if moves else None
 

@@ -575,8 +575,8 @@ def auto(
     seed: int = 0,
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
-    then Aceso over every depth, then MCMC chains (`search.mcmc`) from Aceso's result, the grid's best and pure DP;
-    each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
+    then Aceso over every depth, then MCMC chains (`search.mcmc`) from Aceso's result, the grid's best and pure DP
+    with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
     search that found it; a tie goes to the earlier search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
     whatever it says. ``seed`` seeds the chains: a given seed gives the same plan whenever the searches converge."""
@@ -597,7 +597,7 @@ def auto(
     plain = [config for config in evaluate.cache if config.chunks == 1]
     seed_config = min(plain, key=lambda config: score(evaluate.cache[config]), default=None)
     found = aceso(
-        model, global_batch=global_batch, time_limit=remaining * 2 / 3,
+        model, global_batch=global_batch, time_limit=remaining,
         seeds=[seed_config] if seed_config is not None else None, evaluate=evaluate, progress=progress,
         should_stop=should_stop,
     )
