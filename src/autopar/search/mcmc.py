@@ -64,6 +64,10 @@ class Schedule:
         return self.beta0 + f * (self.beta1 - self.beta0), self.penalty0 + f * (self.penalty1 - self.penalty0)
 
 
+# auto's chains, which start from Aceso's result and the grid's best: a shorter ramp and window
+POLISH = Schedule(ramp=300, window=300)
+
+
 def cost(result: PipelineEstimate, penalty: float) -> float:
     """``ln T + penalty * max(0, over - 1)``: the energy a chain minimises."""
     over = max(r.memory.total / r.memory.budget for r in result.stages)

@@ -575,12 +575,12 @@ def auto(
     seed: int = 0,
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
-    then Aceso over every depth, then MCMC chains (`search.mcmc`) from Aceso's result, the grid's best and pure DP
-    with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
+    then Aceso over every depth, then MCMC chains (`search.mcmc`, on its shorter ``POLISH`` schedule) from Aceso's
+    result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
     search that found it; a tie goes to the earlier search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
     whatever it says. ``seed`` seeds the chains: a given seed gives the same plan whenever the searches converge."""
-    from autopar.search.mcmc import mcmc
+    from autopar.search.mcmc import POLISH, mcmc
 
     start = time.perf_counter()
     evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
@@ -607,7 +607,7 @@ def auto(
     if not should_stop():
         chains = mcmc(model, global_batch=global_batch, seeds=[f.config for f in (found, allowed_grid, dp) if f],
                       evaluate=evaluate, time_limit=max(time_limit - (time.perf_counter() - start), 0.1), seed=seed,
-                      progress=progress, should_stop=should_stop)
+                      schedule=POLISH, progress=progress, should_stop=should_stop)
     searches = [f for f in (allowed_grid, found, chains) if f is not None]
     best = min(searches, key=lambda f: f.score, default=None)
     if best is not None:
