@@ -15,8 +15,9 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
 4. keep the best few results and go on from them, up to ``max_hops`` primitives deep (a move that is worse alone
    can open a better one); the first configuration better than the current one becomes current, and the search
    repeats from step 2; visited configurations are never priced twice;
-5. stop when no configuration within ``max_hops`` improves, or the time budget ends (the best so far is kept);
-   with the depth's time left, climb again from its best, and where relieving the bottleneck does not pay, try
+5. stop when no configuration within ``max_hops`` improves, when the climb has converged (`Window`: its best
+   gained less than 0.1% over the last 300 configurations priced), or the time budget ends (the best so far is
+   kept); then climb again from the depth's best, and where relieving the bottleneck does not pay, try
    the next worst stages in turn (Aceso's secondary bottlenecks, up to ``secondary`` of them): this only ever
    improves on the plain climb, which keeps its whole share of the time;
 6. after each start's climb, try its configuration under each lower ZeRO stage with every stage's recomputation
@@ -25,7 +26,8 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
    the faster of a knapsack over none / selective / full per layer (`search.recompute`) and the rotor programme
    with communication terms, which also checkpoints runs of layers together (`search.rotor`, MAP §5.2).
 
-Depths are searched one after another, each with an equal share of the budget; the best over depths wins.
+Depths are searched one after another, each with an equal share of the budget (a depth that converges early
+leaves its time to the next); the best over depths wins.
 """
 
 from __future__ import annotations
