@@ -41,7 +41,7 @@ def test_a_plan_from_python_leaves_the_model_alone_and_explains_itself(llama, pl
     assert planned.kind == "auto" and planned.workload is None and planned.devices == 2
     assert planned.micro_batch_size * planned.micro_batches == 8 and planned.estimate.memory.fits
     text = planned.explain()
-    assert text.startswith("LlamaForCausalLM on 2 x cpu, global batch 8 x seq 32\nplan (auto): ")
+    assert text.startswith("LlamaForCausalLM on 2 x cpu, global batch 8 x seq 32\nplan (auto, found by ")
     assert "against the baselines (same cost model)" in text and "note:" not in text
 
 

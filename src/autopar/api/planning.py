@@ -5,8 +5,9 @@
 report (`Plan.explain`). The plan has no workload (there is no zoo name to rebuild the model from): it runs in the
 user's script, ``autopar.parallelize(model, plan)``.
 
-Planning is not deterministic across processes: the searches stop at their time budget (``budget_s``), so two
-processes, or one machine busier than another, may find different plans. A script running on several ranks must
+Planning is not deterministic across processes: the searches stop when they converge, but at their time budget
+(``budget_s``) where they have not by then, so two processes, or one machine busier than another, may find
+different plans. A script running on several ranks must
 plan once and share the plan: `plan_once` plans on one rank and broadcasts it (or the error) to the others.
 
 Inside a process that already has a default process group (a ``torchrun`` script after
@@ -75,7 +76,8 @@ def plan(
     the data-parallel ranks (`Plan.local_batch`).
 
     ``cluster``: a preset name (``a100-80g-sxm``, ``cpu``, ...), a cluster file, or a `Cluster`. ``search``: auto,
-    aceso, exhaustive, or a baseline (megatron, dp, fsdp); ``budget_s``: the search's time budget.
+    aceso, mcmc, exhaustive, or a baseline (megatron, dp, fsdp); ``budget_s``: the most the search may take (it
+    stops sooner once it converges).
     ``runnable_only``: only plans `autopar.parallelize` can run on this model, checked on the model itself as
     ``autopar plan --runnable`` checks them (when the best would be refused its runners-up are tried; when none can
     run, a ValueError says why). ``kernels``: eager, or compiled (``torch.compile`` per repeated layer).
