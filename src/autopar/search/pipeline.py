@@ -393,9 +393,8 @@ def aceso(
             continue
         found = None
         converged = True
-        for n, start in enumerate(starts):  # each start climbs with its share of the depth's time
-            sub_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - n)
-            climbed, count = _climb(model, start, evaluate, global_batch, sub_deadline, max_hops, beam, should_stop,
+        for start in starts:  # each start climbs until it converges, within the depth's time
+            climbed, count = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
                                     window=Window(window, tolerance))
             converged = converged and climbed.converged
             # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
