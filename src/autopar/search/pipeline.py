@@ -415,11 +415,12 @@ def aceso(
         found, count = _retune(model, found, evaluate, global_batch, zeros=(found.config.zero,), rotor=True)
         evaluated += count
         all_converged = all_converged and converged
-        if progress:
-            e = found.result.estimate
-            progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)"))
         if best is None or found.score < best.score:
             best = found
+        if progress:
+            e, b = found.result.estimate, best.result.estimate
+            progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)")
+                     + f"; best so far {b.iteration_seconds:.3f} s" + ("" if b.memory.fits else " (no fit)"))
         if should_stop():
             all_converged = False
             break
