@@ -1,7 +1,8 @@
-"""Search: choose a plan under the cost model. Pipeline searches (Megatron grid, Aceso, exhaustive, exact
+"""Search: choose a plan under the cost model. Pipeline searches (Megatron grid, Aceso, MCMC, exhaustive, exact
 per-stage recomputation) over the pipeline model; the intra-op ILP over ParallelBlocks; and the baselines."""
 
 from autopar.search.ilp import Edge, Solution, enumerate_optimum, solve
+from autopar.search.mcmc import mcmc
 from autopar.search.intra import BASELINES, IntraPlan, Space, baseline_choice, build_space, estimate_choice, plan_intra
 from autopar.search.pipeline import Found, aceso, auto, exhaustive, megatron_grid, pipeline_searches
 from autopar.search.recompute import optimal_recompute, with_optimal_recompute
@@ -13,6 +14,7 @@ __all__ = [
     "aceso",
     "auto",
     "exhaustive",
+    "mcmc",
     "megatron_grid",
     "optimal_recompute",
     "pipeline_searches",
