@@ -169,7 +169,7 @@ def test_calibrated_cluster_files_still_load(tmp_path) -> None:
         (["plan", "gpt3-125m", "--mesh", "2x2x2x2", "--search", "ilp"],
          "autopar plan: error: --mesh '2x2x2x2' must be one to three positive sizes, like 8 or 2x4"),
         (["plan", "gpt3-125m", "--gpus", "4", "--search", "best"],
-         "autopar plan: error: --search must be one of auto, aceso, exhaustive, megatron, dp, fsdp, ilp, got 'best'"),
+         "autopar plan: error: --search must be one of auto, aceso, mcmc, exhaustive, megatron, dp, fsdp, ilp, got 'best'"),
         (["analyze", "gpt3-125m", "--gpus", "0"], "autopar analyze: error: --gpus must be a positive integer up to 131,072, got '0'"),
         (["frobnicate"], "autopar: error: COMMAND must be one of profile, estimate, analyze, plan, export, run, dryrun, calibrate, "
                          "models, got 'frobnicate'"),
