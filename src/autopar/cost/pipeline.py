@@ -326,8 +326,9 @@ class PipelineModel:
 
     @cached_property
     def split_widths(self) -> frozenset[int]:
-        """Sizes tensor parallelism must divide: the repeated layers' attention heads and column-parallel outputs
-        (read once; the search asks for every configuration it changes)."""
+        """Sizes tensor parallelism must divide: the repeated layers' attention heads (query and key/value heads,
+        as the runtime requires) and column-parallel outputs (read once; the search asks for every configuration it
+        changes)."""
         widths: set[int] = set()
         for layer in self.layers:
             if not layer.repeated:
@@ -335,8 +336,8 @@ class PipelineModel:
             for node in layer.nodes:
                 if node.id in layer.columns and node.outputs:
                     widths.add(node.outputs[0].shape[-1])
-                if "scaled_dot_product" in node.op and node.inputs:
-                    widths.add(node.inputs[0].shape[1])
+                if "scaled_dot_product" in node.op and node.inputs:  # query heads, and key/value heads (GQA)
+                    widths.update(t.shape[1] for t in node.inputs[:3] if len(t.shape) == 4)
         return frozenset(widths)
 
     @staticmethod
@@ -355,19 +356,13 @@ class PipelineModel:
         found = self._prices.get(key)
         if found is None:
             tp_axis = mesh.axis("tp")
-            rows = price_layer(
+            found = self._megatron_blocks(row, tp_axis, samples, recompute, sp) or price_layer(
                 self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
                 sp=sp,
                 tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
                 kernels=self.kernels,
             )
-            blocks = self._megatron_blocks(row, tp_axis, samples, recompute, sp)
-            if blocks is not None and blocks.forward > rows.forward * (1 + 1e-6):
-                # work Megatron splits runs whole in the block model's layout (the attention of grouped-query
-                # heads, which its dimension maps cannot split yet): the roles found by `cost.layers` price it
-                log.debug("row %s: the block model replicates work Megatron splits; priced by its roles", row)
-                blocks = None
-            found = self._prices[key] = blocks or rows
+            self._prices[key] = found
         return found
 
     def _megatron_blocks(self, row: int, tp_axis, samples: float, recompute: str, sp: bool) -> LayerPrice | None:  # noqa: ANN001
