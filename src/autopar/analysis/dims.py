@@ -444,8 +444,9 @@ def _convolution(node: Node) -> OpDims:
 
 def _attention(node: Node) -> OpDims:
     """Scaled dot-product attention on (batch, heads, seq, head_dim) q, k, v; outputs are the attention output and
-    per-row statistics. Batch and heads split freely (key/value heads with their query groups), query rows split with k and v
-    replicated, the key sequence and head dims do not split (softmax and the dot products need them whole)."""
+    per-row statistics. Batch and heads split freely (key/value heads with their query groups), query rows split
+    with k and v replicated, the key sequence and head dims do not split (softmax and the dot products need them
+    whole)."""
     q, k, v = (t.shape for t in node.inputs[:3])
     extra = (None,) * (len(node.inputs) - 3)
 
