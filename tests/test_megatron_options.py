@@ -41,18 +41,16 @@ def test_split_vocabulary_marks_megatron_split_and_leaves_the_analysis(gpt: auto
     split = split_vocabulary(layers, gpt)
     assert [(a.sharded, a.row_outputs) for a in layers] == [(a.sharded, a.row_outputs) for a in analyse(gpt)]
     by_name = {layer.name: layer for layer in split}
-    head, embed = by_name["head"], by_name["embed"]
+    head, embed, root = by_name["head"], by_name["embed"], by_name[""]
     (mm,) = [n for n in head.nodes if n.op.startswith("aten.mm.")]
     assert mm.id in head.columns and mm.id in head.sharded
     assert head.column_inputs == [SEQ * HIDDEN * 2]  # its input gradient summed backward
     assert embed.sharded_params == VOCAB * HIDDEN and embed.row_outputs == [SEQ * HIDDEN * 2]
-    # the loss runs with the head (where a pipeline runs it), its reductions T fp32 values each
-    assert head.row_outputs == [SEQ * 4] * LOSS_REDUCTIONS
-    loss = [n.id for n in head.nodes if "log_softmax" in n.op or "nll_loss" in n.op]
-    assert loss and set(loss) <= head.sharded
-    (original,) = [layer for layer in layers if layer.name == "head"]
-    assert head.saved_sharded > original.saved_sharded
-    assert head.saved_sharded + head.saved_replicated == original.saved_sharded + original.saved_replicated
+    assert root.row_outputs == [SEQ * 4] * LOSS_REDUCTIONS  # the loss's reductions, T fp32 values each
+    loss = [n.id for n in root.nodes if "log_softmax" in n.op or "nll_loss" in n.op]
+    assert loss and set(loss) <= root.sharded
+    (original,) = [layer for layer in layers if layer.name == ""]
+    assert root.saved_sharded > 0 and root.saved_sharded + root.saved_replicated == original.saved_replicated
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -73,9 +73,8 @@ def analyse(graph: Graph) -> list[LayerCost]:
     open_region: dict[int, frozenset[int]] = {}
     closed: set[int] = set()  # columns some row-parallel contraction consumed
     column_groups: dict[tuple[int, int], int] = {}  # input ref of a column group -> its bytes
-    home = _rows_run_in(graph, list(rows), repeated)
     for node in graph.nodes:
-        layer = rows[home[node.id]]
+        layer = rows[graph.layer_of(node.module)]
         layer.nodes.append(node)
         activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
         region = frozenset().union(*(open_region.get(s.node, ()) for s in activation_sources))
@@ -157,25 +156,6 @@ def analyse(graph: Graph) -> list[LayerCost]:
                     if s.state and s.state in graph.state and not graph.state[s.state].is_buffer}
             layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
     return list(rows.values())
-
-
-def _rows_run_in(graph: Graph, order: list[str], repeated: set[str]) -> list[str]:
-    """The row each node runs in. An op a parent of the repeated layers runs itself (the loss a causal-LM wrapper
-    computes from the head's logits, say) runs where its inputs are made: with the latest row in the chain among
-    its activation inputs' rows, when that comes after the parent's own place (its first op). A pipeline runs the
-    loss on the last stage, with the head, not on the stage of the parent's first op."""
-    position = {name: i for i, name in enumerate(order)}
-    parents = {name for name in order if any(name == "" or fqn.startswith(name + ".") for fqn in repeated)}
-    home: list[str] = []
-    for node in graph.nodes:
-        name = graph.layer_of(node.module)
-        if name in parents:
-            made = [home[s.node] for s in node.sources if s.state is None and s.node >= 0]
-            latest = max(made, key=position.__getitem__, default=name)
-            if position[latest] > position[name]:
-                name = latest
-        home.append(name)
-    return home
 
 
 def _gather_unclosed(rows: dict[str, LayerCost], open_region: dict[int, frozenset[int]], closed: set[int]) -> None:
