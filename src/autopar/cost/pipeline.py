@@ -48,7 +48,6 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 
 from __future__ import annotations
 
-import logging
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -69,7 +68,6 @@ from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Est
 from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
