@@ -69,7 +69,6 @@ from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
 
 
-
 @dataclass(frozen=True, slots=True)
 class LayerPrice:
     """One layer for one micro-batch on one device of a stage."""
