@@ -142,3 +142,15 @@ def test_link_fit_recovers_bandwidth_from_noisy_measurements() -> None:
     fitted, _, error = fit_link(sizes, seconds, 2)
     assert fitted == pytest.approx(bandwidth, rel=0.15)
     assert error < 0.25
+
+
+def test_a_deeply_nested_cluster_file_is_refused_before_yaml_parses_it(tmp_path) -> None:  # noqa: ANN001
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ValueError, match=r"deep.yaml: cannot parse cluster file: nested more than 64 levels deep"):
+        load_cluster(str(deep))
+    quoted = tmp_path / "quoted.yaml"  # brackets in quotes and comments are text, not nesting
+    quoted.write_text("name: '" + "[" * 100 + "'  # " + "{" * 100 + "\n")
+    with pytest.raises(ValueError) as caught:
+        load_cluster(str(quoted))
+    assert "levels deep" not in str(caught.value) and "missing field device" in str(caught.value)

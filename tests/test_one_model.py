@@ -127,3 +127,25 @@ def test_estimate_equals_the_block_model_of_the_whole_model_under_sp(wide, tp: i
     assert blocks.iteration_seconds == pytest.approx(rows.iteration_seconds, rel=0.02)
     kinds = {c.kind for c in rows.collectives}
     assert {"all_gather", "reduce_scatter"} <= kinds
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_grouped_query_attention_splits_its_heads_in_the_block_model(tp: int, sp: bool) -> None:
+    """Grouped-query attention (4 key/value heads for 8 query heads) is split by heads in the block model as
+    Megatron splits it, so the layer costs what its roles price, and a tp the key/value heads do not divide is
+    not offered (the runtime refuses it)."""
+    zoo = load("llama-7b", batch=2, dtype=torch.bfloat16, layers=2, hidden=256, heads=8, kv_heads=4, ffn=512,
+               vocab=512, seq=64)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    model = PipelineModel(graph, load_cluster("a100-80g-sxm").with_devices(tp), traced_batch=2)
+    assert 4 in model.split_widths and 8 in model.split_widths
+    mesh = model._mesh(1, 1, tp)
+    tp_axis = mesh.axis("tp")
+    for row in [i for i, layer in enumerate(model.layers) if layer.repeated]:
+        roles = price_layer(model.layers[row], model.cluster.device, tp=tp, scale=1.0, recompute="none", sp=sp,
+                            tp_seconds=lambda kind, n: collective_seconds(kind, n, tp_axis, model.cluster))
+        blocks = model.intra_layers.megatron(row, tp_axis, samples=2, sp=sp)["none"]
+        assert _close(roles.forward, blocks.forward) and _close(roles.activations, blocks.activations)
+        assert _close(roles.params, blocks.params)
+

@@ -115,6 +115,9 @@ def test_sequence_parallel_plans_match_one_process_and_the_predicted_collectives
         ("llama-7b", LLAMA, 2, 2, 1, None),  # TP x FSDP2 under ZeRO 1
         ("gpt3-125m", GPT, 2, 2, 3, None),  # FSDP x TP on a 2 x 2 mesh
         ("llama-7b", LLAMA, 2, 2, 3, BOTH),  # FSDP x TP with recomputation
+        # Hugging Face attention: q, k and v projected apart from one normed input (its gradient reduced once)
+        ("hf:mistral", {"layers": 2, "hidden": 256, "heads": 8}, 2, 1, 0, None),
+        ("hf:llama-tiny", {"layers": 2}, 2, 1, 0, None),  # and with grouped-query heads
     ],
 )
 def test_single_stage_plans_match_one_process_and_the_predicted_collectives(

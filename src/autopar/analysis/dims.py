@@ -444,19 +444,23 @@ def _convolution(node: Node) -> OpDims:
 
 def _attention(node: Node) -> OpDims:
     """Scaled dot-product attention on (batch, heads, seq, head_dim) q, k, v; outputs are the attention output and
-    per-row statistics. Batch and heads split freely (if key/value heads match), query rows split with k and v
-    replicated, the key sequence and head dims do not split (softmax and the dot products need them whole)."""
+    per-row statistics. Batch and heads split freely (key/value heads with their query groups), query rows split
+    with k and v replicated, the key sequence and head dims do not split (softmax and the dot products need them
+    whole)."""
     q, k, v = (t.shape for t in node.inputs[:3])
     extra = (None,) * (len(node.inputs) - 3)
 
     def outs(dim: int | None) -> tuple[int | None, ...]:
         return tuple(dim if dim is not None and dim < len(x.shape) and x.shape[dim] == q[dim] else None for x in node.outputs)
 
-    same_heads = q[1] == k[1] == v[1]
+    # grouped-query attention (``enable_gqa``): query head i reads key/value head i // (heads / kv heads), so a
+    # contiguous split of the query heads reads a contiguous split of the key/value heads; `apply` refuses a split
+    # the key/value heads do not divide
+    grouped = k[1] == v[1] and k[1] > 0 and q[1] % k[1] == 0
     dims = (
         Dim(q[0], (0, 0, 0) + extra, outs(0), Split.FREE if q[0] > 1 else Split.FIXED, "batch"),
-        Dim(q[1], (1, 1 if same_heads else None, 1 if same_heads else None) + extra, outs(1),
-            Split.FREE if same_heads and q[1] > 1 else Split.FIXED, "heads"),
+        Dim(q[1], (1, 1 if grouped else None, 1 if grouped else None) + extra, outs(1),
+            Split.FREE if grouped and q[1] > 1 else Split.FIXED, "heads"),
         Dim(q[2], (2, None, None) + extra, outs(2), Split.FREE if q[2] > 1 else Split.FIXED, "seq"),
         Dim(k[2], (None, 2, 2) + extra, (None,) * len(node.outputs), Split.FIXED, "kv_seq"),
         Dim(q[3], (3, 3, 3) + extra, tuple(3 if len(x.shape) == 4 else None for x in node.outputs), Split.FIXED, "head_dim"),

@@ -416,6 +416,31 @@ def _parse_error(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+MAX_NESTING = 64  # a cluster file nests a few levels (links.intra.bandwidth); far more is not a cluster file
+
+
+def _bracket_depth(text: str) -> int:
+    """The deepest nesting of unquoted ``[`` and ``{`` in ``text`` (comments skipped), in one pass."""
+    depth = deepest = 0
+    quote = None
+    comment = False
+    for ch in text:
+        if comment:
+            comment = ch != "\n"
+        elif quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
 def load_cluster(spec: str) -> Cluster:
     """A preset name (see `PRESETS`) or a path to a .yaml/.yml/.toml file (a regular file of at most 1 MiB)."""
     from autopar.cluster.presets import PRESETS
@@ -425,6 +450,8 @@ def load_cluster(spec: str) -> Cluster:
     if not spec or not os.path.lexists(spec):
         raise ValueError(f"unknown cluster {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     text = read_text(spec, what="cluster file", limit=CLUSTER_FILE_LIMIT)
+    if _bracket_depth(text) > MAX_NESTING:  # PyYAML takes seconds over thousands of levels before it gives up
+        raise ValueError(f"{spec}: cannot parse cluster file: nested more than {MAX_NESTING} levels deep")
     try:
         data = tomllib.loads(text) if Path(spec).suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:

@@ -103,6 +103,9 @@ class _Part:
     params: float
     reduced: float
     attention: tuple[float, float]  # (forward seconds, saved bytes) of its attention core
+    # of ``calls``, the conversions of values entering the layer, by (entry key, layout needed, gradient layout): a
+    # value several of the layer's blocks read in one layout (q, k and v projections of one input) is converted once
+    entering: tuple[tuple[tuple, tuple[CommCall, ...]], ...] = ()
 
 
 class IntraLayers:
@@ -290,6 +293,7 @@ class IntraLayers:
                     attn_seconds += node_seconds(node, device, backward=False, shard=shard)
                     attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
             calls = [c.scaled(scale) for c in bc.collectives]
+            entering = []
             # values from other layers arrive in the layout between layers; values other layers read leave in it
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
@@ -299,7 +303,9 @@ class IntraLayers:
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
                         return None
-                    calls += [c.scaled(scale) for c in move.collectives]
+                    moved = [c.scaled(scale) for c in move.collectives]
+                    calls += moved
+                    entering.append(((key_in, need, grad), tuple(moved)))
             leaving = self.leaving.get(row, set())
             for (kind, pos, index), have in bc.exits.items():
                 if kind != "out" or (block.nodes[pos], index) not in leaving:
@@ -315,7 +321,8 @@ class IntraLayers:
                 calls += [c.scaled(scale) for c in move.collectives]
             params = sum(p.local for p in bc.params)
             part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale, params,
-                         sum(p.local for p in bc.params if p.reduce_axes), (attn_seconds, attn_saved))
+                         sum(p.local for p in bc.params if p.reduce_axes), (attn_seconds, attn_saved),
+                         tuple(entering))
         self._parts[key] = part
         return part
 
@@ -374,6 +381,8 @@ class IntraLayers:
         layer = self.model.layers[row]
         parts = [self._part(ic, b, c, layer.name, scale, tp_axis, sp) for b, c in zip(blocks, choice)]
         calls = [c for p in parts for c in p.calls] + self._inner_calls(ic, blocks, choice, scale)
+        for c in _converted_again(ic, blocks, parts):
+            calls.remove(c)
         forward = sum(p.forward for p in parts)
         backward = sum(p.backward for p in parts)
         saved = sum(p.saved for p in parts)
@@ -405,6 +414,21 @@ class IntraLayers:
             tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
                                                                      self.model.cluster),
         )
+
+
+def _converted_again(ic: IntraCost, blocks: list[ParallelBlock], parts: list[_Part]) -> list[CommCall]:
+    """Conversions of a value entering the layer that an earlier block of the layer already made in the same
+    layouts: the runtime converts it once and every reader uses the result (gradients summed before one
+    reduction)."""
+    seen: set[tuple] = set()
+    again: list[CommCall] = []
+    for block, part in zip(blocks, parts):
+        for (key_in, need, grad), moves in part.entering:
+            what = (ic.origin(ic.locate(block, key_in)), need, grad)
+            if what in seen:
+                again += moves
+            seen.add(what)
+    return again
 
 
 def _between(ic: IntraCost, value: tuple[int, int], sp: bool, tp: int) -> tuple:

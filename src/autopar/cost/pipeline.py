@@ -48,7 +48,6 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 
 from __future__ import annotations
 
-import logging
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -68,8 +67,6 @@ from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,8 +329,9 @@ class PipelineModel:
 
     @cached_property
     def split_widths(self) -> frozenset[int]:
-        """Sizes tensor parallelism must divide: the repeated layers' attention heads and column-parallel outputs
-        (read once; the search asks for every configuration it changes)."""
+        """Sizes tensor parallelism must divide: the repeated layers' attention heads (query and key/value heads,
+        as the runtime requires) and column-parallel outputs (read once; the search asks for every configuration it
+        changes)."""
         widths: set[int] = set()
         for layer in self.layers:
             if not layer.repeated:
@@ -341,8 +339,8 @@ class PipelineModel:
             for node in layer.nodes:
                 if node.id in layer.columns and node.outputs:
                     widths.add(node.outputs[0].shape[-1])
-                if "scaled_dot_product" in node.op and node.inputs:
-                    widths.add(node.inputs[0].shape[1])
+                if "scaled_dot_product" in node.op and node.inputs:  # query heads, and key/value heads (GQA)
+                    widths.update(t.shape[1] for t in node.inputs[:3] if len(t.shape) == 4)
         return frozenset(widths)
 
     @staticmethod
@@ -361,19 +359,13 @@ class PipelineModel:
         found = self._prices.get(key)
         if found is None:
             tp_axis = mesh.axis("tp")
-            rows = price_layer(
+            found = self._megatron_blocks(row, tp_axis, samples, recompute, sp) or price_layer(
                 self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
                 sp=sp,
                 tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
                 kernels=self.kernels,
             )
-            blocks = self._megatron_blocks(row, tp_axis, samples, recompute, sp)
-            if blocks is not None and blocks.forward > rows.forward * (1 + 1e-6):
-                # work Megatron splits runs whole in the block model's layout (the attention of grouped-query
-                # heads, which its dimension maps cannot split yet): the roles found by `cost.layers` price it
-                log.debug("row %s: the block model replicates work Megatron splits; priced by its roles", row)
-                blocks = None
-            found = self._prices[key] = blocks or rows
+            self._prices[key] = found
         return found
 
     def _megatron_blocks(self, row: int, tp_axis, samples: float, recompute: str, sp: bool) -> LayerPrice | None:  # noqa: ANN001
