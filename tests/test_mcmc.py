@@ -129,3 +129,32 @@ def test_a_one_stage_change_reprices_the_same_as_a_fresh_model() -> None:
     assert cached.stages[1] is model.estimate(config, global_batch=8).stages[1]
     assert cached.estimate == priced.estimate
     assert score(cached) == score(priced)
+
+
+@pytest.mark.parametrize(("name", "overrides"), [
+    ("gpt3-125m", {"layers": 8}),  # a head tied to the embedding: rows a stage knows by their place
+    ("llama-7b", {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn": 1024, "vocab": 4000}),
+])
+def test_stages_priced_at_one_place_stand_for_like_stages_at_another(name, overrides) -> None:
+    """A search's model prices a stage once by its rows' content and re-uses it wherever like rows stand (shifted
+    cuts, an even pipeline's middle stages); a random walk over the space must price every configuration as a
+    model that never saw another one does, memory included."""
+    model = _model(name, gpus=8, **overrides)
+    assert model._runs is not None  # like rows are recognised: the cache is keyed by content here
+    rng = random.Random(3)
+    config = PipelineConfig(stages=even_stages(model, 4, tp=2, dp=1), micro_batch=4)
+    result, walked = model.estimate(config, global_batch=16), 0
+    for _ in range(60):
+        proposed = propose(model, config, result, 16, rng)
+        try:
+            cached = model.estimate(proposed, global_batch=16) if proposed is not None else None
+        except ValueError:  # not a configuration (a micro-batch dp does not divide, say)
+            cached = None
+        if cached is None:
+            continue
+        config, result = proposed, cached
+        fresh = _model(name, gpus=8, **overrides).estimate(config, global_batch=16)
+        assert cached.estimate == fresh.estimate, config
+        assert [s.memory for s in cached.stages] == [s.memory for s in fresh.stages], config
+        walked += 1
+    assert walked >= 20

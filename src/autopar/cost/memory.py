@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.cluster import Collective
 
@@ -213,6 +213,9 @@ class StageLoad:
     kept_outputs: float = 1.0  # outputs the schedule keeps at the first backward (see `ScheduleBuffers.output`)
     buffers: float = 0.0  # module buffers (rotary tables, norm statistics)
     schedule: ScheduleBuffers = ScheduleBuffers()
+    # `walk`'s results, shared by loads of the same rows (walks do not depend on the micro-batches in flight);
+    # None: walked each time
+    walks: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,6 +341,16 @@ def walk(load: StageLoad, *, first: bool, last: bool, rows: int | None = None) -
     is among ``R.gradients``) and their sum, made out of place, are transient. ZeRO 1's last backward frees its
     whole gradients unit by unit; `earlier_gradients` counts them held throughout. With ``rows``, only the first
     ``rows`` rows are walked."""
+    walks, key = load.walks, (first, last, rows, load.holding, load.zero, load.dp)
+    if walks is not None and key in walks:
+        return walks[key]
+    found = _walk(load, first=first, last=last, rows=rows)
+    if walks is not None:
+        walks[key] = found
+    return found
+
+
+def _walk(load: StageLoad, *, first: bool, last: bool, rows: int | None) -> Moment:
     p, until, rows = load.precision, rows, load.rows
     fsdp = load.holding is Holding.FSDP
     scatters = fsdp and (load.zero >= 2 or last)
@@ -394,7 +407,7 @@ def held_bytes(load: StageLoad) -> tuple[float, float, float]:
         in_flight * activations + max(that transient, the layers' largest) <= budget - held   and   end <= budget"""
     bare = tuple(replace(row, activations=0.0, kept=RowPeak(gradients=row.kept.gradients),
                          added=RowPeak(gradients=row.added.gradients)) for row in load.rows)
-    empty = replace(load, rows=bare)
+    empty = replace(load, rows=bare, walks=None)
     layers = max(next((index for index, row in enumerate(load.rows) if row.unit), len(load.rows)), 1)
     transient = max(max(row.kept.transient, row.added.transient) for row in load.rows[:layers]) if load.rows else 0.0
     held = max(moment.total for moment in backward_moments(empty, rows=layers))

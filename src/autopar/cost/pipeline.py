@@ -48,6 +48,8 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 
 from __future__ import annotations
 
+import itertools
+
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -322,6 +324,10 @@ class PipelineModel:
         # stage reports by what they depend on (`_report_key`): a configuration one search step changed re-prices
         # only the stages it changed
         self._reports: dict[tuple, StageReport] = {}
+        self._stage_keys: dict[Stage, tuple] = {}  # `stage_key`'s, by stage
+        self._alike: dict[Stage, list[tuple[int, int]]] = {}  # `_alike_rows`' of stages without layouts
+        self._calls: dict[tuple, tuple] = {}  # stage reports' calls, one object for alike ones
+        self._boundaries: dict[tuple, float] = {}  # `_boundary_bytes` before sequence parallelism, by stage key
         self.memory = StageMemoryModel(self)  # stages' peaks as the runtime allocates them
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
@@ -404,13 +410,11 @@ class PipelineModel:
         m = global_batch // config.micro_batch
         pp, chunks, virtual = config.pp, config.chunks, len(config.stages)
         copies = self._tied_copies(config)
-        issued: list[CommCall] = []  # what every stage's devices issue in the iteration
         reports: list[StageReport] = []
         for index, stage in enumerate(config.stages):
             key = self._report_key(config, index, m, copies.get(index))
             known = self._reports.get(key)
             if known is not None:  # a stage a search's one-stage change left as it was: priced once
-                issued += known.calls
                 reports.append(known)
                 continue
             view = self.stage_view(config, index, global_batch=global_batch)
@@ -419,12 +423,12 @@ class PipelineModel:
             params = 0
             per_micro_batch: list[CommCall] = []  # the rows' tp collectives (and their segments' replays)
             split = _Split(view=view)  # the simulator's view of the same figures
-            for row in range(stage.start, stage.end):
+            for row, count in self._alike_rows(stage, view.layouts):
                 price = view.price(row, stage.recompute_of(row))
-                fwd, bwd = fwd + price.forward, bwd + price.backward
-                comm += price.comm_forward + price.comm_backward
-                params += price.params
-                per_micro_batch += price.collectives
+                fwd, bwd = fwd + count * price.forward, bwd + count * price.backward
+                comm += count * (price.comm_forward + price.comm_backward)
+                params += count * price.params
+                per_micro_batch += price.collectives if count == 1 else [c.times(count) for c in price.collectives]
             extra = None
             if stage.segments:
                 extra = segment_costs(stage, view.price)
@@ -445,9 +449,9 @@ class PipelineModel:
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
-            partial = sum(self.layers[r].sp_partial_params for r in range(stage.start, stage.end)
-                          if r not in view.layouts)  # a layout's own partial gradients are in ``reduced``
-            if config.sp and stage.tp > 1 and partial:  # norm weights' gradients from sequence shards: summed
+            partial = sum(self.layers[r].sp_partial_params * n for r, n in self._alike_rows(stage, view.layouts)
+                          if r not in view.layouts) if config.sp and stage.tp > 1 else 0.0
+            if partial:  # a layout's own partial gradients are in ``reduced``  # norm weights' gradients from sequence shards: summed
                 nbytes = partial * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
@@ -461,10 +465,11 @@ class PipelineModel:
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("pp"), self.cluster)
                 split.pp_once, sync = split.pp_once + seconds, sync + seconds
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="pp", bytes=nbytes, phase=Phase.SYNC))
-            issued += stage_calls
             memory = self.stage_memory(config, index, view, micro_batches=m, copy=copy, segments=extra)
+            stage_calls = tuple(stage_calls)  # one object for alike stages' calls: `_issued` counts them by it
+            stage_calls = self._calls.setdefault(stage_calls, stage_calls)
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
-                                       calls=tuple(stage_calls), parts=split))
+                                       calls=stage_calls, parts=split))
             if len(self._reports) >= _REPORTS_KEPT:
                 self._reports.clear()
             self._reports[key] = reports[-1]
@@ -484,18 +489,98 @@ class PipelineModel:
             tflops_per_device=per_device / 1e12,
             mfu=per_device / self.cluster.device.peak(self.dtype),
             memory=worst.memory,
-            collectives=collective_uses(issued),
+            collectives=collective_uses(_issued(reports)),
             micro_batches=m,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
 
+    def _alike_rows(self, stage: Stage, layouts: dict | None = None) -> list[tuple[int, int]]:
+        """The stage's rows as runs (first row, rows) that price alike: like rows (`_runs`) at one recomputation
+        level and, where the stage has intra-op layouts (``layouts``), in one layout; a deep model's stage is
+        priced per run."""
+        found = None if layouts else self._alike.get(stage)
+        if found is not None:
+            return found
+        ends = self._runs[1] if self._runs is not None else None
+        levels = [stage.end]  # where each run of one recomputation level ends
+        if stage.recompute:
+            levels, at = [], stage.start
+            for _, run in itertools.groupby(stage.recompute):
+                at += sum(1 for _ in run)
+                levels.append(at)
+        runs, row, level = [], stage.start, 0
+        while row < stage.end:
+            while levels[level] <= row:
+                level += 1
+            stop = min(ends[row], levels[level]) if ends is not None else row + 1
+            if layouts:
+                end, stop = stop, row + 1
+                while stop < end and layouts.get(stop) is layouts.get(row):
+                    stop += 1
+            runs.append((row, stop - row))
+            row = stop
+        if not layouts:
+            if len(self._alike) >= _REPORTS_KEPT:
+                self._alike.clear()
+            self._alike[stage] = runs
+        return runs
+
     def _report_key(self, config: PipelineConfig, index: int, m: int, copies: list | None) -> tuple:
-        """What a stage's report depends on: the stage, its place, its next stage (the sends its memory holds),
-        the configuration's global settings and the tied weights it shares; the stage tps where sends gather."""
-        following = config.stages[index + 1] if index + 1 < len(config.stages) else None
+        """What a stage's report depends on: the stage (`stage_key`), whether it is first or last, the
+        micro-batches it holds, what its next stage sends back (the gradient buffer its memory holds), the
+        configuration's global settings and the tied weights it shares; the stage tps where sends gather."""
+        last = index == len(config.stages) - 1
+        onward = None if last else self._boundary_bytes(config.stages[index + 1], config)
         tps = tuple(s.tp for s in config.stages) if self.scatter_gather_sends else ()
-        return (config.stages[index], following, index, len(config.stages), config.chunks, config.schedule,
-                config.micro_batch, config.zero, config.sp, m, tuple(copies or ()), tps)
+        in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, m)
+        return (self.stage_key(config.stages[index]), index == 0, onward, in_flight, len(config.stages),
+                config.chunks, config.schedule, config.micro_batch, config.zero, config.sp, m, tuple(copies or ()),
+                tps)
+
+    def stage_key(self, stage: Stage) -> tuple:
+        """`_stage_key`, kept by stage."""
+        found = self._stage_keys.get(stage)
+        if found is None:
+            if len(self._stage_keys) >= _REPORTS_KEPT:
+                self._stage_keys.clear()
+            found = self._stage_keys[stage] = self._stage_key(stage)
+        return found
+
+    def _stage_key(self, stage: Stage) -> tuple:
+        """What a stage's own figures depend on: its width, recomputation and checkpointed runs, and its rows by
+        content (`_runs`), so a stage priced at one place stands for a stage of the same rows at another (a
+        search moving a cut, the middle stages of an even pipeline); its place itself where its rows cannot stand
+        for others (intra-op layouts, which are laid out per row)."""
+        runs = self._runs
+        if runs is None or stage.intra:
+            return (stage,)
+        content, ends = runs
+        row, parts = stage.start, []
+        while row < stage.end:
+            end = min(ends[row], stage.end)
+            parts.append((content[row], end - row))
+            row = end
+        segments = tuple((a - stage.start, b - stage.start) for a, b in stage.segments)
+        return (tuple(parts), stage.tp, stage.dp, stage.recompute, segments)
+
+    @cached_property
+    def _runs(self) -> tuple[list, list[int]] | None:
+        """Per row, what it holds for a stage (rows alike share it: same price signature and own buffers) and one
+        past the run of like rows it starts; a row a stage treats by its place (split at the loss, tied to
+        another, running no op) is its own. None where the backward does not meet like rows in chain order: then
+        stages are known by their place."""
+        memory = self.memory
+        special = set(memory._split_rows) | {row for reader, owner, _ in self._tied for row in (reader, owner)}
+        own, met = memory._buffers[1], memory._met_at
+        content: list = [("row", row) if row in special or not layer.nodes else
+                         (self._signature[row], own.get(row, 0.0)) for row, layer in enumerate(self.layers)]
+        order = [met[row] for row, key in enumerate(content) if key[0] != "row"]
+        if any(b <= a for a, b in zip(order, order[1:])):
+            return None
+        ends = [len(content)] * len(content)
+        for row in range(len(content) - 2, -1, -1):
+            ends[row] = ends[row + 1] if content[row + 1] == content[row] else row + 1
+        return content, ends
 
     def _simulate(self, config: PipelineConfig, reports: list[StageReport], m: int,
                   overlap: bool) -> PipelineSimulation:
@@ -603,9 +688,12 @@ class PipelineModel:
                          CommCall(kind=Collective.ALL_GATHER, axis="tp", bytes=boundary, phase=Phase.SEND))
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
-        rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
-        rows = rows or [layer for layer in self.layers if layer.repeated][:1]
-        size = max((layer.largest_input for layer in rows), default=0)
+        key = self.stage_key(stage)
+        size = self._boundaries.get(key)
+        if size is None:
+            rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
+            rows = rows or [layer for layer in self.layers if layer.repeated][:1]
+            size = self._boundaries[key] = max((layer.largest_input for layer in rows), default=0)
         return size / (stage.tp if config.sp else 1)
 
     def _sync(self, stage: Stage, zero: int, m: int, mesh, calls: list[CommCall], *, extra: float = 0,  # noqa: ANN001
@@ -617,7 +705,8 @@ class PipelineModel:
             return 0.0, ()
         layouts = view.layouts if view is not None else {}
         shapes = tuple(sorted((row, layout.prices["none"].params) for row, layout in layouts.items()))
-        key = (stage.start, stage.end, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes)
+        place = (stage.start, stage.end) if shapes else self.stage_key(stage)  # a layout's shapes are by row
+        key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes)
         cached = self._syncs.get(key)
         if cached is None:
             cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes))
@@ -629,10 +718,16 @@ class PipelineModel:
                     layouts: dict[int, float]) -> tuple[float, tuple[CommCall, ...], tuple]:
         uses: list[CommCall] = []
         itemsize = gradient_itemsize(self.dtype)
-        rows = [self.layers[r] for r in range(stage.start, stage.end)]
-        units = [(layouts.get(r, device_params(self.layers[r], stage.tp)) * itemsize, False)
-                 for r in range(stage.start, stage.end) if self.layers[r].repeated]
-        rest = (sum(device_params(layer, stage.tp) for layer in rows if not layer.repeated) + extra) * itemsize
+        units, rest = [], extra
+        for row, count in self._alike_rows(stage):
+            layer = self.layers[row]
+            if not layer.repeated:
+                rest += device_params(layer, stage.tp) * count
+            else:
+                units += [(layouts[r] * itemsize, False) if r in layouts else
+                          (device_params(layer, stage.tp) * itemsize, False) for r in range(row, row + count)] \
+                    if layouts else [(device_params(layer, stage.tp) * itemsize, False)] * count
+        rest *= itemsize
         if rest:
             units.append((rest, True))
         if zero == 0:
@@ -717,6 +812,21 @@ def _timing(simulation: PipelineSimulation | None, reports: list[StageReport], d
     timeline = simulation.timeline
     compute, exposed, bubble = timeline.split(timeline.critical())
     return timeline.iteration, compute, exposed, bubble
+
+
+def _issued(reports: list[StageReport]) -> list[CommCall]:
+    """What every stage's devices issue in the iteration, alike records merged: stages that issue the same calls
+    (one tuple, `PipelineModel.estimate`) are read once and counted."""
+    counted: dict[int, list] = {}
+    for report in reports:
+        found = counted.get(id(report.calls))
+        if found is None:
+            counted[id(report.calls)] = [report.calls, 1]
+        else:
+            found[1] += 1
+    if len(counted) == len(reports):
+        return [c for report in reports for c in report.calls]
+    return [c if count == 1 else c.times(count) for calls, count in counted.values() for c in calls]
 
 
 def _in_flight(schedule: str, index: int, pp: int, chunks: int, m: int) -> float:

@@ -34,6 +34,7 @@ class StageMemoryModel:
         self._row_peaks: dict[tuple, tuple] = {}  # a row's saved bytes and backward peaks, by its shape on a device
         self._row_memories: dict[tuple, RowMemory] = {}  # a row on a device, by its shape there
         self._memories: dict[tuple, MemoryBreakdown] = {}  # a stage's peak, by what it depends on
+        self._loads: dict[tuple, tuple] = {}  # a stage's rows and their walks, by what they depend on
 
     def peak(self, config: PipelineConfig, index: int, view: StageView, *, micro_batches: int,
              copy: float = 0.0, segments: SegmentCosts | None = None) -> MemoryBreakdown:
@@ -41,8 +42,9 @@ class StageMemoryModel:
         the device reserve apart; ``copy``: parameters of a tied weight's copy the stage holds."""
         stage = config.stages[index]
         last = index == len(config.stages) - 1
-        key = (stage, None if last else config.stages[index + 1], index == 0, len(config.stages) == 1, config.zero,
-               config.sp, micro_batches, view.in_flight, view.samples, copy)
+        onward = None if last else self.model._boundary_bytes(config.stages[index + 1], config)
+        key = (self.model.stage_key(stage), onward, index == 0, len(config.stages) == 1, config.micro_batch,
+               config.zero, config.sp, micro_batches, view.in_flight, view.samples, copy)
         found = self._memories.get(key)
         if found is None:
             peak = stage_peak(self._stage_load(config, index, view, micro_batches=micro_batches, copy=copy,
@@ -72,8 +74,13 @@ class StageMemoryModel:
                     segments: SegmentCosts | None) -> StageLoad:
         stage = config.stages[index]
         last = index == len(config.stages) - 1
+        key = (self.model.stage_key(stage), last, config.sp, view.samples, copy, segments is None)
+        found = self._loads.get(key)
+        if found is None:  # its rows, and their walks (`autopar.cost.memory.walk`), for every place it stands
+            found = self._loads[key] = (self._memory_rows(config, index, view, copy=copy, segments=segments), {})
+        rows, walks = found
         return StageLoad(
-            rows=self._memory_rows(config, index, view, copy=copy, segments=segments), precision=self.model.precision,
+            rows=rows, walks=walks, precision=self.model.precision,
             holding=holding(dp=stage.dp, tp=stage.tp, stages=len(config.stages), zero=config.zero),
             zero=config.zero, dp=stage.dp, micro_batches=micro_batches, in_flight=view.in_flight,
             later_in_flight=view.in_flight, kept_outputs=view.in_flight if last else 0.0,
@@ -91,6 +98,8 @@ class StageMemoryModel:
         parts: list[tuple[int, int, RowMemory, int]] = []  # (id of the op the backward meets it at, row, part, count)
         split, signature, met = self._split_rows, self.model._signature, self._met_at
         runs = {start: (end, kept, peak) for start, end, kept, peak in (segments.runs if segments else ())}
+        # like rows one after another, where no checkpointed run starts among them (the model's `_alike_rows`)
+        alike = None if runs or self.model._runs is None else dict(self.model._alike_rows(stage, view.layouts))
         row = stage.start
         while row < stage.end:  # like rows one after another (a run of repeated layers) are priced once
             if row in runs:  # a checkpointed run: its input kept, its rows' activations again as it replays
@@ -102,10 +111,13 @@ class StageMemoryModel:
                 row += 1
                 continue
             level = stage.recompute_of(row)
-            end = row + 1
-            while row not in view.layouts and end < stage.end and signature[end] == signature[row] \
-                    and end not in split and stage.recompute_of(end) == level and end not in view.layouts:
-                end += 1
+            if alike is not None:
+                end = row + alike[row]
+            else:
+                end = row + 1
+                while end < stage.end and signature[end] == signature[row] and end not in split \
+                        and stage.recompute_of(end) == level and view.layouts.get(end) is view.layouts.get(row):
+                    end += 1
             parts.append((met[end - 1], row, self._row_memory(row, None, config, stage, view), end - row))
             row = end
         for row in split:
@@ -167,11 +179,13 @@ class StageMemoryModel:
 
             return RowMemory(activations=price.activations, params=price.params, unit=layer.repeated,
                              kept=changed(plain.kept, held_more), added=changed(plain.added, 0.0))
-        key = (self.model._signature[row] if half is None else row, half, stage.tp, config.sp, view.samples, level)
+        key = (self.model._signature[row] if half is None else row, half, stage.tp, config.sp, view.samples,
+               view.mesh.axis("tp"), level)
         memory = self._row_memories.get(key)
         if memory is not None:
             return memory
-        price = view.price(row, level)
+        # Megatron's price, which a layout's row is measured from too (a view without layouts still prices by them)
+        price = self.model.price(row, tp=stage.tp, samples=view.samples, recompute=level, sp=config.sp, mesh=view.mesh)
         found = self._row_peaks.get(key[:-1])
         if found is None:
             nodes = layer.nodes if half is None else self._halves(row)[half == "tail"]
