@@ -158,3 +158,21 @@ def test_stages_priced_at_one_place_stand_for_like_stages_at_another(name, overr
         assert [s.memory for s in cached.stages] == [s.memory for s in fresh.stages], config
         walked += 1
     assert walked >= 20
+
+
+def test_primitives_on_a_deep_stage_also_move_and_recompute_an_eighth_of_its_rows() -> None:
+    """One row per hop would take a climb on a 1,000-layer model a thousand hops to cross it."""
+    from autopar.search.pipeline import primitives
+
+    model = _model("gpt3-125m", gpus=2, layers=40, hidden=64, heads=2)
+    n = len(model.layers)
+    config = PipelineConfig(stages=(Stage(start=0, end=n - 8, dp=1), Stage(start=n - 8, end=n, dp=1)),
+                            micro_batch=2)
+    moved = {c.stages[0].end for c in primitives(model, config, 0, 8) if c.stages[0].end != n - 8}
+    assert moved == {n - 9, n - 8 - (n - 8) // 8}  # one row, or an eighth of the deep stage's rows
+    recomputed = sorted(sum(level != "none" for level in c.stages[0].recompute)
+                        for c in primitives(model, config, 0, 8)
+                        if c.stages[0].end == n - 8 and any(level != "none" for level in c.stages[0].recompute))
+    assert recomputed == [1, (n - 8) // 8]
+    short = {c.stages[1].start for c in primitives(model, config, 1, 8) if c.stages[1].start != n - 8}
+    assert short == {n - 7}  # a stage of 8 rows moves one at a time

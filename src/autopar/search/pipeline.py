@@ -295,11 +295,13 @@ def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_
         config = replace(config, stages=tuple(replace(s, segments=()) for s in config.stages))
     stages = list(config.stages)
     s = stages[stage]
-    # op#: hand a row to a neighbour
-    if stage > 0 and s.end - s.start > 1:
-        yield _with(config, _move(stages, stage - 1, stage, left=True))
-    if stage < len(stages) - 1 and s.end - s.start > 1:
-        yield _with(config, _move(stages, stage, stage + 1, left=False))
+    steps = _steps(s.end - s.start)
+    # op#: hand rows to a neighbour
+    for step in steps:
+        if stage > 0 and s.end - s.start > step:
+            yield _with(config, _move(stages, stage - 1, stage, left=True, rows=step))
+        if stage < len(stages) - 1 and s.end - s.start > step:
+            yield _with(config, _move(stages, stage, stage + 1, left=False, rows=step))
     # tp up / down (dp follows)
     per_stage = s.tp * s.dp
     allowed = tensor_parallel_sizes(model, per_stage)
@@ -313,20 +315,22 @@ def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_
         stages_new = list(stages)
         stages_new[stage] = replace(s, intra=not s.intra)
         yield _with(config, stages_new)
-    # recompute one more / one fewer row: the one keeping the most activations
+    # recompute one level more / less on the rows keeping the most activations (one row, or a share of them)
     rows = range(s.start, s.end)
     levels = {"none": 0, "selective": 1, "full": 2}
     heavy = sorted(rows, key=lambda r: -model.layers[r].saved_sharded - model.layers[r].saved_replicated)
     for direction in (1, -1):
-        for row in heavy:
-            level = levels[s.recompute_of(row)] + direction
-            if model.layers[row].repeated and 0 <= level <= 2:
-                recompute = list(s.recompute or ("none",) * (s.end - s.start))
-                recompute[row - s.start] = RECOMPUTE[level]
-                stages_new = list(stages)
-                stages_new[stage] = replace(s, recompute=tuple(recompute))
-                yield _with(config, stages_new)
-                break
+        movable = [row for row in heavy if model.layers[row].repeated
+                   and 0 <= levels[s.recompute_of(row)] + direction <= 2]
+        for step in steps:
+            if step > len(movable):
+                continue
+            recompute = list(s.recompute or ("none",) * (s.end - s.start))
+            for row in movable[:step]:
+                recompute[row - s.start] = RECOMPUTE[levels[s.recompute_of(row)] + direction]
+            stages_new = list(stages)
+            stages_new[stage] = replace(s, recompute=tuple(recompute))
+            yield _with(config, stages_new)
     # micro-batch and ZeRO (global)
     dps = [x.dp for x in stages]
     for micro in (config.micro_batch * 2, config.micro_batch // 2):
@@ -337,22 +341,28 @@ def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_
             yield replace(config, zero=zero)
 
 
+def _steps(rows: int) -> tuple[int, ...]:
+    """How many rows one primitive moves or recomputes: one, and on stages of many rows an eighth of them too, so
+    a climb on a deep model crosses its layers in a few hops rather than one hop per layer."""
+    return (1,) if rows < 16 else (1, rows // 8)
+
+
 def _with(config: PipelineConfig, stages: list[Stage]) -> PipelineConfig:
     return replace(config, stages=tuple(stages))
 
 
-def _move(stages: list[Stage], left_index: int, right_index: int, *, left: bool) -> list[Stage]:
-    """Move one row across the boundary between two neighbouring stages: into the left one (``left``) or out of
-    it into the right one."""
+def _move(stages: list[Stage], left_index: int, right_index: int, *, left: bool, rows: int = 1) -> list[Stage]:
+    """Move ``rows`` rows across the boundary between two neighbouring stages: into the left one (``left``) or
+    out of it into the right one."""
     a, b = stages[left_index], stages[right_index]
     ra = list(a.recompute or ("none",) * (a.end - a.start))
     rb = list(b.recompute or ("none",) * (b.end - b.start))
-    if left:  # b's first row joins a
-        ra.append(rb.pop(0))
-        a, b = replace(a, end=a.end + 1, recompute=tuple(ra)), replace(b, start=b.start + 1, recompute=tuple(rb))
-    else:  # a's last row joins b
-        rb.insert(0, ra.pop())
-        a, b = replace(a, end=a.end - 1, recompute=tuple(ra)), replace(b, start=b.start - 1, recompute=tuple(rb))
+    if left:  # b's first rows join a
+        ra, rb = ra + rb[:rows], rb[rows:]
+        a, b = replace(a, end=a.end + rows, recompute=tuple(ra)), replace(b, start=b.start + rows, recompute=tuple(rb))
+    else:  # a's last rows join b
+        ra, rb = ra[:-rows], ra[-rows:] + rb
+        a, b = replace(a, end=a.end - rows, recompute=tuple(ra)), replace(b, start=b.start - rows, recompute=tuple(rb))
     out = list(stages)
     out[left_index], out[right_index] = a, b
     return out
