@@ -44,7 +44,8 @@ class StageMemoryModel:
         last = index == len(config.stages) - 1
         onward = None if last else self.model._boundary_bytes(config.stages[index + 1], config)
         key = (self.model.stage_key(stage), onward, index == 0, len(config.stages) == 1, config.micro_batch,
-               config.zero, config.sp, micro_batches, view.in_flight, view.samples, copy)
+               config.zero, config.sp, micro_batches, view.in_flight, view.samples, copy,
+               view.mesh if view.layouts else None)
         found = self._memories.get(key)
         if found is None:
             peak = stage_peak(self._stage_load(config, index, view, micro_batches=micro_batches, copy=copy,
@@ -74,7 +75,9 @@ class StageMemoryModel:
                     segments: SegmentCosts | None) -> StageLoad:
         stage = config.stages[index]
         last = index == len(config.stages) - 1
-        key = (self.model.stage_key(stage), last, config.sp, view.samples, copy, segments is None)
+        # an intra-op stage's layouts are chosen for its mesh, ZeRO stage and micro-batches (`_stage_layouts`)
+        chosen_for = (view.mesh, config.zero, micro_batches, view.in_flight) if view.layouts else None
+        key = (self.model.stage_key(stage), last, config.sp, view.samples, copy, segments is None, chosen_for)
         found = self._loads.get(key)
         if found is None:  # its rows, and their walks (`autopar.cost.memory.walk`), for every place it stands
             found = self._loads[key] = (self._memory_rows(config, index, view, copy=copy, segments=segments), {})
