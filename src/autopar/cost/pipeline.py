@@ -49,7 +49,6 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 from __future__ import annotations
 
 import itertools
-
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -451,7 +450,8 @@ class PipelineModel:
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
             partial = sum(self.layers[r].sp_partial_params * n for r, n in self._alike_rows(stage, view.layouts)
                           if r not in view.layouts) if config.sp and stage.tp > 1 else 0.0
-            if partial:  # a layout's own partial gradients are in ``reduced``  # norm weights' gradients from sequence shards: summed
+            # norm weights' gradients from sequence shards: summed (a layout's own partial gradients are in ``reduced``)
+            if partial:
                 nbytes = partial * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
@@ -554,14 +554,10 @@ class PipelineModel:
         runs = self._runs
         if runs is None or stage.intra:
             return (stage,)
-        content, ends = runs
-        row, parts = stage.start, []
-        while row < stage.end:
-            end = min(ends[row], stage.end)
-            parts.append((content[row], end - row))
-            row = end
+        content = runs[0]
+        parts = tuple((content[row], count) for row, count in self._alike_rows(stage))
         segments = tuple((a - stage.start, b - stage.start) for a, b in stage.segments)
-        return (tuple(parts), stage.tp, stage.dp, stage.recompute, segments)
+        return (parts, stage.tp, stage.dp, stage.recompute, segments)
 
     @cached_property
     def _runs(self) -> tuple[list, list[int]] | None:
