@@ -229,6 +229,17 @@ def workload(args: argparse.Namespace, zoo: Any) -> Workload:
                     dtype=args.dtype)
 
 
+def _checked_on(graph: Any) -> Any:
+    """`refusal` of a plan for the model its workload names, whose chain of layers is ``graph`` (the search's own
+    trace, not traced again: a 1,000-layer model takes seconds to trace)."""
+    from dataclasses import replace
+
+    from autopar.runtime.source import ModelSource
+    from autopar.runtime.train import Workload as Rebuilt
+
+    return lambda plan: refusal(plan, source=replace(ModelSource.of_workload(Rebuilt.of(plan)), chain=lambda: graph))
+
+
 def _load(args: argparse.Namespace):  # noqa: ANN202 - the model and its trace at batch 1 (`load_and_trace`)
     return load_and_trace(args, batch=1)
 
@@ -244,7 +255,8 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     graph = traced.graph
-    subject = Subject.of(graph, zoo.module, name=zoo.config.name, check=refusal, workload=workload(args, zoo))
+    work = workload(args, zoo)
+    subject = Subject.of(graph, zoo.module, name=zoo.config.name, check=_checked_on(graph), workload=work)
     options = SearchOptions(search=args.search, batch=args.batch, budget_s=args.budget_s,
                             runnable_only=args.runnable, kernels=args.kernels, dtype=args.dtype, seed=args.seed)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan

@@ -19,12 +19,14 @@ the model it was made for: `autopar.runtime.source`):
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
-- a single-stage plan applies and trains a step on a fake process group of its full size (`rehearsal`).
+- a single-stage plan applies and trains a step on a fake process group of its full size (`rehearsal`), running
+  one layer of each kind (`autopar.runtime.thin`), so that the check of a 1,000-layer model takes seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -36,6 +38,7 @@ from autopar.capture import Graph
 from autopar.plan import Plan
 from autopar.runtime.apply import check_matches, check_supported, checkpoint_segments, parallelize, recompute
 from autopar.runtime.source import ModelSource
+from autopar.runtime.thin import thin, thins
 from autopar.runtime.train import LEARNING_RATE, Workload
 
 
@@ -65,7 +68,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     if plan.pp > 1:
         stage_layers(model, plan)
     elif rehearse:
-        _rehearse(plan, source)
+        _rehearse(plan, source, thins(plan, model))
 
 
 @contextlib.contextmanager
@@ -81,18 +84,29 @@ def fake_errors_quiet() -> Any:
         logger.setLevel(level)
 
 
-def _rehearse(plan: Plan, source: ModelSource) -> None:
+def _rehearse(plan: Plan, source: ModelSource, thinned: bool) -> None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
-    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype."""
-    try:
-        with fake_errors_quiet():
-            rehearsal(plan, source=source)
-    except ValueError as exc:
-        try:
-            rehearsal(plan, source=source, dtype=torch.bfloat16)
-        except (ValueError, NotImplementedError):
-            raise exc from None
+    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
+
+    With ``thinned`` (the model has lists of layers `autopar.runtime.thin` thins), the rehearsals run each kind
+    of layer once (``whole=False``) first; a plan they refuse is rehearsed again whole, so that a refusal is never
+    an artefact of the layers left out, and names the module the whole step fails in."""
+    failed: ValueError | None = None
+    for whole in (False, True) if thinned else (True,):
+        for dtype in (torch.float32, torch.bfloat16):
+            try:
+                with fake_errors_quiet():
+                    rehearsal(plan, source=source, dtype=dtype, whole=whole)
+                return
+            except ValueError as exc:
+                if dtype == torch.float32:
+                    failed = exc
+            except NotImplementedError:
+                if dtype == torch.float32:
+                    raise
+    assert failed is not None
+    raise failed
 
 
 def check_compiler() -> None:
@@ -114,11 +128,13 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 
 def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
-              dtype: torch.dtype = torch.float32) -> list[dict[str, Any]] | None:
+              dtype: torch.dtype = torch.float32, whole: bool = True) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
     default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
-    workload's).
+    workload's). Without ``whole``, the step runs each kind of layer once (`autopar.runtime.thin`) and the first
+    and last micro-batches only, so that a 1,000-layer model costs about what a 10-layer one does; ``count``
+    needs the whole step.
 
     The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
@@ -138,7 +154,8 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
         model = source.meta().to(dtype)
-        parallel = parallelize(model, plan, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
+        applied = plan if whole or count else thin(model, plan)
+        parallel = parallelize(model, applied, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
             _materialise(parallel.module)  # FSDP and DTensor shard meta weights; their shards become fakes here
@@ -148,7 +165,11 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # function), which checkpointing without early stop does too, collectives alike
             whole = plan.kernels == "compiled"
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
-                parallel.forward_backward(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype))
+                local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), 0)
+                if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
+                    ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
+                    local = dataclasses.replace(local, micro_batches=ends)
+                parallel.forward_backward(local)
                 optimizer.step()  # as rank 0
     except (ValueError, NotImplementedError):
         raise

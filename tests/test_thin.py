@@ -1,0 +1,118 @@
+"""The rehearsal a plan gets when it is planned runs one layer of each kind (`autopar.runtime.thin`): which layers
+stand for the others, the plan rewritten to match, and refusals that still name the real module."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.cli.main import main
+from autopar.plan import Plan
+from autopar.runtime.source import ModelSource
+from autopar.runtime.thin import thin, thins
+from autopar.runtime.train import Workload
+from autopar.runtime.validate import check_runnable, rehearsal
+
+WIDTH, VOCAB, SEQ = 32, 64, 8
+
+
+class Block(nn.Module):
+    """A residual MLP block as users write them, counting its own place (as Hugging Face's ``layer_idx`` does)."""
+
+    def __init__(self, index: int, ffn: int) -> None:
+        super().__init__()
+        self.index = index
+        self.strict = False
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, ffn), nn.Linear(ffn, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.strict:  # a step that needs the values: fake tensors cannot take it
+            x = x * float(x.detach().sum())
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, layers: int, wide: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(i, 4 * WIDTH if i in wide else 2 * WIDTH) for i in range(layers))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _plan(model: nn.Module, search: str = "dp") -> Plan:
+    return autopar.plan(model, _batch(), cluster="cpu", gpus=2, batch=4, search=search, budget_s=5)
+
+
+def test_one_layer_of_each_kind_and_each_pair_of_neighbours_is_kept() -> None:
+    """Twelve blocks, the eighth wider: the first two, the wide one with the blocks either side of it, and the
+    last two stand for all twelve. Each block's own index does not make it a kind of its own."""
+    model = Net(12, wide=(7,))
+    plan = _plan(model)
+    before = list(model.blocks)
+    thinned = thin(model, plan)
+    kept = [before.index(block) for block in model.blocks]
+    assert kept == [0, 1, 6, 7, 8, 10, 11]
+    assert [m.up.out_features for m in model.blocks] == [64, 64, 64, 128, 64, 64, 64]
+    assert "blocks" in thinned.stages[0].layers  # the chain's row is the list itself here
+    names = {p.name for entry in thinned.modules for p in entry.params}
+    assert "blocks.6.up.weight" in names and "blocks.7.up.weight" not in names
+    assert dict(model.named_parameters())["blocks.3.up.weight"].shape == (128, WIDTH)
+    assert thins(plan, Net(12)) and not thins(_plan(Net(2)), Net(2))
+
+
+def test_the_plan_treating_layers_differently_makes_them_different_kinds(tmp_path) -> None:
+    """A GPT of 16 layers (each a row of the chain), one recomputed and a checkpointed run of six: the layers
+    around the recomputed one, and the run's ends with the second of its like pairs, are kept."""
+    path = tmp_path / "gpt.json"
+    assert main(["estimate", "gpt3-125m", "--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "128",
+                 "--seq", "16", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--out", str(path)]) == 0
+    plan = Plan.load(path)
+    stage = dataclasses.replace(plan.stages[0], recompute=(("layers.5", "full"),),
+                                segments=(("layers.9", "layers.14"),))
+    plan = dataclasses.replace(plan, stages=(stage,))
+    model = ModelSource.of_workload(Workload.of(plan)).meta()
+    before = list(model.layers)
+    thinned = thin(model, plan)
+    kept = [before.index(layer) for layer in model.layers]
+    assert kept == [0, 1, 4, 5, 6, 8, 9, 10, 13, 14, 15]
+    assert [name for name in thinned.stages[0].layers if name.startswith("layers.")] == [
+        f"layers.{i}" for i in range(len(kept))]
+    new = {i: j for j, i in enumerate(kept)}
+    assert dict(thinned.stages[0].recompute) == {f"layers.{new[5]}": "full"}
+    assert thinned.stages[0].segments == ((f"layers.{new[9]}", f"layers.{new[14]}"),)
+    rehearsal(plan, whole=False)
+
+
+def test_a_deep_model_is_rehearsed_as_a_shallow_one_and_passes_as_a_whole_one_does() -> None:
+    model = Net(40, wide=(20,))
+    plan = _plan(model, search="fsdp")
+    source = ModelSource.of_module(model, _batch())
+    rehearsal(plan, source=source, whole=False)
+    rehearsal(plan, source=source)
+    check_runnable(plan, source=source)
+
+
+def test_a_refusal_names_the_layer_of_the_whole_model() -> None:
+    """Block 9 of 12 cannot run on fake tensors: the layer left standing for it in the thinned model is block 5
+    there, but the refusal comes from the whole model's rehearsal and names block 9."""
+    model = Net(12)
+    plan = _plan(model)
+    graph = ModelSource.of_module(model, _batch()).chain()  # the trace it was planned on
+    model.blocks[9].strict = True
+    source = ModelSource.of_module(model, _batch(), graph=graph)
+    with pytest.raises(ValueError, match=r"in module 'blocks.9'"):
+        check_runnable(plan, source=source)
