@@ -328,3 +328,36 @@ def test_a_hugging_face_moe_plan_is_runnable(tmp_path: Path, capsys: pytest.Capt
                            str(tmp_path / "moe.json"))
     assert code == 0, err
     assert load_plan(str(tmp_path / "moe.json")).workload.override_map["experts"] == 4
+
+
+# ---- pipeline stages compute what the model's forward does ---------------------------------------------------------
+
+@pytest.mark.parametrize(("model", "window", "written"), [
+    ("hf:mistral", 16, False),  # a sliding window shorter than the sequence: stages would attend causally only
+    ("hf:mistral", 64, True),  # a window as long as the sequence: causal throughout, as stages attend
+    ("hf:cohere", None, False),  # logits scaled after the head
+    ("hf:llama", None, True),
+])
+def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, window: int | None, written: bool) -> None:
+    """Checked on a small copy of the model (`runtime.pipeline.check_stage_forward`): before the check, the Mistral
+    plan with a window of 16 was written, and `autopar run --check` found its loss 5.5476 against 5.5507."""
+    name = model
+    if window is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(model.removeprefix("hf:"), num_hidden_layers=4, hidden_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                      vocab_size=256, sliding_window=window)
+        config.to_json_file(tmp_path / "config.json")
+        name, options = f"hf:{tmp_path / 'config.json'}", []
+    else:
+        options = _flags({"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2})
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", name, *options, "--seq", "64", "--cluster", "cpu", "--gpus", "2",
+                           "--pp", "2", "--mbs", "2", "--batch", "4", "--dtype", "fp32", "--out", str(out))
+    if written:
+        assert code == 0 and out.exists(), err
+    else:
+        assert code == 2 and not out.exists()
+        assert "would train a different model" in err and "plan without pipeline parallelism" in err

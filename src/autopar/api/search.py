@@ -91,7 +91,8 @@ class Subject:
         (`can_pipeline`, and ``pipelines``) and the tp refusal."""
         from autopar.runtime.validate import tensor_parallel_refusal
 
-        return cls(graph=graph, name=name, check=check, pipelines=pipelines and can_pipeline(module),
+        seq = next((int(t.shape[1]) for t in graph.inputs if len(t.shape) == 2), 0)  # token inputs' length
+        return cls(graph=graph, name=name, check=check, pipelines=pipelines and can_pipeline(module, seq=seq),
                    no_tp=tensor_parallel_refusal(graph, module), workload=workload)
 
     def __post_init__(self) -> None:
@@ -183,12 +184,14 @@ def refusal(plan: Plan, *, source: ModelSource | None = None) -> str | None:
     return None
 
 
-def can_pipeline(module: nn.Module) -> bool:
-    """Whether the runtime can cut ``module`` into pipeline stages (`autopar.runtime.pipeline.chain_kind`)."""
-    from autopar.runtime.pipeline import chain_kind
+def can_pipeline(module: nn.Module, *, seq: int = 0) -> bool:
+    """Whether the runtime can cut ``module`` into pipeline stages (`autopar.runtime.pipeline.chain_kind`) that
+    compute what its forward does at sequence length ``seq`` (`check_stage_forward`)."""
+    from autopar.runtime.pipeline import chain_kind, check_stage_forward
 
     try:
         chain_kind(module)
+        check_stage_forward(module, seq=seq)
     except NotImplementedError:
         return False
     return True

@@ -116,6 +116,83 @@ def chain_kind(model: nn.Module) -> str:
     )
 
 
+CHECK_SEQ = 16  # tokens of the small copy's check; a sliding window shorter than the real sequence is made 8
+
+
+def check_stage_forward(model: nn.Module, *, seq: int) -> None:
+    """Refuse (NotImplementedError, naming the class) pipeline stages of a Hugging Face model whose forward does
+    more than a stage runs (embedding, layers with a causal mask, norm, head): a sliding-window or per-layer mask,
+    a scaled embedding, capped or scaled logits. Stages would then train a different model.
+
+    Checked on numbers, not on names: a small copy of the model (the same class and config, 4 layers or fewer,
+    hidden 64, 4 heads, vocabulary 128, random weights; a sliding window shorter than the real ``seq`` stays
+    shorter than the check's tokens, one as long or longer stays so) computes its logits whole and through two
+    stages, which must agree."""
+    if chain_kind(model) != "hf":
+        return
+    name = type(model).__name__
+
+    def failed(what: str, exc: Exception) -> NotImplementedError:
+        text = str(exc).strip().splitlines()
+        return NotImplementedError(f"pipeline stages of {name} {what}: {type(exc).__name__}: "
+                                   f"{text[0] if text else ''}; plan without pipeline parallelism")
+
+    try:
+        small = _small_copy(model, seq=seq)
+        torch.manual_seed(0)
+        ids = torch.randint(0, small.config.vocab_size, (2, CHECK_SEQ))
+        with torch.no_grad():
+            whole = small(input_ids=ids).logits
+    except Exception as exc:  # noqa: BLE001 - whatever building or running the copy raised: unchecked, refused
+        raise failed("cannot be checked against its forward: a small copy of the model failed", exc) from None
+    try:
+        with torch.no_grad():
+            layers = len(_layers(small))
+            cut = max(1, layers // 2)
+            first = StageModule(small, list(range(cut)), first=True, last=False)
+            last = StageModule(small, list(range(cut, layers)), first=False, last=True)
+            staged = last(first(ids))
+    except Exception as exc:  # noqa: BLE001 - whatever the stages raised: they cannot run this model
+        raise failed("fail on a small copy of the model, calling its layers as LLaMA's are called", exc) from None
+    difference = float((staged - whole).abs().max())
+    if not torch.allclose(staged, whole, rtol=1e-4, atol=1e-5):
+        raise NotImplementedError(
+            f"pipeline stages of {name} would train a different model: its forward does more than a stage runs "
+            "(embedding, layers under a causal mask, norm, head), e.g. a sliding-window or per-layer attention mask, "
+            f"a scaled embedding or capped logits (a small copy's logits differ by up to {difference:.3g}); plan "
+            "without pipeline parallelism")
+
+
+def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
+    """``model``'s class built on CPU in fp32 from its config made small (`check_stage_forward`), in eval mode."""
+    import copy
+
+    from autopar.zoo.hf_auto import _per_layer
+    from autopar.zoo.hf_fields import field_names
+
+    config = copy.deepcopy(model.config)
+    layers = config.num_hidden_layers
+    small = min(layers, 4)
+    sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 128, "layers": small}
+    if getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None):
+        sizes["kv_heads"] = 4  # no grouped-query attention: keep it so
+    for option, value in sizes.items():
+        for field in field_names(config, option):
+            setattr(config, field, value)
+    for key, value in _per_layer(config, layers, small).items() if layers > 1 else ():
+        setattr(config, key, value)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < config.vocab_size:
+        config.pad_token_id = config.vocab_size - 1  # the embedding's padding row must be one of its rows
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0:
+        config.sliding_window = 8 if window < seq else CHECK_SEQ
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        built = type(model)(config)
+    return built.float().eval()
+
+
 def _layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers if chain_kind(model) == "hf" else model.layers
 

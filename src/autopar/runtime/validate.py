@@ -48,7 +48,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     also applied and stepped once on a fake process group of its full size (`rehearsal`), so that what would fail
     on the ranks fails here, before any starts. ``source``: the model the plan is for (default: the one its
     workload names, as `autopar run` builds it)."""
-    from autopar.runtime.pipeline import stage_layers
+    from autopar.runtime.pipeline import check_stage_forward, stage_layers
 
     check_supported(plan)
     source = source or ModelSource.of_workload(Workload.of(plan))
@@ -67,8 +67,15 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     checkpoint_segments(model, [list(segment) for stage in plan.stages for segment in stage.segments])
     if plan.pp > 1:
         stage_layers(model, plan)
+        check_stage_forward(model, seq=_seq(source))
     elif rehearse:
         _rehearse(plan, source, thins(plan, model))
+
+
+def _seq(source: ModelSource) -> int:
+    """The sequence length the model trains at (its token inputs' second dim; 0 where it takes none)."""
+    ids = source.batch(1).get("input_ids")
+    return int(ids.shape[1]) if ids is not None and ids.dim() == 2 else 0
 
 
 @contextlib.contextmanager
