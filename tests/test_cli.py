@@ -124,6 +124,11 @@ def test_calibrate_fits_and_writes_a_usable_cluster(capsys: pytest.CaptureFixtur
     data = json.loads(out)
     assert data["wall_seconds"] < 60
     assert data["fit"]["bandwidth_gbps"] > 0
+    compute = data["compute"]  # measured on every rank at once
+    assert compute["peak_gflops"] > 0 and len(compute["gemm"]) == 20 and compute["bandwidth_gbps"] > 0
+    device = data["cluster"]["device"]
+    assert device["name"] == "cpu-process (measured)" and set(device["peak_tflops"]) == {"fp32"}
+    assert device["peak_tflops"]["fp32"] == pytest.approx(compute["peak_gflops"] / 1e3)
     # the reported fit is the fit of the reported measurements; its quality is checked on synthetic data
     # (tests/test_cluster.py), since gloo on a shared 2-core CPU swings 2-3x between runs (PYTORCH-FACTS)
     from autopar.cluster.detect import fit_link

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -154,3 +155,27 @@ def test_a_deeply_nested_cluster_file_is_refused_before_yaml_parses_it(tmp_path)
     with pytest.raises(ValueError) as caught:
         load_cluster(str(quoted))
     assert "levels deep" not in str(caught.value) and "missing field device" in str(caught.value)
+
+
+def test_measured_compute_becomes_the_device_the_cost_model_reads(tmp_path) -> None:
+    """GEMM rates by shape become a peak and a non-decreasing efficiency curve (a larger GEMM measured slower than
+    a smaller one is given the smaller one's figure); the bandwidth is taken at efficiency 1; the attention core is
+    a share of that peak; one op's cost is the mean of its forward and backward. The device reads back from YAML."""
+    from autopar.cluster.compute import ComputeProfile
+
+    profile = ComputeProfile(
+        gemm=((8, 8, 8, 1e9), (32, 32, 32, 20e9), (64, 64, 64, 15e9), (256, 256, 256, 40e9), (512, 512, 512, 50e9)),
+        bandwidth=8e9, attention=25e9, op_forward=4e-6, op_backward=8e-6, seconds=1.0)
+    assert profile.peak == 50e9
+    curve = profile.curve()
+    assert [round(e, 3) for _, e in curve] == [0.02, 0.4, 0.4, 0.8, 1.0]
+    assert [f for f, _ in curve] == [2 * 8**3, 2 * 32**3, 2 * 64**3, 2 * 256**3, 2 * 512**3]
+    device = profile.device(PRESETS["cpu"].device)
+    assert device.peak("fp32") == device.peak("bf16") == 50e9
+    assert device.hbm_bandwidth == 8e9 and device.efficiency["memory"] == 1.0
+    assert device.efficiency["attention"] == pytest.approx(0.5) and device.kernel_overhead == pytest.approx(6e-6)
+    assert device.matmul_efficiency(2 * 64**3) == pytest.approx(0.4)
+    cluster = dataclasses.replace(PRESETS["cpu"].with_devices(2), device=device)
+    path = tmp_path / "measured.yaml"
+    path.write_text(yaml.safe_dump(cluster_to_dict(cluster)))
+    assert load_cluster(str(path)).device == device

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             for i, (loss, sec, peak) in enumerate(zip(log.losses, log.seconds, log.peak_bytes))
         ],
     }
+    data["timing"] = timing(plan, log.seconds)
     if args.check:
         data["check"] = compare(log, reference(Workload.of(plan), steps=args.steps))
     if args.check_comm:
@@ -63,6 +64,34 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             print(json.dumps(data, indent=2))
         raise RuntimeError("; ".join(failed))
     return data if args.json else render(data)
+
+
+def timing(plan: Any, seconds: list[float]) -> dict[str, Any]:
+    """The measured step time beside the plan's prediction: the median of the steps after the first (which
+    builds buckets, caches and allocator pools), or the only step. The ratio is given only where the prediction
+    was made for these ranks' kind of device: a plan priced for a GPU preset says nothing of a CPU process."""
+    import statistics
+
+    from autopar.cluster import PRESETS
+
+    timed = seconds[1:] or seconds
+    measured = statistics.median(timed)
+    out: dict[str, Any] = {"measured_seconds": measured, "steps_timed": len(timed), "predicted_seconds": None,
+                           "cluster": None, "ratio": None, "why_no_ratio": None}
+    estimate = plan.estimate
+    if estimate is None:
+        out["why_no_ratio"] = "the plan carries no estimate"
+        return out
+    out["predicted_seconds"], out["cluster"] = estimate.iteration_seconds, estimate.cluster
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    if estimate.cluster is None:
+        out["why_no_ratio"] = "the plan does not record the cluster it was priced for"
+    elif estimate.cluster in PRESETS and (estimate.cluster == "cpu") != (here == "cpu"):
+        out["why_no_ratio"] = (f"the plan was priced for {estimate.cluster}, not for these {here} ranks; plan with "
+                               "--cluster FILE from `autopar calibrate` to compare")
+    else:
+        out["ratio"] = measured / estimate.iteration_seconds
+    return out
 
 
 def compare(log, ref) -> dict[str, Any]:  # noqa: ANN001
@@ -87,6 +116,14 @@ def render(data: dict[str, Any]) -> str:
     rows = [[str(s["step"]), f"{s['loss']:.6f}", f"{s['seconds']:.3f} s", binary_bytes(s["peak_memory"])]
             for s in data["steps"]]
     lines = [f"{data['plan']} on {data['nproc']} ranks", table(["step", "loss", "time", "peak memory (rank 0)"], rows)]
+    t = data["timing"]
+    steps = {1: "the only step" if len(rows) == 1 else "the step after the first"}.get(
+        t["steps_timed"], f"median of the {t['steps_timed']} steps after the first")
+    line = f"step time {t['measured_seconds']:.3f} s ({steps})"
+    if t["predicted_seconds"] is not None:
+        line += f"; predicted {t['predicted_seconds']:.3f} s for {t['cluster'] or 'an unrecorded cluster'}"
+    line += f": measured / predicted {t['ratio']:.2f}" if t["ratio"] is not None else f" (no ratio: {t['why_no_ratio']})"
+    lines.append(line)
     if "check" in data:
         c = data["check"]
         lines.append(f"check: {c['message']} over {c['steps']} steps (largest gradient difference {c['max_grad_diff']:.2g})")

@@ -15,12 +15,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from autopar.cluster.collectives import Collective, bus_factor
+from autopar.cluster.compute import ComputeProfile, measure_compute
 from autopar.cluster.presets import PRESETS
 from autopar.cluster.ranks import Rendezvous, run_ranks, sigterm_raises
 from autopar.cluster.spec import Cluster, Link, Measured
@@ -41,18 +43,22 @@ class Calibration:
     latency: float  # per ring step, seconds
     fit_error: float  # largest relative error of the fitted line over messages >= 4 MiB
     wall_seconds: float
+    compute: ComputeProfile | None = None  # rank 0's, measured while every rank measured its own
 
 
-def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...]) -> list[float]:
+def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...], compute: bool) -> tuple[list[float], Any]:
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= rendezvous.world else "gloo"
     rendezvous.join(rank, backend=backend)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     try:
-        results = _time_all_reduce(sizes, torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+        results = _time_all_reduce(sizes, device)
+        dist.barrier()
+        profile = measure_compute(device) if compute else None  # every rank at once, as they train
         dist.barrier()  # no rank tears the group down while a peer still finishes its last collective
     finally:
         dist.destroy_process_group()
-    return results
+    return results, profile
 
 
 def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float]:
@@ -74,14 +80,17 @@ def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float
     return results
 
 
-def measure(nproc: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
-    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks (rank 0's timings).
+def measure(nproc: int, sizes: tuple[int, ...] = SIZES, *, compute: bool = False,
+            ) -> tuple[list[float], ComputeProfile | None]:
+    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks (rank 0's timings), and with
+    ``compute`` rank 0's `ComputeProfile`, measured while every rank measures its own.
 
     A rank that dies or raises stops the others and raises `RankError` naming it, within a second."""
     if nproc < 2:
         raise ValueError(f"--nproc must be at least 2 to measure a link, got {nproc}")
     with sigterm_raises():
-        return list(run_ranks(_worker, nproc, args=(sizes,))[0])
+        seconds, profile = run_ranks(_worker, nproc, args=(sizes, compute))[0]
+    return list(seconds), profile
 
 
 def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[float, float, float]:
@@ -103,15 +112,22 @@ def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[
     return float(bandwidth), float(latency), error
 
 
-def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[str], None] | None = None) -> Calibration:
-    """Measure, fit, and return ``base`` (default: the ``cpu`` preset) with the measured links."""
+def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[str], None] | None = None,
+              compute: bool = True) -> Calibration:
+    """Measure, fit, and return ``base`` (default: the ``cpu`` preset) with the measured links and, with
+    ``compute``, the measured device (`ComputeProfile.device`)."""
     start = time.perf_counter()
     base = base or PRESETS["cpu"]
     if progress:
-        progress(f"measuring all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB ...")
+        progress(f"measuring all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB"
+                 + (", then each rank's compute (GEMMs, bandwidth, attention, per-op cost)" if compute else "")
+                 + " ...")
     sizes = tuple(sorted(SIZES))
-    seconds = measure(nproc, sizes)
+    seconds, profile = measure(nproc, sizes, compute=compute)
     bandwidth, latency, error = fit_link(sizes, seconds, nproc)
     link = Link(bandwidth=bandwidth, latency=latency, measured=Measured(ranks=nproc, bytes=sizes, seconds=tuple(seconds)))
-    cluster = replace(base, name=f"{base.name}-calibrated", devices_per_node=nproc, nodes=1, intra=link, inter=link)
-    return Calibration(cluster, nproc, sizes, tuple(seconds), bandwidth, latency, error, time.perf_counter() - start)
+    device = profile.device(base.device) if profile is not None else base.device
+    cluster = replace(base, name=f"{base.name}-calibrated", devices_per_node=nproc, nodes=1, intra=link, inter=link,
+                      device=device)
+    return Calibration(cluster, nproc, sizes, tuple(seconds), bandwidth, latency, error, time.perf_counter() - start,
+                       profile)

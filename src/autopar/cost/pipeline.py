@@ -491,6 +491,7 @@ class PipelineModel:
             memory=worst.memory,
             collectives=collective_uses(_issued(reports)),
             micro_batches=m,
+            cluster=self.cluster.name,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
 

@@ -86,12 +86,15 @@ class Estimate:
     memory: MemoryBreakdown
     collectives: tuple[CollectiveUse, ...] = field(default_factory=tuple)
     micro_batches: int = 1
+    cluster: str | None = None  # the cluster it was priced for (a preset's or a cluster file's name)
 
     def __post_init__(self) -> None:
         for name in ("iteration_seconds", "compute_seconds", "exposed_comm_seconds", "bubble_seconds",
                      "throughput_samples_per_second", "tflops_per_device", "mfu"):
             finite(name, getattr(self, name), low=0.0)
         integer("micro_batches", self.micro_batches, low=1)
+        if self.cluster is not None:
+            text("cluster", self.cluster, limit=1024)
         if not isinstance(self.memory, MemoryBreakdown):
             raise ValueError(f"memory must be a MemoryBreakdown, got {type(self.memory).__name__}")
         if not isinstance(self.collectives, tuple) or not all(isinstance(c, CollectiveUse) for c in self.collectives):
@@ -107,6 +110,7 @@ class Estimate:
             "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu,
             "micro_batches": self.micro_batches,
+            **({"cluster": self.cluster} if self.cluster is not None else {}),
             "memory": {**self.memory.to_dict(), "fits": self.memory.fits},
             "collectives": [
                 {"kind": c.kind, "axis": c.axis, "bytes": round(c.bytes), "count": c.count} for c in self.collectives

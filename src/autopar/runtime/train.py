@@ -87,16 +87,31 @@ def train(
                                 dp_rank=0)
         optimizer.zero_grad(set_to_none=True)
         counting = counter if counter is not None and step == steps - 1 else contextlib.nullcontext()
+        _together(parallel)
         start = time.perf_counter()
         with counting:
             loss = parallel.forward_backward(batch)
+            checking = time.perf_counter()
             if gradients is not None:
                 _paused(counter, lambda: log.grads.append(gradients()))
+            checking = time.perf_counter() - checking
             optimizer.step()
-        log.seconds.append(time.perf_counter() - start)
+        _together(parallel)
+        log.seconds.append(time.perf_counter() - start - checking)
         log.losses.append(parallel.average_loss(loss))
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
+
+
+def _together(parallel: ParallelModel) -> None:
+    """Wait for every rank (a barrier, not counted) so that a step's time is the whole group's: from all ranks
+    starting it to the last one finishing it, as the plan's estimate prices an iteration."""
+    import torch.distributed as dist
+
+    if parallel.plan is not None and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            torch.cuda.synchronize()
+        dist.barrier()
 
 
 def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001

@@ -294,6 +294,7 @@ def estimate_choice(
         memory=memory,
         collectives=collective_uses(calls, labels=dict(zip(space.mesh.names, _axis_labels(space, choice)))),
         micro_batches=m,
+        cluster=ic.cluster.name,
     )
 
 

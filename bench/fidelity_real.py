@@ -1,0 +1,139 @@
+"""Predicted against measured step times of plans run on this machine's gloo ranks: is the cost model's order of
+plans the order they really run in?
+
+Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--steps 5] [--only NAME ...].
+Without cluster files, `autopar calibrate --nproc N --out ...` measures this machine first (links and compute, on
+2 and on 4 ranks). Each configuration of two small models (a GPT and a grouped-query LLaMA, fp32, as `autopar run`
+trains) is written as a plan by `autopar estimate ... --cluster FILE --out`, then run with `autopar run --steps
+S --json`: its measured step time is the median of the steps after the first (every rank waits for the others
+around a step, `autopar.runtime.train`). Prints per configuration the prediction, the measurement and their
+ratio; then, per rank count and over all, the mean absolute percentage error (MAPE), Spearman's rank correlation
+of predicted against measured, and whether the plan predicted fastest is the one measured fastest.
+
+The intra-op layouts of `--search ilp` are not in the set: `autopar run` cannot run them yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GPT = ["gpt3-125m", "--layers", "4", "--hidden", "256", "--heads", "8", "--vocab", "2048", "--seq", "128"]
+LLAMA = ["llama-7b", "--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--ffn", "768",
+         "--vocab", "2048", "--seq", "128"]
+# (name, ranks, model, estimate flags): global batch 8 throughout
+CONFIGS = [
+    ("gpt dp2", 2, GPT, ["--dp", "2"]),
+    ("gpt zero1", 2, GPT, ["--dp", "2", "--zero", "1", "--mbs", "2"]),
+    ("gpt zero3", 2, GPT, ["--dp", "2", "--zero", "3"]),
+    ("gpt tp2", 2, GPT, ["--tp", "2"]),
+    ("gpt tp2 sp", 2, GPT, ["--tp", "2", "--sp"]),
+    ("gpt pp2 1f1b", 2, GPT, ["--pp", "2", "--mbs", "2"]),
+    ("gpt pp2 gpipe", 2, GPT, ["--pp", "2", "--mbs", "2", "--schedule", "gpipe"]),
+    ("gpt dp2 full", 2, GPT, ["--dp", "2", "--recompute", "full"]),
+    ("llama dp2", 2, LLAMA, ["--dp", "2"]),
+    ("llama tp2", 2, LLAMA, ["--tp", "2"]),
+    ("llama tp2 selective", 2, LLAMA, ["--tp", "2", "--recompute", "selective"]),
+    ("llama zero3", 2, LLAMA, ["--dp", "2", "--zero", "3"]),
+    ("llama pp2 1f1b", 2, LLAMA, ["--pp", "2", "--mbs", "1"]),
+    ("gpt pp2 tp2", 4, GPT, ["--pp", "2", "--tp", "2", "--mbs", "2"]),
+    ("gpt dp2 tp2", 4, GPT, ["--dp", "2", "--tp", "2"]),
+    ("gpt zero3 dp4", 4, GPT, ["--dp", "4", "--zero", "3"]),
+    ("llama pp2 tp2", 4, LLAMA, ["--pp", "2", "--tp", "2", "--mbs", "2"]),
+]
+
+
+def autopar(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli.main", *argv], capture_output=True, text=True)
+
+
+def calibrated(ranks: int, folder: Path) -> str:
+    path = folder / f"cluster{ranks}.yaml"
+    start = time.perf_counter()
+    done = autopar("calibrate", "--nproc", str(ranks), "--out", str(path), "--json")
+    if done.returncode != 0:
+        raise SystemExit(f"autopar calibrate --nproc {ranks} failed: {done.stderr.strip()}")
+    peak = json.loads(done.stdout)["compute"]["peak_gflops"]
+    print(f"calibrated {ranks} ranks in {time.perf_counter() - start:.0f} s (GEMM peak {peak:.1f} GFLOP/s per rank)",
+          flush=True)
+    return str(path)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def summary(label: str, rows: list[tuple[str, float, float]]) -> None:
+    if len(rows) < 2:
+        return
+    predicted, measured = [p for _, p, _ in rows], [m for _, _, m in rows]
+    mape = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured))
+    fastest_p = min(rows, key=lambda r: r[1])[0]
+    fastest_m = min(rows, key=lambda r: r[2])[0]
+    same = "the same" if fastest_p == fastest_m else f"not the measured fastest ({fastest_m})"
+    print(f"{label}: {len(rows)} plans, MAPE {mape:.0%}, Spearman {spearman(predicted, measured):+.2f}; predicted "
+          f"fastest {fastest_p}: {same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster2", help="cluster file for 2 ranks (default: calibrate now)")
+    parser.add_argument("--cluster4", help="cluster file for 4 ranks (default: calibrate now)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", nargs="+", help="configurations whose names contain one of these")
+    args = parser.parse_args()
+    configs = [c for c in CONFIGS if not args.only or any(word in c[0] for word in args.only)]
+    results: list[tuple[int, str, float, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        clusters = {2: args.cluster2, 4: args.cluster4}
+        for ranks in sorted({c[1] for c in configs}):
+            clusters[ranks] = clusters[ranks] or calibrated(ranks, folder)
+        print(f"{'configuration':<22} {'ranks':>5} {'predicted':>10} {'measured':>10} {'ratio':>6}", flush=True)
+        for name, ranks, model, flags in configs:
+            plan = folder / f"{name.replace(' ', '_')}.json"
+            done = autopar("estimate", *model, *flags, "--cluster", clusters[ranks], "--gpus", str(ranks),
+                           "--batch", "8", "--dtype", "fp32", "--out", str(plan), "--json")
+            if done.returncode != 0:
+                print(f"{name:<22} {ranks:>5} refused: {done.stderr.strip().splitlines()[-1]}", flush=True)
+                continue
+            ran = autopar("run", str(plan), "--nproc", str(ranks), "--steps", str(args.steps), "--json")
+            if ran.returncode != 0:
+                print(f"{name:<22} {ranks:>5} run failed: {ran.stderr.strip().splitlines()[-1]}", flush=True)
+                continue
+            timing = json.loads(ran.stdout)["timing"]
+            predicted, measured = timing["predicted_seconds"], timing["measured_seconds"]
+            results.append((ranks, name, predicted, measured))
+            print(f"{name:<22} {ranks:>5} {predicted:9.3f}s {measured:9.3f}s {measured / predicted:6.2f}", flush=True)
+    print()
+    for ranks in sorted({r for r, *_ in results}):
+        summary(f"{ranks} ranks", [(n, p, m) for r, n, p, m in results if r == ranks])
+    summary("all", [(n, p, m) for _, n, p, m in results])
+
+
+if __name__ == "__main__":
+    main()
