@@ -35,6 +35,8 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
+    calls = 0  # forwards run, by every copy
+
     def __init__(self, layers: int, wide: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
@@ -42,6 +44,7 @@ class Net(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        Net.calls += 1
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)
@@ -104,6 +107,16 @@ def test_a_deep_model_is_rehearsed_as_a_shallow_one_and_passes_as_a_whole_one_do
     rehearsal(plan, source=source, whole=False)
     rehearsal(plan, source=source)
     check_runnable(plan, source=source)
+
+
+def test_a_whole_rehearsal_runs_every_micro_batch_and_a_thinned_one_the_first_and_last() -> None:
+    model = Net(6)
+    plan = dataclasses.replace(_plan(model), micro_batch_size=2, micro_batches=4)  # rows: 2 x 4, dp 2
+    source = ModelSource.of_module(model, _batch())
+    for whole, forwards in ((True, 4), (False, 2)):
+        Net.calls = 0
+        rehearsal(plan, source=source, whole=whole)
+        assert Net.calls == forwards
 
 
 def test_a_refusal_names_the_layer_of_the_whole_model() -> None:

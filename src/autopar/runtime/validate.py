@@ -170,8 +170,8 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             counter = CollectiveCounter(parallel.axes)
             # layers stay eager here; a compiled layer's recomputation replays its whole forward (one compiled
             # function), which checkpointing without early stop does too, collectives alike
-            whole = plan.kernels == "compiled"
-            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not whole):
+            compiled = plan.kernels == "compiled"
+            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled):
                 local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), 0)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
