@@ -339,3 +339,27 @@ def test_plan_timeline(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert data["timeline"]["iteration_seconds"] == pytest.approx(data["estimate"]["iteration_seconds"])
     assert len(data["timeline"]["devices"]) == data["plan"]["mesh"]["shape"][0]
     assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_run_reports_measured_against_predicted_only_for_the_device_it_was_priced_for(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    import dataclasses
+
+    from autopar.cli.run import timing
+    from autopar.plan import load_plan
+
+    path = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4",
+                           "--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--out", str(path))
+    assert code == 0, err
+    plan = load_plan(str(path))
+    assert plan.estimate.cluster == "cpu"
+    predicted = plan.estimate.iteration_seconds
+    out = timing(plan, [9.0, 0.3, 0.1, 0.2])  # the first step is left out; the median of the rest
+    assert out["measured_seconds"] == 0.2 and out["steps_timed"] == 3
+    assert out["ratio"] == pytest.approx(0.2 / predicted) and out["why_no_ratio"] is None
+    on_gpus = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, cluster="a100-80g-sxm"))
+    out = timing(on_gpus, [0.5])
+    assert out["ratio"] is None and "priced for a100-80g-sxm, not for these cpu ranks" in out["why_no_ratio"]
+    older = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, cluster=None))
+    assert timing(older, [0.5])["why_no_ratio"] == "the plan does not record the cluster it was priced for"
