@@ -363,3 +363,31 @@ def test_run_reports_measured_against_predicted_only_for_the_device_it_was_price
     assert out["ratio"] is None and "priced for a100-80g-sxm, not for these cpu ranks" in out["why_no_ratio"]
     older = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, cluster=None))
     assert timing(older, [0.5])["why_no_ratio"] == "the plan does not record the cluster it was priced for"
+
+
+def test_a_causal_lm_at_sequence_1_is_refused_before_ranks_start(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path) -> None:
+    """It has no next token to predict: its loss is NaN in one process as on the ranks. `run --check --json` used
+    to start the ranks, fail the comparison of NaN with NaN, and print NaN, which is not JSON."""
+    path = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", "--seq", "32", "--cluster", "cpu", "--gpus", "2",
+                           "--tp", "2", "--batch", "4", "--out", str(path))
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    data["plan"]["workload"]["seq"] = 1
+    path.write_text(json.dumps(data))
+    for command in (["dryrun", str(path)], ["run", str(path), "--nproc", "2", "--check", "--json"]):
+        code, out, err = run_cli(capsys, *command)
+        assert code == 2 and out == "" and "at sequence 1 has no next token to predict" in err
+
+
+def test_losses_that_are_not_finite_fail_a_run_and_print_as_null() -> None:
+    from types import SimpleNamespace
+
+    from autopar.cli.run import _finite, compare
+
+    nan = float("nan")
+    checked = compare(SimpleNamespace(losses=[nan], grads=[{}]), SimpleNamespace(losses=[nan], grads=[{}]))
+    assert not checked["ok"] and checked["message"].startswith("step 0: the loss is nan in one process too")
+    assert json.dumps(_finite({"steps": [{"loss": nan, "seconds": 0.5}]}), allow_nan=False) == \
+        '{"steps": [{"loss": null, "seconds": 0.5}]}'

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 import torch
@@ -59,9 +60,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.check_comm:
         data["check_comm"] = check_ranks(plan, log.collectives)
     failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
+    step = next((i for i, loss in enumerate(log.losses) if not math.isfinite(loss)), None)
+    if step is not None and not failed:  # a loss that is not finite trains nothing: not a success
+        failed.append(f"step {step}: the loss is {log.losses[step]}: the model gives no finite loss on this "
+                      "workload (a causal LM at sequence 1 has no next token to predict) or the step diverged")
     if failed:
-        if args.json:
-            print(json.dumps(data, indent=2))
+        if args.json:  # strict JSON, as every command prints: a loss that is not finite is null
+            print(json.dumps(_finite(data), indent=2, allow_nan=False))
         raise RuntimeError("; ".join(failed))
     return data if args.json else render(data)
 
@@ -94,10 +99,26 @@ def timing(plan: Any, seconds: list[float]) -> dict[str, Any]:
     return out
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (a NaN loss) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def compare(log, ref) -> dict[str, Any]:  # noqa: ANN001
     """Losses and gradients of every step against the reference; the first mismatch is named."""
     worst = 0.0
     for step, (ours, theirs) in enumerate(zip(log.losses, ref.losses)):
+        if not math.isfinite(theirs):
+            return {"ok": False, "message": f"step {step}: the loss is {theirs} in one process too (here {ours}): "
+                                            "the model gives no finite loss on this workload (a causal LM at "
+                                            "sequence 1 has no next token to predict), so there is nothing to "
+                                            "compare"}
         if not torch.isclose(torch.tensor(ours), torch.tensor(theirs), **LOSS_TOLERANCE):
             return {"ok": False, "message": f"step {step}: loss {ours:.8f}, one process {theirs:.8f}"}
     for step, (ours, theirs) in enumerate(zip(log.grads, ref.grads)):

@@ -62,6 +62,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_divisible(model, plan)
     _check_split_outputs(graph, plan, model)
     _check_batch_norm(model, plan)
+    _check_sequence(model, source)
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
     checkpoint_segments(model, [list(segment) for stage in plan.stages for segment in stage.segments])
@@ -70,6 +71,14 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
         check_stage_forward(model, seq=_seq(source))
     elif rehearse:
         _rehearse(plan, source, thins(plan, model))
+
+
+def _check_sequence(model: nn.Module, source: ModelSource) -> None:
+    """A Hugging Face causal LM computes its loss on position t predicting token t + 1: at sequence 1 there is
+    nothing to predict, and the loss is NaN in one process as on the ranks."""
+    if type(model).__name__.endswith("ForCausalLM") and _seq(source) == 1:
+        raise ValueError(f"{type(model).__name__} at sequence 1 has no next token to predict: its loss is NaN, "
+                         "one process's too; use a sequence of 2 or more")
 
 
 def _seq(source: ModelSource) -> int:
