@@ -77,5 +77,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         ]
     else:
         lines.append("compute not measured (--links-only): the device keeps the cpu preset's figures")
-    lines.append(f"{result.ranks} ranks, {result.wall_seconds:.1f} s" + (f"; wrote {args.out}" if out is not None else ""))
+    wrote = f"; wrote {args.out}" if out is not None else ""
+    lines.append(f"{result.ranks} ranks, {result.wall_seconds:.1f} s{wrote}")
     return "\n".join(lines)

@@ -143,7 +143,8 @@ def render(data: dict[str, Any]) -> str:
     line = f"step time {t['measured_seconds']:.3f} s ({steps})"
     if t["predicted_seconds"] is not None:
         line += f"; predicted {t['predicted_seconds']:.3f} s for {t['cluster'] or 'an unrecorded cluster'}"
-    line += f": measured / predicted {t['ratio']:.2f}" if t["ratio"] is not None else f" (no ratio: {t['why_no_ratio']})"
+    ratio = t["ratio"]
+    line += f": measured / predicted {ratio:.2f}" if ratio is not None else f" (no ratio: {t['why_no_ratio']})"
     lines.append(line)
     if "check" in data:
         c = data["check"]

@@ -38,8 +38,8 @@ def thin(model: nn.Module, plan: Plan) -> Plan:
     for head in _lists(plan, modules):
         container = modules[head]
         layers = list(container._modules.values())
-        if len(container._modules) != len(layers) or list(container._modules) != [str(i) for i in range(len(layers))]:
-            continue
+        if list(container._modules) != [str(i) for i in range(len(layers))]:
+            continue  # not keyed 0..n-1 as a ModuleList is: left whole
         names = [f"{head}.{i}" for i in range(len(layers))]
         positional, entries = _positional(layers), _entries(plan, set(names))
         kinds = [(_kind(layer, positional), _treatment(plan, name, entries.get(name, [])))
