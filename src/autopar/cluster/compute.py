@@ -50,9 +50,10 @@ class ComputeProfile:
         efficiency of the shapes there, made non-decreasing (a larger GEMM never runs further from peak: where a
         smaller one measured faster, the larger one is given its figure), at most `MAX_CURVE` points."""
         bins: dict[int, list[tuple[float, float]]] = {}
+        peak = self.peak
         for m, k, n, rate in self.gemm:
             flops = 2.0 * m * k * n
-            bins.setdefault(round(math.log2(flops)), []).append((flops, rate / self.peak))
+            bins.setdefault(round(math.log2(flops)), []).append((flops, rate / peak))
         points, best = [], 0.0
         for key in sorted(bins):
             flops = statistics.median(f for f, _ in bins[key])
@@ -63,10 +64,11 @@ class ComputeProfile:
     def device(self, base: Device) -> Device:
         """``base`` with what was measured: the fp32 peak, the GEMM curve, the bandwidth (at efficiency 1: the
         figure is what an add reached), the attention core's efficiency against that peak, and one op's cost."""
-        efficiency = {**base.efficiency, "matmul": self.curve()[-1][1], "memory": 1.0,
+        curve = self.curve()
+        efficiency = {**base.efficiency, "matmul": curve[-1][1], "memory": 1.0,
                       "attention": min(1.0, self.attention / self.peak)}
         return replace(base, name=f"{base.name} (measured)", peak_flops={"fp32": self.peak},
-                       hbm_bandwidth=self.bandwidth, efficiency=efficiency, gemm_efficiency=self.curve(),
+                       hbm_bandwidth=self.bandwidth, efficiency=efficiency, gemm_efficiency=curve,
                        kernel_overhead=(self.op_forward + self.op_backward) / 2)
 
     def to_dict(self) -> dict:
