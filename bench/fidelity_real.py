@@ -1,14 +1,17 @@
 """Predicted against measured step times of plans run on this machine's gloo ranks: is the cost model's order of
 plans the order they really run in?
 
-Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--steps 5] [--only NAME ...].
+Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--db FILE] [--steps 5] [--only NAME ...].
 Without cluster files, `autopar calibrate --nproc N --out ...` measures this machine first (links and compute, on
-2 and on 4 ranks). Each configuration of two small models (a GPT and a grouped-query LLaMA, fp32, as `autopar run`
-trains) is written as a plan by `autopar estimate ... --cluster FILE --out`, then run with `autopar run --steps
-S --json`: its measured step time is the median of the steps after the first (every rank waits for the others
-around a step, `autopar.runtime.train`). Prints per configuration the prediction, the measurement and their
-ratio; then, per rank count and over all, the mean absolute percentage error (MAPE), Spearman's rank correlation
-of predicted against measured, and whether the plan predicted fastest is the one measured fastest.
+2 and on 4 ranks). Without --db, `autopar profile-segments MODEL --nproc N --tp 1 2` times each model's layers
+under the layouts the configurations use into a profile database (on 2 and on 4 ranks). Each configuration of two
+small models (a GPT and a grouped-query LLaMA, fp32, as `autopar run` trains) is priced twice by `autopar estimate
+... --cluster FILE`: by the calibrated roofline alone, and with `--profile-db`; then the plan is run with `autopar
+run --steps S --json`: its measured step time is the median of the steps after the first (every rank waits for
+the others around a step, `autopar.runtime.train`). Prints per configuration both predictions, the measurement
+and their ratios; then for each way of pricing, per rank count and over all, the mean absolute percentage error
+(MAPE), Spearman's rank correlation of predicted against measured, and whether the plan predicted fastest is the
+one measured fastest.
 
 The intra-op layouts of `--search ilp` are not in the set: `autopar run` cannot run them yet.
 """
@@ -65,6 +68,19 @@ def calibrated(ranks: int, folder: Path) -> str:
     return str(path)
 
 
+def profiled(models: list[tuple[int, list[str]]], folder: Path) -> str:
+    path = folder / "profile.json"
+    for ranks, model in models:
+        start = time.perf_counter()
+        done = autopar("profile-segments", *model, "--nproc", str(ranks), "--tp", "1", "2", "--db", str(path),
+                       "--json")
+        if done.returncode != 0:
+            raise SystemExit(f"autopar profile-segments {model[0]} --nproc {ranks} failed: {done.stderr.strip()}")
+        print(f"profiled {model[0]} on {ranks} ranks in {time.perf_counter() - start:.0f} s "
+              f"({len(json.loads(done.stdout)['entries'])} layer times)", flush=True)
+    return str(path)
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties take their mean rank)."""
     def ranks(values: list[float]) -> list[float]:
@@ -103,36 +119,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster2", help="cluster file for 2 ranks (default: calibrate now)")
     parser.add_argument("--cluster4", help="cluster file for 4 ranks (default: calibrate now)")
+    parser.add_argument("--db", help="profile database of both models on 2 and 4 ranks (default: profile now)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", nargs="+", help="configurations whose names contain one of these")
     args = parser.parse_args()
     configs = [c for c in CONFIGS if not args.only or any(word in c[0] for word in args.only)]
-    results: list[tuple[int, str, float, float]] = []
+    results: list[tuple[int, str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         clusters = {2: args.cluster2, 4: args.cluster4}
         for ranks in sorted({c[1] for c in configs}):
             clusters[ranks] = clusters[ranks] or calibrated(ranks, folder)
-        print(f"{'configuration':<22} {'ranks':>5} {'predicted':>10} {'measured':>10} {'ratio':>6}", flush=True)
+        pairs = []
+        for _, ranks, model, _ in configs:
+            if (ranks, model) not in pairs:
+                pairs.append((ranks, model))
+        db = args.db or profiled(pairs, folder)
+        print(f"{'configuration':<22} {'ranks':>5} {'roofline':>9} {'profiled':>9} {'measured':>9} "
+              f"{'ratios':>11}", flush=True)
         for name, ranks, model, flags in configs:
             plan = folder / f"{name.replace(' ', '_')}.json"
-            done = autopar("estimate", *model, *flags, "--cluster", clusters[ranks], "--gpus", str(ranks),
-                           "--batch", "8", "--dtype", "fp32", "--out", str(plan), "--json")
+            common = [*model, *flags, "--cluster", clusters[ranks], "--gpus", str(ranks), "--batch", "8",
+                      "--dtype", "fp32", "--json"]
+            done = autopar("estimate", *common, "--out", str(plan))
             if done.returncode != 0:
                 print(f"{name:<22} {ranks:>5} refused: {done.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
+            with_db = autopar("estimate", *common, "--profile-db", db)
+            if with_db.returncode != 0:
+                print(f"{name:<22} {ranks:>5} --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}")
+                continue
+            estimate = json.loads(with_db.stdout)
+            profiled_seconds = estimate["estimate"]["iteration_seconds"]
+            share = estimate["profile"]["measured_share"]
             ran = autopar("run", str(plan), "--nproc", str(ranks), "--steps", str(args.steps), "--json")
             if ran.returncode != 0:
                 print(f"{name:<22} {ranks:>5} run failed: {ran.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
             timing = json.loads(ran.stdout)["timing"]
             predicted, measured = timing["predicted_seconds"], timing["measured_seconds"]
-            results.append((ranks, name, predicted, measured))
-            print(f"{name:<22} {ranks:>5} {predicted:9.3f}s {measured:9.3f}s {measured / predicted:6.2f}", flush=True)
-    print()
-    for ranks in sorted({r for r, *_ in results}):
-        summary(f"{ranks} ranks", [(n, p, m) for r, n, p, m in results if r == ranks])
-    summary("all", [(n, p, m) for _, n, p, m in results])
+            results.append((ranks, name, predicted, profiled_seconds, measured))
+            print(f"{name:<22} {ranks:>5} {predicted:8.3f}s {profiled_seconds:8.3f}s {measured:8.3f}s "
+                  f"{measured / predicted:5.2f} {measured / profiled_seconds:5.2f}  ({share:.0%} of layer time "
+                  "measured)", flush=True)
+    for label, column in (("calibrated roofline", 2), ("with the profile database", 3)):
+        print(f"\n{label}:")
+        for ranks in sorted({r for r, *_ in results}):
+            summary(f"{ranks} ranks", [(row[1], row[column], row[4]) for row in results if row[0] == ranks])
+        summary("all", [(row[1], row[column], row[4]) for row in results])
 
 
 if __name__ == "__main__":

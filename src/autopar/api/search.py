@@ -122,15 +122,16 @@ class Searched:
 def search_pipeline(
     subject: Subject, cluster: Cluster, options: SearchOptions, *,
     progress: Callable[[str], None] | None = None, should_stop: Callable[[], bool] = lambda: False,
-    started: float | None = None,
+    started: float | None = None, profile=None,  # noqa: ANN001
 ) -> Searched:
     """Search ``subject``'s plans on ``cluster`` (sized to the devices used) as the module docstring says;
     ``should_stop`` ends the search early, keeping the best plan found so far. ``Searched.seconds`` count from
-    ``started`` (a `time.perf_counter` reading; default: this call) to the end of the simulation."""
+    ``started`` (a `time.perf_counter` reading; default: this call) to the end of the simulation. ``profile``
+    (an `autopar.profiling.ProfileDB`): layers it measured are priced by its times."""
     start = time.perf_counter() if started is None else started
     precision = Precision.of(options.dtype, optimizer=options.optimizer)
     model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
-                          screen=True, precision=precision)  # searches: the closed form
+                          screen=True, precision=precision, profile=profile)  # searches: the closed form
     limit = _limit(subject.pipelines, options.kernels, subject.no_tp)
     found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
                               progress=progress, should_stop=should_stop,

@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,6 +105,37 @@ def add_kernels_argument(parser: argparse.ArgumentParser) -> None:
         help="how the memory-bound ops between matmuls run: eager (default), one kernel per op as PyTorch runs them, "
         "or compiled, fused by torch.compile (autopar run compiles each repeated layer); priced and recorded in the "
         "plan so")
+
+
+def add_profile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile-db", metavar="FILE",
+        help="price the layers this profile database measured (autopar profile-segments) by their measured times; "
+        "the rest by the roofline. The output says which share of the layer time was measured")
+
+
+def load_profile(args: argparse.Namespace, cluster: Any) -> Any:
+    """The --profile-db database, or None; refused (naming the file) where it was measured on another kind of
+    device than the cluster's: a CPU process's times say nothing of a GPU, nor the reverse."""
+    path = getattr(args, "profile_db", None)
+    if path is None:
+        return None
+    from autopar.profiling import ProfileDB
+
+    db = ProfileDB.load(path)
+    on_cpu = cluster.device.name.startswith("cpu")
+    if (db.kind == "cpu") != on_cpu:
+        raise ValueError(f"{path}: measured on {db.device!r}, but --cluster {cluster.name} is of "
+                         f"{cluster.device.name} devices: profile on the cluster's kind of device, or leave "
+                         "--profile-db out")
+    return db
+
+
+def profile_data(db: Any, share: float) -> dict[str, Any] | None:
+    """What the output says of --profile-db: the file, its device, and the measured share of the layer time."""
+    if db is None:
+        return None
+    return {"db": db.path, "device": db.device, "measured_share": share}
 
 
 def check_out(args: argparse.Namespace) -> None:

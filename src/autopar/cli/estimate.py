@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from autopar.cli.common import (
-    MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, add_kernels_argument, add_model_arguments, bounded_int, check_out,
-    load_and_trace,
+    MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, add_kernels_argument, add_model_arguments, add_profile_argument,
+    bounded_int, check_out, load_and_trace, load_profile, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text
@@ -42,6 +42,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--chunks", type=bounded_int(MAX_CHUNKS), default=1,
                         help="model chunks per device under --schedule interleaved (default 1)")
     add_kernels_argument(parser)
+    add_profile_argument(parser)
     parser.add_argument("--out", metavar="PLAN.json",
                         help="also write this configuration as a plan, runnable with autopar run and dryrun")
     parser.add_argument("--timeline", metavar="FILE",
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     global_batch = args.batch
     traced = load_and_trace(args, batch=config.mbs)
     zoo, graph = traced.zoo, traced.graph
-    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype, kernels=args.kernels)
+    profile = load_profile(args, cluster)
+    model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype, kernels=args.kernels,
+                          profile=profile)
     uneven = sorted(w for w in model.split_widths if w % config.tp)
     if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
         raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         "timeline": timeline_data(priced.simulation),
         "fits": fits,
     }
+    if profile is not None:
+        data["profile"] = profile_data(profile, model.measured_share(pipeline, global_batch=global_batch))
     if args.timeline:
         write_timeline(priced.simulation, args.timeline, title=_head(data))
     if args.report:

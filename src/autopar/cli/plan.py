@@ -18,8 +18,8 @@ from autopar.api.search import (  # noqa: F401 - simulated: bench/pipeline.py re
 )
 from autopar.capture import trace
 from autopar.cli.common import (
-    MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, bounded_int,
-    bounded_seconds, check_out, load_and_trace, mesh_shape,
+    MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, add_profile_argument,
+    bounded_int, bounded_seconds, check_out, load_and_trace, load_profile, mesh_shape, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text, table
@@ -62,6 +62,7 @@ def register(subparsers: Any) -> None:
                         help="seed of the MCMC chains (auto, mcmc; default 0): a seed gives the same plan whenever "
                         "the search converges within its budget")
     add_kernels_argument(parser)
+    add_profile_argument(parser)
     parser.add_argument("--runnable", action="store_true",
                         help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
                         "under ZeRO 0-1)")
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     if args.search == "ilp" and args.timeline:
         raise ValueError("--timeline draws a pipeline plan's simulated iteration; --search ilp plans one mesh without "
                          "a pipeline: leave --timeline out or choose a pipeline search")
+    if args.search == "ilp" and args.profile_db:
+        raise ValueError("--profile-db prices the layouts autopar run applies (Megatron's); --search ilp prices "
+                         "intra-op layouts it does not profile: leave --profile-db out or choose a pipeline search")
     if args.search != "ilp":
         if args.mesh:
             raise ValueError("--mesh applies to --search ilp; pipeline searches choose each stage's dp x tp")
@@ -252,6 +256,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     traced = _load(args)
     zoo = traced.zoo
     cluster = load_cluster(args.cluster).with_devices(args.gpus)
+    profile = load_profile(args, cluster)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     graph = traced.graph
@@ -262,7 +267,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         try:
             searched = search_pipeline(subject, cluster, options, progress=_progress(show, start),
-                                       should_stop=stop.is_set, started=start)
+                                       should_stop=stop.is_set, started=start, profile=profile)
         except FieldError as exc:
             if exc.field != "batch":
                 raise
@@ -275,6 +280,9 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     data = pipeline_report(searched, model=zoo.config.name, cluster=cluster, params=graph.num_params,
                            config={**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch})
     data["timeline"] = timeline_data(searched.chosen.result.simulation)
+    if profile is not None:
+        data["profile"] = profile_data(profile, searched.model.measured_share(searched.chosen.config,
+                                                                              global_batch=args.batch))
     if args.timeline:
         write_timeline(searched.chosen.result.simulation, args.timeline, title=title(data))
     if args.report:

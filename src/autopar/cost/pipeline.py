@@ -87,6 +87,7 @@ class LayerPrice:
     forward_collectives: tuple[CommCall, ...] = ()
     tail: CommCall | None = None
     tail_seconds: float = 0.0
+    measured: bool = False  # forward and backward are a profile database's times (their collectives inside)
 
 
 def price_layer(
@@ -280,6 +281,7 @@ class StageView:
     in_flight: float
     price: Callable[[int, str], LayerPrice]  # (row, recompute level) -> its price on one device
     layouts: dict  # row -> `LayerLayout`, for rows the stage lays out by the intra-op planner
+    units_measured: int = 0  # the ZeRO stage the repeated layers were timed under as FSDP units (1, 3), or 0
 
 
 @dataclass(slots=True)
@@ -298,9 +300,11 @@ class PipelineModel:
 
     def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16",
                  screen: bool = False, kernels: str = "eager", precision: Precision | None = None,
-                 vocab_parallel: bool = False, scatter_gather_sends: bool = False) -> None:
+                 vocab_parallel: bool = False, scatter_gather_sends: bool = False, profile=None) -> None:  # noqa: ANN001
         """``vocab_parallel`` and ``scatter_gather_sends`` price Megatron-LM's vocabulary split
-        (`autopar.cost.vocab`) and pipeline sends (`_send`) where autopar's runtime does otherwise (the default)."""
+        (`autopar.cost.vocab`) and pipeline sends (`_send`) where autopar's runtime does otherwise (the default).
+        ``profile`` (an `autopar.profiling.ProfileDB`): layers it has measured under a layout are priced by its
+        times, the rest by the roofline (`measured_share` says how much of an estimate was measured)."""
         self.graph = graph
         self.screen = screen  # estimate by the closed form unless asked to simulate (searches' screen)
         if kernels not in KERNELS:
@@ -312,6 +316,12 @@ class PipelineModel:
         self.precision = precision or Precision.of(dtype)  # bytes per parameter of each model state
         self.vocab_parallel, self.scatter_gather_sends = vocab_parallel, scatter_gather_sends
         self.layers = split_vocabulary(analyse(graph), graph) if vocab_parallel else analyse(graph)
+        self.profile = profile
+        if profile is not None:
+            from autopar.profiling.segments import row_fingerprints
+
+            self._fingerprints = row_fingerprints(self)
+            self._ranks = min(cluster.devices_per_node, cluster.num_devices)  # ranks sharing a host
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
@@ -370,8 +380,53 @@ class PipelineModel:
                 tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
                 kernels=self.kernels,
             )
+            if self.profile is not None:
+                found = self._measured(row, found, tp=tp, samples=samples, recompute=recompute, sp=sp)
             self._prices[key] = found
         return found
+
+    def _measured(self, row: int, price: LayerPrice, *, tp: int, samples: float, recompute: str, sp: bool,
+                  zero: int = 0) -> LayerPrice:
+        """``price`` with the profile database's forward and backward where it measured this row's layer under
+        this layout (its tensor-parallel collectives are inside them, so they are priced at nothing apart; under
+        ``zero`` 3 its unit's gathers and reduce-scatter too, which `_price_sync` then prices at nothing)."""
+        entry = self._entry(row, tp=tp, samples=samples, recompute=recompute, sp=sp, zero=zero)
+        if entry is None:
+            return price
+        return replace(price, forward=entry.forward, backward=entry.backward, comm_forward=0.0, comm_backward=0.0,
+                       tail_seconds=0.0, measured=True)
+
+    def _entry(self, row: int, *, tp: int, samples: float, recompute: str, sp: bool, zero: int):  # noqa: ANN202
+        key = self._fingerprints[row]
+        if key is None or self.kernels != "eager":  # the runtime profiled runs eager kernels
+            return None
+        layer = self.layers[row]
+        return self.profile.get(key, tp=tp, sp=sp, recompute=recompute if layer.repeated else "none",
+                                samples=samples, ranks=self._ranks, dtype=self.dtype, zero=zero)
+
+    def _units_measured(self, stage: Stage, samples: float, sp: bool, zero: int) -> bool:
+        """Whether the profile database timed every repeated layer of ``stage`` as its own FSDP unit under ZeRO
+        ``zero`` (1 or 3) at its recomputation level: only then are those times used for them (ZeRO 3: their
+        units' gathers and reduce-scatters inside; ZeRO 1: FSDP's work per micro-batch, its once-a-step
+        collectives priced apart). All or none: a stage is never priced half one way."""
+        if self.profile is None or stage.dp == 1 or zero not in (1, 3):
+            return False
+        return all(self._entry(row, tp=stage.tp, samples=samples, recompute=stage.recompute_of(row), sp=sp,
+                               zero=zero) is not None
+                   for row, _ in self._alike_rows(stage) if self.layers[row].repeated)
+
+    def measured_share(self, config: PipelineConfig, *, global_batch: int) -> float:
+        """The share of ``config``'s per-micro-batch layer time (compute and tensor-parallel collectives, over all
+        stages) that the profile database measured; 0 without one."""
+        measured = total = 0.0
+        for index, stage in enumerate(config.stages):
+            view = self.stage_view(config, index, global_batch=global_batch)
+            for row, count in self._alike_rows(stage, view.layouts):
+                price = view.price(row, stage.recompute_of(row))
+                seconds = count * (price.forward + price.backward + price.comm_forward + price.comm_backward)
+                total += seconds
+                measured += seconds if price.measured else 0.0
+        return measured / total if total else 0.0
 
     def _megatron_blocks(self, row: int, tp_axis, samples: float, recompute: str, sp: bool) -> LayerPrice | None:  # noqa: ANN001
         """A repeated layer under tensor parallelism, priced by the block model (`IntraLayers.megatron`) in
@@ -614,13 +669,20 @@ class PipelineModel:
                 found = self._layouts[key] = self._stage_layouts(stage, mesh, samples, config, m, in_flight)
             layouts = found
 
+        units = not layouts and self._units_measured(stage, samples, config.sp, config.zero)
+
         def price(row: int, level: str) -> LayerPrice:
             layout = layouts.get(row)
             if layout is not None:
                 return layout.prices[level]
-            return self.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+            found = self.price(row, tp=stage.tp, samples=samples, recompute=level, sp=config.sp, mesh=mesh)
+            if units and self.layers[row].repeated:
+                found = self._measured(row, found, tp=stage.tp, samples=samples, recompute=level, sp=config.sp,
+                                       zero=config.zero)
+            return found
 
-        return StageView(mesh=mesh, samples=samples, in_flight=in_flight, price=price, layouts=layouts)
+        return StageView(mesh=mesh, samples=samples, in_flight=in_flight, price=price, layouts=layouts,
+                         units_measured=config.zero if units else 0)
 
     def _stage_layouts(self, stage: Stage, mesh, samples: float, config: PipelineConfig, m: int,  # noqa: ANN001
                        in_flight: float) -> dict[int, LayerLayout]:
@@ -703,16 +765,20 @@ class PipelineModel:
         layouts = view.layouts if view is not None else {}
         shapes = tuple(sorted((row, layout.prices["none"].params) for row, layout in layouts.items()))
         place = (stage.start, stage.end) if shapes else self.stage_key(stage)  # a layout's shapes are by row
-        key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes)
+        measured = view is not None and view.units_measured == 3  # the units' collectives are in their times
+        key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes, measured)
         cached = self._syncs.get(key)
         if cached is None:
-            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes))
+            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes), measured)
         total, synced, units = cached
         calls += synced
         return total, units
 
     def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float,  # noqa: ANN001
-                    layouts: dict[int, float]) -> tuple[float, tuple[CommCall, ...], tuple]:
+                    layouts: dict[int, float], measured: bool = False) -> tuple[float, tuple[CommCall, ...], tuple]:
+        """(seconds, collectives, the simulator's units) of the stage's gradient synchronisation; ``measured``:
+        the repeated layers' units are inside their measured times (`StageView.units_measured`), so their
+        collectives are counted but cost nothing here."""
         uses: list[CommCall] = []
         itemsize = gradient_itemsize(self.dtype)
         units, rest = [], extra
@@ -734,8 +800,8 @@ class PipelineModel:
         calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit
         for (nbytes, root), same in Counter(units).items():  # repeated layers are alike: price each size once
             for kind, count in gradient_sync(zero, m, root=root):
-                seconds = calls.setdefault((nbytes, root), {})[kind] = collective_seconds(kind, nbytes, axis,
-                                                                                            self.cluster)
+                seconds = 0.0 if measured and not root else collective_seconds(kind, nbytes, axis, self.cluster)
+                calls.setdefault((nbytes, root), {})[kind] = seconds
                 total += same * count * seconds
                 uses.append(CommCall(kind=kind, axis="dp", bytes=nbytes, phase=Phase.SYNC, calls=same * count))
         # for the simulator, the units in order (ZeRO 1-3: the stage's repeated rows, then the root unit; ZeRO 0:

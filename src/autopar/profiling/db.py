@@ -1,0 +1,206 @@
+"""The profile database: measured seconds of layers under layouts, on one kind of device, kept as JSON.
+
+One file holds the measurements of one device (``device``: the host's processor or the CUDA device's name, and
+the threads per rank) under one torch version, in the layout version `VERSION` of this module. Each entry is one
+layer kind run under one layout for one micro-batch on one device:
+
+    {"layer": "<fingerprint>", "name": "layers.0", "tp": 2, "sp": false, "recompute": "none", "zero": 0,
+     "samples": 1, "ranks": 2, "dtype": "fp32", "forward": 0.0123, "backward": 0.0251, "repeats": 5}
+
+``layer`` is `fingerprint` of the traced layer: what it computes (its ops in order, its parameters' shapes, its
+model FLOPs per sample, which fix the sequence length), not where it sits, so a 1,000-layer model's layers share
+one entry with a 10-layer one's of the same width (CFP's depth independence). ``ranks`` is how many ranks ran at
+once on the host while it was measured: on a CPU they share cores and memory bandwidth, so a figure taken beside
+one peer holds for plans of that many ranks only. ``zero`` is 0, or 1 or 3 where the layer was its own FSDP unit
+over the data-parallel ranks: under 3 its weights' gathers and its gradients' reduce-scatter are inside its
+times; under 1 FSDP's work around a micro-batch that synchronises nothing (the once-a-step collectives are
+priced apart).
+
+Files are read with every field checked: a truncated, corrupt or foreign file (another device, another torch,
+another layout version) is refused with one error naming the file and what is wrong, never used in part. Nothing
+is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.files import read_text, write_atomic
+
+VERSION = 1
+MAX_BYTES = 64 << 20
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+
+
+class ProfileError(ValueError):
+    """A profile database that cannot be used; the message names the file."""
+
+
+def this_device(device: torch.device | None = None, *, threads: int | None = None) -> str:
+    """What measures: the CUDA device's name, or the host's processor and the threads one rank uses (``threads``,
+    default this process's)."""
+    if device is not None and device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {_processor()}, {threads or torch.get_num_threads()} thread(s) per rank"
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def fingerprint(ops: Iterable[str], params: Iterable[tuple[int, ...]], flops_per_sample: float) -> str:
+    """A layer's identity as the database keys it: its ops in order, its parameters' shapes, its model FLOPs per
+    sample (rounded to whole FLOPs). Equal for copies of one layer; independent of the layer's place and of the
+    batch it was traced at."""
+    text = json.dumps([list(ops), [list(p) for p in params], round(flops_per_sample)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    layer: str
+    name: str  # a layer it was measured on (for people reading the file)
+    tp: int
+    sp: bool
+    recompute: str
+    zero: int  # 0, or 1 or 3: the layer its own FSDP unit (`Entry` in the module's docstring)
+    samples: float  # samples of a micro-batch one device runs
+    ranks: int  # ranks running at once on the host while measured
+    dtype: str
+    forward: float  # seconds, collectives inside the layer included
+    backward: float  # seconds, recomputation and collectives inside the layer included (0: no backward)
+    repeats: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.layer, self.tp, self.sp, self.recompute, self.zero, float(self.samples), self.ranks, self.dtype)
+
+
+@dataclass(slots=True)
+class ProfileDB:
+    device: str
+    torch: str = field(default_factory=lambda: torch.__version__)
+    entries: dict[tuple, Entry] = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``cpu`` or ``cuda``."""
+        return self.device.partition(":")[0]
+
+    def add(self, entry: Entry) -> None:
+        self.entries[entry.key] = entry
+
+    def get(self, layer: str, *, tp: int, sp: bool, recompute: str, samples: float, ranks: int, dtype: str,
+            zero: int = 0) -> Entry | None:
+        """The measurement of ``layer`` under that layout, if there is one. On a GPU the ranks beside it do not
+        slow a device down, so an entry measured with any number of ranks will do."""
+        found = self.entries.get((layer, tp, sp, recompute, zero, float(samples), ranks, dtype))
+        if found is None and self.kind == "cuda":
+            found = next((e for e in self.entries.values()
+                          if e.key[:6] == (layer, tp, sp, recompute, zero, float(samples)) and e.dtype == dtype),
+                         None)
+        return found
+
+    def to_json(self) -> str:
+        entries = sorted(self.entries.values(),
+                         key=lambda e: (e.name, e.tp, e.sp, e.recompute, e.zero, e.samples, e.ranks))
+        return json.dumps({"autopar_profile": VERSION, "device": self.device, "torch": self.torch,
+                           "entries": [asdict(e) for e in entries]}, indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_atomic(path, self.to_json())
+        self.path = str(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, device: str | None = None) -> ProfileDB:
+        """Read ``path``, refusing it (`ProfileError`, naming the file) when it is not a complete profile
+        database of this layout version and torch, or (``device`` given) was measured on another device."""
+        shown = str(path)
+        try:
+            text = read_text(path, what="profile database", limit=MAX_BYTES)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{shown}: not a profile database: not JSON ({exc.msg} at line {exc.lineno}; "
+                               "a truncated or corrupt file): profile again with autopar profile-segments") from None
+        if not isinstance(data, dict) or "autopar_profile" not in data:
+            raise ProfileError(f"{shown}: not a profile database (no autopar_profile field): write one with "
+                               "autopar profile-segments --db FILE")
+        if data["autopar_profile"] != VERSION:
+            raise ProfileError(f"{shown}: profile database version {data['autopar_profile']!r}; this autopar reads "
+                               f"version {VERSION}: profile again into a new file")
+        db = cls(device=_text(shown, data, "device"), torch=_text(shown, data, "torch"), path=shown)
+        if db.torch != torch.__version__:
+            raise ProfileError(f"{shown}: measured under torch {db.torch}, this is torch {torch.__version__}: its "
+                               "times may not hold; profile again into a new file")
+        if device is not None and db.device != device:
+            raise ProfileError(f"{shown}: measured on {db.device!r}, this is {device!r}: profile on this device "
+                               "into another file")
+        entries = data.get("entries")
+        if not isinstance(entries, list):
+            raise ProfileError(f"{shown}: entries must be a list")
+        for i, raw in enumerate(entries):
+            db.add(_entry(shown, i, raw))
+        return db
+
+
+def _text(shown: str, data: dict, name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not value:
+        raise ProfileError(f"{shown}: {name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _entry(shown: str, i: int, raw: Any) -> Entry:
+    where = f"{shown}: entries[{i}]"
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be an object, got {type(raw).__name__}")
+    names = {f for f in Entry.__dataclass_fields__}
+    missing, unknown = names - set(raw), set(raw) - names
+    if missing or unknown:
+        raise ProfileError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(sorted(missing))}"] if missing else [])
+            + ([f"unknown {', '.join(sorted(unknown))}"] if unknown else [])))
+    checks = {
+        "layer": lambda v: isinstance(v, str) and v != "", "name": lambda v: isinstance(v, str),
+        "tp": _positive_int, "ranks": _positive_int, "repeats": _positive_int,
+        "sp": lambda v: isinstance(v, bool), "recompute": lambda v: v in RECOMPUTE_LEVELS,
+        "zero": lambda v: v in (0, 1, 3) and not isinstance(v, bool),
+        "dtype": lambda v: v in ("fp32", "bf16", "fp16"),
+        "samples": _positive, "forward": _positive, "backward": _non_negative,
+    }
+    for name, ok in checks.items():
+        if not ok(raw[name]):
+            raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
+    return Entry(**raw)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive(value: Any) -> bool:
+    return _non_negative(value) and value > 0
+
+
+def _non_negative(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0

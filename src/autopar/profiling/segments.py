@@ -1,0 +1,201 @@
+"""Segment profiling (CFP): each distinct layer of a model, run under each layout by the runtime's own application
+of a plan on the live process group, forward and backward timed.
+
+For one layout (tensor-parallel size, sequence parallelism, recomputation level) and one micro-batch size, every
+rank builds the model, keeps one layer of each kind (`autopar.runtime.thin`: the cost does not grow with depth),
+applies the plan with `autopar.parallelize` exactly as `autopar run` does, and trains one micro-batch to capture
+what each profiled layer is given. Then each profiled layer is run again on those inputs, alone: its forward
+timed, then its backward from a gradient of ones, every rank starting each run together. Each time is the median
+of ``repeats`` runs after a warm-up. The layer's collectives (tensor parallelism, sequence parallelism) and its
+recomputation are inside what is timed; under ZeRO 3 (each repeated layer its own FSDP unit) so are its weights'
+gathers and its gradients' reduce-scatter, with all of FSDP's work around them; under ZeRO 1 FSDP's work around a
+micro-batch that synchronises no gradients (as all but the last of a step do). Other data-parallel
+synchronisation is not (the cost model prices it from the calibrated links), and neither is the loss, which no
+layer holds. Where a kind of layer has several copies, a copy between two others is timed: the first layer of a
+model may also scatter the stream (sequence parallelism) and the last gather it.
+
+All ``nproc`` ranks run at once, in ``nproc / tp`` tensor-parallel groups, so that on a CPU the figures are those
+of a rank with as many busy peers as a plan of ``nproc`` ranks has.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.plan import Plan
+from autopar.profiling.db import Entry, fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    tp: int
+    sp: bool
+    recompute: str
+    zero: int  # 0, or 1 or 3: each repeated layer an FSDP unit over the data-parallel ranks
+    samples: int  # per device
+
+    def __str__(self) -> str:
+        return (f"tp {self.tp}{' + sp' if self.sp else ''}{f', ZeRO {self.zero}' if self.zero else ''}, recompute "
+                f"{self.recompute}, {self.samples} sample{'s' if self.samples != 1 else ''} per device")
+
+
+def row_fingerprints(model: Any) -> list[str | None]:
+    """Per row of a `PipelineModel`, its layer's `fingerprint`, or None for the root row (the loss and the glue
+    between modules: no module of its own to run alone)."""
+    graph, batch = model.graph, model.traced_batch
+    out: list[str | None] = []
+    for layer in model.layers:
+        if not layer.name:
+            out.append(None)
+            continue
+        params: dict[str, tuple[int, ...]] = {}
+        for node in layer.nodes:
+            for source in node.sources:
+                info = graph.state.get(source.state) if source.state else None
+                if info is not None:
+                    params.setdefault(source.state, tuple(info.tensor.shape))
+        out.append(fingerprint((node.op for node in layer.nodes), params.values(),
+                               sum(node.flops_forward for node in layer.nodes) / batch))
+    return out
+
+
+def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str, list[str]]]], repeats: int,
+                 on_cuda: bool) -> list[tuple[int, str, str, float, float]]:
+    """One rank of `autopar profile-segments`: for each (plan, {fingerprint: row names}) job, time one row of each
+    fingerprint. Returns (job index, fingerprint, row name, forward seconds, backward seconds) on rank 0."""
+    import torch.distributed as dist
+
+    from autopar.runtime.apply import parallelize
+    from autopar.runtime.thin import thin
+    from autopar.runtime.train import Workload, build_model, global_batch
+
+    torch.set_num_threads(1)
+    rendezvous.join(rank, backend="nccl" if on_cuda else "gloo")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    results = []
+    try:
+        for index, (plan, rows) in enumerate(jobs):
+            work = Workload.of(plan)
+            model = build_model(work)
+            before = {id(module): name for name, module in model.named_modules()}
+            plan = thin(model, plan)
+            now = {before[id(module)]: name for name, module in model.named_modules() if id(module) in before}
+            chosen = {key: next((now[name] for name in names if name in now), None) for key, names in rows.items()}
+            parallel = parallelize(model, plan)
+            captured: dict[str, tuple[tuple, dict]] = {}
+            for name in filter(None, chosen.values()):
+                module = model.get_submodule(name)
+                module.register_forward_pre_hook(_capture(captured, name), prepend=True, with_kwargs=True)
+            parallel.forward_backward(global_batch(work, 0))
+            for key, name in chosen.items():
+                if name is None or name not in captured:
+                    continue  # the layer ran in no forward of the step (or its module was not kept)
+                module = model.get_submodule(name)
+                if plan.zero == 1 and hasattr(module, "set_requires_gradient_sync"):
+                    # as in a micro-batch before a step's last: weights kept gathered (the warm-up run gathers
+                    # them), gradients accumulated whole
+                    module.set_reshard_after_backward(False)
+                    module.set_requires_gradient_sync(False)
+                forward, backward = _time_layer(module, *captured[name], repeats=repeats, sync=sync)
+                results.append((index, key, name, forward, backward))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return results if rank == 0 else []
+
+
+def _capture(captured: dict, name: str) -> Callable:
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if name not in captured:
+            captured[name] = (_detached(args), _detached(kwargs))
+    return hook
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.detach(), value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _fresh(value: Any) -> Any:
+    """The captured value as the layer was given it: tensors that required a gradient require one again (a leaf
+    of their own, so that each run's backward stops at the layer)."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor) \
+            and isinstance(value[1], bool):
+        tensor, grad = value
+        return tensor.detach().requires_grad_(grad) if grad else tensor
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return next((t for t in map(_first_tensor, value.values()) if t is not None), None)
+    return getattr(value, "last_hidden_state", None)
+
+
+def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
+                sync: Callable[[], None]) -> tuple[float, float]:
+    """Median (forward, backward) seconds of ``module`` on the captured inputs, after one warm-up run."""
+    import torch.distributed as dist
+
+    forward: list[float] = []
+    backward: list[float] = []
+    for _ in range(repeats + 1):
+        a, k = _fresh(args), _fresh(kwargs)
+        dist.barrier()
+        start = time.perf_counter()
+        out = module(*a, **k)
+        sync()
+        middle = time.perf_counter()
+        forward.append(middle - start)
+        tensor = _first_tensor(out)
+        dist.barrier()
+        if tensor is None:  # no output needs a gradient (rotary tables, masks): the layer has no backward
+            backward.append(0.0)
+            continue
+        grad = torch.ones_like(tensor)
+        begin = time.perf_counter()
+        tensor.backward(grad)
+        sync()
+        backward.append(time.perf_counter() - begin)
+    return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+
+def entries(results: Sequence[tuple[int, str, str, float, float]], layouts: Sequence[Layout], *, ranks: int,
+            repeats: int, dtype: str = "fp32", recomputes: Sequence[bool]) -> list[Entry]:
+    """Database entries of rank 0's results; ``recomputes[i]``: whether the layer of result i is one the plan
+    recomputes and shards as its own FSDP unit (a repeated layer); another row is entered under recomputation
+    ``none``, and under ZeRO 3 not at all (it belongs to the root unit, whose gathers no row's run holds)."""
+    out = []
+    for (index, key, name, forward, backward), repeated in zip(results, recomputes):
+        layout = layouts[index]
+        if layout.zero and not repeated:
+            continue
+        out.append(Entry(layer=key, name=name, tp=layout.tp, sp=layout.sp,
+                         recompute=layout.recompute if repeated else "none", zero=layout.zero,
+                         samples=layout.samples, ranks=ranks,
+                         dtype=dtype, forward=max(forward, 1e-9), backward=max(backward, 0.0), repeats=repeats))
+    return out

@@ -1,0 +1,166 @@
+"""The profile database (`autopar.profiling`): files refused whole when they cannot be trusted, layers keyed by
+what they compute, measured times used by the cost model, and `autopar profile-segments` on live ranks."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from autopar.capture import trace
+from autopar.cluster import load_cluster
+from autopar.cost.pipeline import PipelineModel
+from autopar.profiling import Entry, ProfileDB, ProfileError
+from autopar.profiling.segments import row_fingerprints
+from autopar.zoo import load
+from tests.test_cli import run_cli
+
+DEVICE = "cpu: test processor, 1 thread(s) per rank"
+GPT = ["gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "16"]
+
+
+def _entry(**kw) -> Entry:  # noqa: ANN003
+    base = dict(layer="abc", name="layers.0", tp=1, sp=False, recompute="none", zero=0, samples=1, ranks=2, dtype="fp32",
+                forward=0.01, backward=0.02, repeats=3)
+    return Entry(**{**base, **kw})
+
+
+def _model(layers: int, *, batch: int = 1, profile: ProfileDB | None = None, devices: int = 2) -> PipelineModel:
+    zoo = load("gpt3-125m", batch=batch, seq=16, dtype=torch.float32, layers=layers, hidden=64, heads=4, vocab=128)
+    return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
+                         traced_batch=batch, dtype="fp32", profile=profile)
+
+
+def test_a_database_reads_back_what_was_saved(tmp_path) -> None:
+    db = ProfileDB(device=DEVICE)
+    db.add(_entry())
+    db.add(_entry(tp=2, sp=True, recompute="full", samples=2))
+    db.add(_entry(forward=0.5))  # the same key measured again: replaced
+    path = tmp_path / "db.json"
+    db.save(path)
+    again = ProfileDB.load(path, device=DEVICE)
+    assert again.device == DEVICE and len(again.entries) == 2
+    assert again.get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=2, dtype="fp32").forward == 0.5
+    assert again.get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=4, dtype="fp32") is None
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda text: text[: len(text) // 2], "not JSON"),
+    (lambda text: "[]", "no autopar_profile field"),
+    (lambda text: text.replace('"autopar_profile": 1', '"autopar_profile": 99'), "version 99"),
+    (lambda text: text.replace(torch.__version__, "1.0.0"), "torch 1.0.0"),
+    (lambda text: text.replace('"forward": 0.01', '"forward": -1'), "entries[0].forward"),
+    (lambda text: text.replace('"forward": 0.01', '"forward": NaN'), "entries[0].forward"),
+    (lambda text: text.replace('"repeats": 3', '"repeats": 3, "extra": 1'), "unknown extra"),
+    (lambda text: text.replace('"tp": 1,', ''), "missing tp"),
+    (lambda text: text.replace('"recompute": "none"', '"recompute": "half"'), "entries[0].recompute"),
+])
+def test_a_corrupt_or_foreign_database_is_refused_naming_the_file(tmp_path, mutate, message) -> None:
+    db = ProfileDB(device=DEVICE)
+    db.add(_entry())
+    path = tmp_path / "db.json"
+    path.write_text(mutate(db.to_json()))
+    with pytest.raises(ProfileError, match=re.escape(message)) as info:
+        ProfileDB.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_database_of_another_device_is_refused(tmp_path) -> None:
+    db = ProfileDB(device=DEVICE)
+    path = tmp_path / "db.json"
+    db.save(path)
+    with pytest.raises(ProfileError, match="measured on 'cpu: test processor"):
+        ProfileDB.load(path, device="cuda: NVIDIA H100 80GB HBM3")
+    with pytest.raises(ProfileError, match="no such profile database"):
+        ProfileDB.load(tmp_path / "absent.json")
+
+
+def test_layers_are_keyed_by_what_they_compute_not_where_they_sit() -> None:
+    shallow, deep, wide_batch = _model(2), _model(6), _model(2, batch=3)
+    keys = {layer.name: key for layer, key in zip(shallow.layers, row_fingerprints(shallow))}
+    deep_keys = {layer.name: key for layer, key in zip(deep.layers, row_fingerprints(deep))}
+    batch_keys = {layer.name: key for layer, key in zip(wide_batch.layers, row_fingerprints(wide_batch))}
+    assert keys["layers.0"] == keys["layers.1"] == deep_keys["layers.5"] == batch_keys["layers.1"]
+    assert keys["layers.0"] != keys["head"] and keys[""] is None
+    other = load("gpt3-125m", batch=1, seq=32, dtype=torch.float32, layers=2, hidden=64, heads=4, vocab=128)
+    longer = PipelineModel(trace(other.module, example_kwargs=other.inputs), load_cluster("cpu").with_devices(2),
+                           traced_batch=1, dtype="fp32")
+    assert row_fingerprints(longer)[[layer.name for layer in longer.layers].index("layers.0")] != keys["layers.0"]
+
+
+def test_the_cost_model_prices_measured_layers_by_their_times() -> None:
+    from autopar.cost import ParallelConfig
+    from autopar.cost.megatron import pipeline_config
+
+    plain = _model(2)
+    key = dict(zip((layer.name for layer in plain.layers), row_fingerprints(plain)))["layers.0"]
+    db = ProfileDB(device=DEVICE)
+    db.add(_entry(layer=key, forward=0.25, backward=0.5, ranks=2))
+    profiled = _model(2, profile=db)
+    config = pipeline_config(profiled, ParallelConfig(tp=1, pp=1, dp=2, mbs=1, recompute="none", zero=0, sp=False,
+                                                      schedule="1f1b", chunks=1))
+    row = [layer.name for layer in profiled.layers].index("layers.1")
+    mesh = profiled._mesh(1, 2, 1)
+    price = profiled.price(row, tp=1, samples=1, recompute="none", sp=False, mesh=mesh)
+    assert (price.forward, price.backward, price.measured) == (0.25, 0.5, True)
+    assert not profiled.price(row, tp=1, samples=2, recompute="none", sp=False, mesh=mesh).measured  # not profiled
+    # the two measured layers hold most of the time; the rest is the roofline's, the same as without a database
+    share = profiled.measured_share(config, global_batch=4)
+    assert 0.9 < share < 1
+    assert plain.measured_share(config, global_batch=4) == 0
+    slower = profiled.estimate(config, global_batch=4).estimate.iteration_seconds
+    assert slower > 2 * 0.75 * 2  # two micro-batches per rank, two layers of 0.75 s each
+    assert plain.estimate(config, global_batch=4).estimate.iteration_seconds < 0.1
+    # ZeRO 3: the layers' times as FSDP units hold their gathers and reduce-scatters, which cost nothing apart;
+    # their calls are still counted (what `run --check-comm` compares)
+    zero3 = pipeline_config(profiled, ParallelConfig(tp=1, pp=1, dp=2, mbs=1, recompute="none", zero=3, sp=False,
+                                                     schedule="1f1b", chunks=1))
+    before = profiled.estimate(zero3, global_batch=4, simulate=False).estimate
+    db.add(_entry(layer=key, zero=3, forward=0.5, backward=1.0, ranks=2))
+    after = _model(2, profile=db).estimate(zero3, global_batch=4, simulate=False).estimate
+    assert after.collectives == before.collectives
+    gathers = before.iteration_seconds - 2 * 2 * 0.75  # what the units' collectives and the rest cost
+    assert after.iteration_seconds == pytest.approx(2 * 2 * 1.5 + gathers, rel=0.2)
+    assert after.iteration_seconds < 2 * 2 * 1.5 + gathers  # the units' collectives are not priced again
+    # measured on 4 ranks sharing the host: no figure for a 2-rank plan
+    db4 = ProfileDB(device=DEVICE)
+    db4.add(_entry(layer=key, ranks=4))
+    assert _model(2, profile=db4).measured_share(config, global_batch=4) == 0
+
+
+def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path) -> None:
+    path = tmp_path / "db.json"
+    ProfileDB(device=DEVICE).save(path)
+    code, _, err = run_cli(capsys, "estimate", *GPT, "--gpus", "2", "--profile-db", str(path))
+    assert code == 2 and str(path) in err and "a100" in err and "Traceback" not in err
+    path.write_text('{"autopar_profile": 1, "device": ')
+    code, _, err = run_cli(capsys, "plan", *GPT, "--gpus", "2", "--cluster", "cpu", "--profile-db", str(path))
+    assert code == 2 and str(path) in err and "not JSON" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) -> None:
+    db = tmp_path / "db.json"
+    argv = ["profile-segments", *GPT, "--nproc", "2", "--tp", "1", "2", "--samples", "1", "--recompute", "none",
+            "--no-sp", "--zero", "0", "3", "--repeats", "2", "--db", str(db), "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    names = sorted({e["name"] for e in data["entries"]})
+    assert names == ["drop", "embed", "head", "layers.0", "norm"]  # layers.1 is a copy of layers.0
+    plain = [e for e in data["entries"] if e["zero"] == 0]
+    assert sorted((e["tp"], e["name"]) for e in plain) == [(tp, n) for tp in (1, 2) for n in names]
+    # under ZeRO 3 (tp 1, dp 2) only the repeated layer runs alone: the rest belong to the root unit
+    assert [(e["tp"], e["name"]) for e in data["entries"] if e["zero"] == 3] == [(1, "layers.0")]
+    assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 for e in data["entries"] if e["name"] != "drop")
+    saved = ProfileDB.load(db)
+    assert len(saved.entries) == 11
+    code, out, err = run_cli(capsys, *argv)  # measured again: replaced, not added
+    assert code == 0, err
+    assert len(ProfileDB.load(db).entries) == 11
+    code, out, err = run_cli(capsys, "estimate", *GPT, "--tp", "2", "--gpus", "2", "--batch", "2", "--dtype", "fp32",
+                             "--cluster", "cpu", "--profile-db", str(db), "--json")
+    assert code == 0, err
+    assert json.loads(out)["profile"]["measured_share"] > 0.9
