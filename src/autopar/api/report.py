@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.api.search import Searched
-from autopar.cli.render import binary_bytes, estimate_text, table
+from autopar.cli.render import binary_bytes, estimate_text, profile_line, table
 from autopar.cluster.spec import Cluster
 from autopar.plan import Plan
 from autopar.search.pipeline import Found
@@ -87,7 +87,7 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: s
     if data.get("not_runnable"):
         lines += [f"note: {runner[0]} cannot run this plan yet: {data['not_runnable']} ({runner[1]} returns the "
                   "best plan it can run)", ""]
-    lines += [estimate_text(data["estimate"]), ""]
+    lines += [*profile_line(data), estimate_text(data["estimate"]), ""]
     written = [f"timeline written to {timeline}", ""] if timeline else []
     return "\n".join(lines + _runners_up(data) + written + comparison(data, out))
 

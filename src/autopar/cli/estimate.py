@@ -10,7 +10,7 @@ from autopar.cli.common import (
     bounded_int, check_out, load_and_trace, load_profile, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
-from autopar.cli.render import Outcome, estimate_text
+from autopar.cli.render import Outcome, estimate_text, profile_line
 from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
 from autopar.report import check_report, estimate_report, write_report
 from autopar.cluster import load_cluster
@@ -152,6 +152,6 @@ def _head(data: dict[str, Any]) -> str:
 
 
 def render(data: dict[str, Any], *, timeline: str | None = None, report: str | None = None) -> str:
-    text = _head(data) + "\n\n" + estimate_text(data["estimate"])
+    text = "\n".join([_head(data), *profile_line(data), "", estimate_text(data["estimate"])])
     return (text + (f"\n\ntimeline written to {timeline}" if timeline else "")
             + (f"\nreport written to {report}" if report else ""))

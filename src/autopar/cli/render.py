@@ -80,3 +80,12 @@ class Outcome:
     def __post_init__(self) -> None:
         if self.status not in (0, 3):
             raise ValueError(f"status must be 0 or 3, got {self.status!r}")
+
+
+def profile_line(data: dict[str, Any]) -> list[str]:
+    """One line saying how much of the layers' time a profile database measured (``--profile-db``), or none."""
+    profile = data.get("profile")
+    if not profile:
+        return []
+    return [f"measured: {profile['measured_share']:.0%} of the layers' time from {profile['db']} "
+            f"({profile['device']}); the rest priced by the roofline"]

@@ -156,6 +156,34 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return getattr(value, "last_hidden_state", None)
 
 
+def _settle(value: Any) -> None:
+    """Wait for the collectives still in flight behind ``value``'s tensors (a functional collective's result is
+    waited for where it is first read: in a model, by the next layer; timed alone, here), so that a layer's time
+    holds its own collectives and no other's."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _settle(item)
+    elif isinstance(value, dict):
+        _settle(list(value.values()))
+    elif isinstance(value, torch.Tensor):
+        local = getattr(value, "_local_tensor", value)
+        if isinstance(local, AsyncCollectiveTensor):
+            local.wait()
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of ``value`` that are leaves requiring a gradient (the inputs a run's backward reaches)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad and value.is_leaf else []
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _leaves(item)]
+    if isinstance(value, dict):
+        return _leaves(list(value.values()))
+    return []
+
+
 def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
                 sync: Callable[[], None]) -> tuple[float, float]:
     """Median (forward, backward) seconds of ``module`` on the captured inputs, after one warm-up run."""
@@ -168,6 +196,7 @@ def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
         dist.barrier()
         start = time.perf_counter()
         out = module(*a, **k)
+        _settle(out)
         sync()
         middle = time.perf_counter()
         forward.append(middle - start)
@@ -179,6 +208,7 @@ def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
         grad = torch.ones_like(tensor)
         begin = time.perf_counter()
         tensor.backward(grad)
+        _settle([t.grad for t in _leaves((a, k))])
         sync()
         backward.append(time.perf_counter() - begin)
     return statistics.median(forward[1:]), statistics.median(backward[1:])
