@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
                 db.add(entry)
             db.save(args.db)  # after each launch: an interrupt keeps what was measured
             measured += new
-            say(f"  {len(new)} times in {time.perf_counter() - begin:.1f} s, saved to {args.db}")
+            say(f"  {len(new)} time{'s' if len(new) != 1 else ''} in {time.perf_counter() - begin:.1f} s, saved to "
+                f"{args.db}")
     data = {
         "model": zoo.config.name,
         "db": args.db,

@@ -87,5 +87,5 @@ def profile_line(data: dict[str, Any]) -> list[str]:
     profile = data.get("profile")
     if not profile:
         return []
-    return [f"measured: {profile['measured_share']:.0%} of the layers' time from {profile['db']} "
+    return [f"measured: {profile['measured_share']:.1%} of the layers' time from {profile['db']} "
             f"({profile['device']}); the rest priced by the roofline"]

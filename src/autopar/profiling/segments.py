@@ -20,6 +20,7 @@ of a rank with as many busy peers as a plan of ``nproc`` ranks has.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -73,7 +74,7 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
     import torch.distributed as dist
 
     from autopar.runtime.apply import parallelize
-    from autopar.runtime.thin import thin
+    from autopar.runtime.thin import renamed_plan, thinned
     from autopar.runtime.train import Workload, build_model, global_batch
 
     torch.set_num_threads(1)
@@ -81,12 +82,18 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     results = []
     try:
+        pristine = None  # the thinned model before any plan was applied: each job parallelises a copy of it
         for index, (plan, rows) in enumerate(jobs):
             work = Workload.of(plan)
-            model = build_model(work)
-            before = {id(module): name for name, module in model.named_modules()}
-            plan = thin(model, plan)
-            now = {before[id(module)]: name for name, module in model.named_modules() if id(module) in before}
+            if pristine is None:  # the whole model is built once per launch, however deep it is
+                model = build_model(work)
+                before = {id(module): name for name, module in model.named_modules()}
+                plan, renamed = thinned(model, plan)
+                now = {before[id(module)]: name for name, module in model.named_modules() if id(module) in before}
+                pristine = copy.deepcopy(model)
+            else:  # one launch's jobs share tp, sp and ZeRO and treat every layer alike: the same layers are kept
+                model = copy.deepcopy(pristine)
+                plan = renamed_plan(plan, renamed)
             chosen = {key: next((now[name] for name in names if name in now), None) for key, names in rows.items()}
             parallel = parallelize(model, plan)
             captured: dict[str, tuple[tuple, dict]] = {}

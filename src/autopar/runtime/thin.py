@@ -33,6 +33,12 @@ def thin(model: nn.Module, plan: Plan) -> Plan:
     """Drop from ``model`` (in place; not yet parallelised) the layers that others of their kind stand for, and
     return ``plan`` naming the layers kept under their new places in their lists. Lists of fewer than three
     layers, and models whose plan names no list of layers, are left as they are."""
+    return thinned(model, plan)[0]
+
+
+def thinned(model: nn.Module, plan: Plan) -> tuple[Plan, dict[str, str | None]]:
+    """`thin`, also returning what it renamed: each layer of a thinned list to its new name, or None where it
+    was dropped (`renamed_plan` renames another plan treating the layers alike the same way)."""
     modules = dict(model.named_modules())
     renamed: dict[str, str | None] = {}  # old layer name -> new, or None when dropped
     for head in _lists(plan, modules):
@@ -52,6 +58,12 @@ def thin(model: nn.Module, plan: Plan) -> Plan:
         container._modules = {str(j): layers[i] for j, i in enumerate(kept)}
         renamed.update(dict.fromkeys(names))
         renamed.update({names[i]: f"{head}.{j}" for j, i in enumerate(kept)})
+    return (_renamed(plan, renamed) if renamed else plan), renamed
+
+
+def renamed_plan(plan: Plan, renamed: dict[str, str | None]) -> Plan:
+    """``plan`` naming the layers as `thinned` renamed them in a model: for a plan of the same model that treats
+    every layer as the plan `thinned` was given does (the same kinds, so the same layers kept)."""
     return _renamed(plan, renamed) if renamed else plan
 
 
