@@ -22,8 +22,8 @@ GPT = ["gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab"
 
 
 def _entry(**kw) -> Entry:  # noqa: ANN003
-    base = dict(layer="abc", name="layers.0", tp=1, sp=False, recompute="none", zero=0, samples=1, ranks=2, dtype="fp32",
-                forward=0.01, backward=0.02, repeats=3)
+    base = dict(layer="abc", name="layers.0", tp=1, sp=False, recompute="none", zero=0, samples=1, ranks=2,
+                dtype="fp32", forward=0.01, backward=0.02, repeats=3)
     return Entry(**{**base, **kw})
 
 
@@ -164,3 +164,29 @@ def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) ->
                              "--cluster", "cpu", "--profile-db", str(db), "--json")
     assert code == 0, err
     assert json.loads(out)["profile"]["measured_share"] > 0.9
+
+
+@pytest.mark.parametrize("model, layers, shallow", [
+    (["gpt3-125m", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "16"], 8, 3),
+    (["hf:llama", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--seq",
+      "16"], 6, 3),
+    (["gpt3-125m", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "16"], 3, None),  # no deeper
+])
+def test_a_deep_model_is_profiled_on_a_shallow_copy_with_the_same_kinds_of_layer(model, layers, shallow) -> None:
+    from autopar.cli.common import load_and_trace
+    from autopar.cli.main import build_parser
+    from autopar.cli.profile_segments import _shallower
+
+    args = build_parser().parse_args(["profile-segments", *model, "--layers", str(layers), "--nproc", "2",
+                                      "--db", "unused.json", "--dtype", "fp32"])
+    traced = load_and_trace(args, batch=1)
+    cluster = load_cluster("cpu").with_devices(2)
+    keys = row_fingerprints(PipelineModel(traced.graph, cluster, traced_batch=1, dtype="fp32"))
+    found = _shallower(args, traced.zoo, keys, cluster)
+    if shallow is None:
+        assert found is None
+        return
+    zoo, _, shallow_keys = found
+    assert zoo.config.layers == shallow and set(shallow_keys) == set(keys)
+    # a kind of layer found only deeper: no copy stands for the model
+    assert _shallower(args, traced.zoo, [*keys, "a kind only layer 7 has"], cluster) is None

@@ -18,6 +18,7 @@ from autopar.profiling.db import ProfileDB, this_device
 from autopar.profiling.segments import Layout, entries, profile_rank, row_fingerprints
 
 RECOMPUTE = ("none", "selective", "full")
+SHALLOW = 3  # layers of the copy a deeper model is profiled on: a copy between two others, as in the model
 
 
 def register(subparsers: Any) -> None:
@@ -70,10 +71,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     db = ProfileDB.load(args.db, device=device) if Path(args.db).exists() else ProfileDB(device=device)
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     args.dtype = "fp32"  # the runtime trains in fp32
+    cluster = load_cluster("cpu").with_devices(args.nproc)
     traced = load_and_trace(args, batch=1)
     zoo = traced.zoo
-    model = PipelineModel(traced.graph, load_cluster("cpu").with_devices(args.nproc), traced_batch=1, dtype="fp32")
+    model = PipelineModel(traced.graph, cluster, traced_batch=1, dtype="fp32")
     keys = row_fingerprints(model)
+    whole = len(model.layers)
+    shallow = _shallower(args, zoo, keys, cluster)
+    if shallow is not None:  # the ranks build a copy of SHALLOW layers: the same kinds, found at any depth
+        zoo, model, keys = shallow
+        say(f"profiling a copy of {zoo.config.layers} layers: it has the same kinds of layers as the "
+            f"{traced.zoo.config.layers} of {zoo.config.name}")
     rows: dict[str, list[str]] = {}
     repeated: dict[str, bool] = {}
     for layer, key in zip(model.layers, keys):
@@ -91,6 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     sizes = [t for t in sizes if t not in bad]
     overrides = tuple(sorted((field, getattr(args, flag)) for flag, field in MODEL_OVERRIDES.items()
                              if getattr(args, flag) is not None))
+    if shallow is not None:
+        overrides = tuple(sorted({**dict(overrides), "layers": zoo.config.layers}.items()))
     groups: list[list[tuple[Layout, Any]]] = []
     skipped: list[str] = []
     shapes = [(tp, sp, zero) for tp in sizes for sp in ((False, True) if tp > 1 and not args.no_sp else (False,))
@@ -144,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "device": device,
         "ranks": args.nproc,
         "distinct_layers": len(rows),
-        "layers": len(model.layers),
+        "layers": whole,
+        "profiled_layers": zoo.config.layers,  # of the copy the ranks built (fewer where the kinds allow)
         "entries": [{"name": e.name, "tp": e.tp, "sp": e.sp, "recompute": e.recompute, "zero": e.zero,
                      "samples": e.samples,
                      "forward_ms": e.forward * 1e3, "backward_ms": e.backward * 1e3} for e in measured],
@@ -152,6 +163,28 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "seconds": time.perf_counter() - started,
     }
     return data if args.json else render(data)
+
+
+def _shallower(args: argparse.Namespace, zoo: Any, keys: list[str | None], cluster: Any) -> tuple | None:
+    """(zoo model, cost model, fingerprints) of a copy of the model with `SHALLOW` layers, where it has exactly the
+    same kinds of layer (fingerprints) as the model: the ranks then build that copy, so that profiling a deep
+    model costs what a shallow one does. None where the model has no layer count to change, is no deeper, or a
+    kind of layer occurs only deeper (a pattern of layer types)."""
+    from autopar.cost.pipeline import PipelineModel
+
+    layers = zoo.config.layers
+    if zoo.config.family == "user" or not layers or layers <= SHALLOW:
+        return None
+    copy = argparse.Namespace(**{**vars(args), "layers": SHALLOW})
+    try:
+        traced = load_and_trace(copy, batch=1)
+    except (ValueError, TypeError):  # a configuration that cannot have so few layers
+        return None
+    if traced.zoo.config.layers != SHALLOW:
+        return None
+    model = PipelineModel(traced.graph, cluster, traced_batch=1, dtype="fp32")
+    shallow = row_fingerprints(model)
+    return (traced.zoo, model, shallow) if set(shallow) == set(keys) else None
 
 
 def render(data: dict[str, Any]) -> str:

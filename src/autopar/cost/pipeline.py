@@ -300,7 +300,8 @@ class PipelineModel:
 
     def __init__(self, graph: Graph, cluster: Cluster, *, traced_batch: int, dtype: str = "bf16",
                  screen: bool = False, kernels: str = "eager", precision: Precision | None = None,
-                 vocab_parallel: bool = False, scatter_gather_sends: bool = False, profile=None) -> None:  # noqa: ANN001
+                 vocab_parallel: bool = False, scatter_gather_sends: bool = False,
+                 profile=None) -> None:  # noqa: ANN001 - an autopar.profiling.ProfileDB
         """``vocab_parallel`` and ``scatter_gather_sends`` price Megatron-LM's vocabulary split
         (`autopar.cost.vocab`) and pipeline sends (`_send`) where autopar's runtime does otherwise (the default).
         ``profile`` (an `autopar.profiling.ProfileDB`): layers it has measured under a layout are priced by its
