@@ -138,6 +138,10 @@ def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path)
     path.write_text('{"autopar_profile": 1, "device": ')
     code, _, err = run_cli(capsys, "plan", *GPT, "--gpus", "2", "--cluster", "cpu", "--profile-db", str(path))
     assert code == 2 and str(path) in err and "not JSON" in err and len(err.strip().splitlines()) == 1
+    # the runtime trains in fp32: a layer timed in another dtype would be of no run
+    code, _, err = run_cli(capsys, "profile-segments", *GPT, "--nproc", "2", "--db", str(tmp_path / "new.json"),
+                           "--dtype", "bf16")
+    assert code == 2 and "--dtype bf16" in err and not (tmp_path / "new.json").exists()
 
 
 @pytest.mark.slow

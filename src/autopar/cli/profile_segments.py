@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per layer and layout, after a warm-up; "
                         "each time is their median (default 9)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, dtype="fp32")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     device = this_device(torch.device("cuda", 0) if on_cuda else None, threads=1)
     db = ProfileDB.load(args.db, device=device) if Path(args.db).exists() else ProfileDB(device=device)
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    args.dtype = "fp32"  # the runtime trains in fp32
+    if args.dtype != "fp32":  # the runtime trains in fp32: times of another dtype would be of no run
+        raise ValueError(f"--dtype {args.dtype}: layers are profiled in fp32, as autopar run trains them; leave "
+                         "--dtype out")
     cluster = load_cluster("cpu").with_devices(args.nproc)
     traced = load_and_trace(args, batch=1)
     zoo = traced.zoo
