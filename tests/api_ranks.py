@@ -81,6 +81,7 @@ def plan_once(rank: int, rendezvous: Any, batch: int, search: str) -> dict[str, 
             return {"error": str(exc)}
         return {"plan": plan.to_dict(), "report": plan.explain()}
     finally:
+        dist.barrier()  # no rank tears gloo down while its peer still finishes the error's broadcast (SIGABRT)
         dist.destroy_process_group()
 
 
