@@ -194,3 +194,15 @@ def test_a_deep_model_is_profiled_on_a_shallow_copy_with_the_same_kinds_of_layer
     assert zoo.config.layers == shallow and set(shallow_keys) == set(keys)
     # a kind of layer found only deeper: no copy stands for the model
     assert _shallower(args, traced.zoo, [*keys, "a kind only layer 7 has"], cluster) is None
+
+
+def test_a_row_whose_module_holds_other_rows_is_not_timed_alone() -> None:
+    # a Hugging Face causal LM's inner ``model`` row is its own glue (masks, positions); running the module would
+    # run every layer in it
+    zoo = load("hf:qwen2", batch=1, seq=16, dtype=torch.float32, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+               vocab=128)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(2),
+                          traced_batch=1, dtype="fp32")
+    keys = dict(zip((layer.name for layer in model.layers), row_fingerprints(model)))
+    assert "model" in keys and keys["model"] is None
+    assert keys["model.layers.0"] is not None and keys["model.layers.0"] == keys["model.layers.1"]

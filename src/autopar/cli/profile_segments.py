@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             # forward only: they cannot run alone, and are priced as under ZeRO 0
             jobs = [(plan, {key: names for key, names in rows.items() if repeated[key] or not layout.zero})
                     for layout, plan in group]
-            results = run_ranks(profile_rank, args.nproc, args=(jobs, args.repeats, on_cuda))[0]
+            results, refused = run_ranks(profile_rank, args.nproc, args=(jobs, args.repeats, on_cuda))[0]
+            skipped += [f"{layouts[index]}: {why}" for index, why in refused]
             new = entries(results, layouts, ranks=args.nproc, repeats=args.repeats,
                           recomputes=[repeated[key] for _, key, *_ in results])
             for entry in new:

@@ -48,12 +48,14 @@ class Layout:
 
 
 def row_fingerprints(model: Any) -> list[str | None]:
-    """Per row of a `PipelineModel`, its layer's `fingerprint`, or None for the root row (the loss and the glue
-    between modules: no module of its own to run alone)."""
+    """Per row of a `PipelineModel`, its layer's `fingerprint`, or None where its module cannot run alone as the
+    row: the root row (the loss and the glue between modules), and a row whose module holds other rows (a Hugging
+    Face model's inner ``model``: the row is its own glue, but running the module runs every layer in it)."""
     graph, batch = model.graph, model.traced_batch
+    parents = {name.rpartition(".")[0] for layer in model.layers for name in _prefixes(layer.name)}
     out: list[str | None] = []
     for layer in model.layers:
-        if not layer.name:
+        if not layer.name or layer.name in parents:
             out.append(None)
             continue
         params: dict[str, tuple[int, ...]] = {}
@@ -67,10 +69,18 @@ def row_fingerprints(model: Any) -> list[str | None]:
     return out
 
 
+def _prefixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``a.b.c``, ``a.b``: each name whose parent is an enclosing module."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts), 1, -1)]
+
+
 def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str, list[str]]]], repeats: int,
-                 on_cuda: bool) -> list[tuple[int, str, str, float, float]]:
+                 on_cuda: bool) -> tuple[list[tuple[int, str, str, float, float]], list[tuple[int, str]]]:
     """One rank of `autopar profile-segments`: for each (plan, {fingerprint: row names}) job, time one row of each
-    fingerprint. Returns (job index, fingerprint, row name, forward seconds, backward seconds) on rank 0."""
+    fingerprint. Returns on rank 0 the times, as (job index, fingerprint, row name, forward seconds, backward
+    seconds), and the jobs the runtime refused to apply, as (job index, why): `parallelize` refuses a plan alike
+    on every rank (it depends on the plan and the model only), so every rank skips that job together."""
     import torch.distributed as dist
 
     from autopar.runtime.apply import parallelize
@@ -81,6 +91,7 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
     rendezvous.join(rank, backend="nccl" if on_cuda else "gloo")
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     results = []
+    refused: list[tuple[int, str]] = []
     try:
         pristine = None  # the thinned model before any plan was applied: each job parallelises a copy of it
         for index, (plan, rows) in enumerate(jobs):
@@ -95,7 +106,11 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
                 model = copy.deepcopy(pristine)
                 plan = renamed_plan(plan, renamed)
             chosen = {key: next((now[name] for name in names if name in now), None) for key, names in rows.items()}
-            parallel = parallelize(model, plan)
+            try:
+                parallel = parallelize(model, plan)
+            except (NotImplementedError, ValueError) as exc:
+                refused.append((index, str(exc)))
+                continue
             captured: dict[str, tuple[tuple, dict]] = {}
             for name in filter(None, chosen.values()):
                 module = model.get_submodule(name)
@@ -115,7 +130,7 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return results if rank == 0 else []
+    return (results, refused) if rank == 0 else ([], [])
 
 
 def _capture(captured: dict, name: str) -> Callable:
