@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from autopar.plan import Plan
 from autopar.profiling.db import Entry, fingerprint
@@ -184,26 +185,15 @@ def _settle(value: Any) -> None:
     holds its own collectives and no other's."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            _settle(item)
-    elif isinstance(value, dict):
-        _settle(list(value.values()))
-    elif isinstance(value, torch.Tensor):
-        local = getattr(value, "_local_tensor", value)
+    for item in tree_flatten(value)[0]:
+        local = getattr(item, "_local_tensor", item)
         if isinstance(local, AsyncCollectiveTensor):
             local.wait()
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
     """The tensors of ``value`` that are leaves requiring a gradient (the inputs a run's backward reaches)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.requires_grad and value.is_leaf else []
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _leaves(item)]
-    if isinstance(value, dict):
-        return _leaves(list(value.values()))
-    return []
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
 
 
 def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
