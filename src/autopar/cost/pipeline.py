@@ -52,7 +52,7 @@ import itertools
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 from autopar.capture import Graph
@@ -188,8 +188,23 @@ class Stage:
     # lay each repeated layer out by the intra-op planner's choice on the tp axis (`cost.intra_layers`) where that
     # is faster than Megatron's column/row pairs
     intra: bool = False
+    # worked out once: the searches look stages up by hash hundreds of thousands of times (`__setstate__`)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __setstate__(self, state: list) -> None:
+        """Unpickled: the fields, and a hash of this process's (a string's hash differs between processes)."""
+        for f, value in zip(fields(self), state):
+            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "_hash", self._key_hash())
+
+    def _key_hash(self) -> int:
+        return hash((self.start, self.end, self.tp, self.dp, self.recompute, self.segments, self.intra))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", self._key_hash())
         if not 0 <= self.start < self.end:
             raise ValueError(f"stage rows [{self.start}, {self.end}) are empty or negative")
         if self.tp < 1 or self.dp < 1:
@@ -290,6 +305,8 @@ class PipelineEstimate:
     stages: list[StageReport] = field(default_factory=list)
     # the simulated iteration its estimate reads; None when the closed form priced it (a search's screen)
     simulation: PipelineSimulation | None = None
+    # how the searches rank it (`search.pipeline.score`), worked out once: they ask for it many times
+    ranking: tuple[bool, float] | None = field(default=None, repr=False, compare=False)
 
 
 _REPORTS_KEPT = 200_000  # stage reports cached before the cache starts again

@@ -46,6 +46,7 @@ from autopar.plan import Mesh, ModuleLayout, ParamLayout, Plan, Workload
 from autopar.plan import Stage as PlanStage
 from autopar.sharding import parse
 from autopar.search.recompute import with_optimal_recompute
+from autopar.search.workers import default_workers, in_worker, share_out
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,14 @@ def gain(before: Score, after: Score) -> float:
 
 
 def score(result: PipelineEstimate) -> Score:
-    memory = result.estimate.memory
-    if not memory.fits:
-        over = max(r.memory.total / r.memory.budget for r in result.stages)
-        return (True, over)
-    return (False, result.estimate.iteration_seconds)
+    """(does not fit, how far over the busiest stage is, or else the iteration time): lower is better."""
+    if result.ranking is None:
+        memory = result.estimate.memory
+        if not memory.fits:
+            result.ranking = (True, max(r.memory.total / r.memory.budget for r in result.stages))
+        else:
+            result.ranking = (False, result.estimate.iteration_seconds)
+    return result.ranking
 
 
 class Evaluator:
@@ -109,6 +113,21 @@ class Evaluator:
         self.global_batch = global_batch
         self.limit = limit  # configurations it names a reason for are refused (`runtime_limit`)
         self.cache: dict[PipelineConfig, PipelineEstimate] = {}
+        self.elsewhere = 0  # configurations workers priced that this cache does not hold (`adopt`)
+
+    @property
+    def priced(self) -> int:
+        """Configurations priced for this evaluator, here or in workers."""
+        return len(self.cache) + self.elsewhere
+
+    def adopt(self, configs: Iterable[PipelineConfig], *, priced: int) -> None:
+        """A worker's results: it priced ``priced`` configurations, of which ``configs`` are priced again here (the
+        rest stay counted in `priced`)."""
+        configs = list(dict.fromkeys(configs))
+        new = sum(1 for config in configs if config not in self.cache)
+        for config in configs:
+            self(config)
+        self.elsewhere += priced - new
 
     def __call__(self, config: PipelineConfig) -> PipelineEstimate:
         found = self.cache.get(config)
@@ -119,17 +138,18 @@ class Evaluator:
             found = self.cache[config] = self.model.estimate(config, global_batch=self.global_batch)
         return found
 
-    def top(self, k: int, *, besides: PipelineConfig | None = None) -> list[Found]:
+    def top(self, k: int, *, besides: PipelineConfig | None = None, where: Limit | None = None) -> list[Found]:
         """The ``k`` best configurations priced so far, one per shape (depth, dp x tp per stage, ZeRO, sequence
-        parallelism), the shape of ``besides`` left out: what the chosen plan beat, by how much."""
+        parallelism), the shape of ``besides`` left out, and those ``where`` refuses: what the chosen plan beat,
+        by how much."""
         seen = {shape(besides)} if besides is not None else set()
         best: list[Found] = []
         for config, result in sorted(self.cache.items(), key=lambda item: score(item[1])):
             key = shape(config)
-            if key in seen:
+            if key in seen or (where is not None and where(config)):
                 continue
             seen.add(key)
-            best.append(Found(config, result, len(self.cache)))
+            best.append(Found(config, result, self.priced))
             if len(best) == k:
                 break
         return best
@@ -183,38 +203,50 @@ def micro_batches(global_batch: int, dp_values: list[int]) -> list[int]:
 
 
 def megatron_grid(
-    model: PipelineModel, *, global_batch: int, deadline: float = math.inf, evaluate: Evaluator | None = None
+    model: PipelineModel, *, global_batch: int, deadline: float = math.inf, evaluate: Evaluator | None = None,
+    limit: Limit | None = None,
 ) -> Found | None:
     """The best Megatron-LM configuration: global tp x pp x dp, micro-batch per dp rank, uniform recomputation,
     ZeRO 0 or 1 (the distributed optimizer), 1F1B, even stages; then each depth's best point interleaved (two
-    chunks per device), where the layers divide."""
+    chunks per device), where the layers divide. Depths are priced side by side in forked processes where there are
+    cores for them (`search.workers`); of a worker's points ``evaluate`` then holds each depth's best, its best that
+    ``limit`` accepts, and the best of the four best shapes it accepts: all the searches after the grid read from
+    it."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
-    devices = model.cluster.num_devices
+    depths = pipeline_depths(model, model.cluster.num_devices)
+    before = len(evaluate.cache)
+    mine: list[int] = []  # the depths this process priced
+
+    def work(pp: int, stop: Callable[[], bool], left: int) -> tuple[PipelineConfig | None, int, bool]:
+        mine.append(pp)
+        return _grid_depth(model, pp, evaluate, global_batch=global_batch, deadline=deadline)
+
+    def finish() -> tuple[list[PipelineConfig], int]:  # in a worker: what the caller prices again
+        kept: list[PipelineConfig] = []
+        if limit is not None:  # each depth's best the limit accepts: the searches after the grid start there
+            ranked = sorted(evaluate.cache.items(), key=lambda item: score(item[1]))
+            for pp in mine:
+                kept += [c for c, _ in ranked if c.pp == pp and c.chunks == 1 and not limit(c)][:1]
+        kept += [f.config for f in evaluate.top(4, where=limit)]
+        return kept, len(evaluate.cache) - before
+
+    parts, finished = share_out(depths, work, finish=finish, order=_deepest_first(depths))
+    worked = [part for part in parts if part is not None]
+    for kept, priced in finished:
+        evaluate.adopt([config for config, _, _ in worked if config is not None] + kept, priced=priced)
+    by_depth = {pp: part[0] for pp, part in zip(depths, parts) if part is not None and part[0] is not None}
+    count = sum(part[1] for part in worked)
     best: Found | None = None
-    count = 0
-    per_depth: dict[int, PipelineConfig] = {}
-    for pp in pipeline_depths(model, devices):
-        for tp in tensor_parallel_sizes(model, devices // pp):
-            dp = devices // pp // tp
-            for per_rank in (1, 2, 4, 8, 16, 32):
-                micro = per_rank * dp
-                if global_batch % micro:
-                    continue
-                for recompute, zero in itertools.product(RECOMPUTE, (0, 1)):
-                    if time.perf_counter() > deadline:
-                        return best
-                    config = PipelineConfig(
-                        stages=even_stages(model, pp, tp=tp, dp=dp, recompute=recompute), micro_batch=micro, zero=zero
-                    )
-                    result = evaluate(config)
-                    count += 1
-                    if best is None or score(result) < best.score:
-                        best = Found(config, result, count)
-                    if pp > 1 and (pp not in per_depth or score(result) < score(evaluate(per_depth[pp]))):
-                        per_depth[pp] = config
+    for pp in depths:  # in order, as one process would: a tie goes to the shallower depth
+        if pp in by_depth:
+            result = evaluate(by_depth[pp])
+            if best is None or score(result) < best.score:
+                best = Found(by_depth[pp], result, count)
+    timed_out = any(part[2] for part in worked) or len(worked) < len(depths)
     repeated = sum(1 for layer in model.layers if layer.repeated)
-    for pp, config in per_depth.items():
-        if repeated % (2 * pp) or time.perf_counter() > deadline:
+    for pp in depths:
+        config = by_depth.get(pp)
+        if config is None or timed_out or pp == 1 or repeated % (2 * pp) or time.perf_counter() > deadline:
             continue
         first = config.stages[0]
         woven = PipelineConfig(
@@ -226,8 +258,41 @@ def megatron_grid(
         if best is None or score(result) < best.score:
             best = Found(woven, result, count)
     if best is not None:
-        best.evaluated, best.by, best.converged = count, "grid", time.perf_counter() <= deadline
+        best.evaluated, best.by = count, "grid"
+        best.converged = not timed_out and time.perf_counter() <= deadline
     return best
+
+
+def _deepest_first(depths: list[int]) -> list[int]:
+    """The order processes take depths in: deeper pipelines have more stages to price, and taking the longest
+    first keeps the last process from finishing long after the others."""
+    return sorted(range(len(depths)), key=lambda k: -depths[k])
+
+
+def _grid_depth(model: PipelineModel, pp: int, evaluate: Evaluator, *, global_batch: int,
+                deadline: float) -> tuple[PipelineConfig | None, int, bool]:
+    """The Megatron grid at depth ``pp``: its best point (the first of equals), the points priced, and whether the
+    deadline cut it short."""
+    devices = model.cluster.num_devices
+    best: tuple[PipelineConfig, Score] | None = None
+    count = 0
+    for tp in tensor_parallel_sizes(model, devices // pp):
+        dp = devices // pp // tp
+        for per_rank in (1, 2, 4, 8, 16, 32):
+            micro = per_rank * dp
+            if global_batch % micro:
+                continue
+            for recompute, zero in itertools.product(RECOMPUTE, (0, 1)):
+                if time.perf_counter() > deadline:
+                    return (best[0] if best else None), count, True
+                config = PipelineConfig(
+                    stages=even_stages(model, pp, tp=tp, dp=dp, recompute=recompute), micro_batch=micro, zero=zero
+                )
+                result = evaluate(config)
+                count += 1
+                if best is None or score(result) < best[1]:
+                    best = (config, score(result))
+    return (best[0] if best else None), count, False
 
 
 def _level(stage: Stage) -> str:
@@ -387,56 +452,92 @@ def aceso(
     """Aceso's search over every pipeline depth (or ``depths``); ``seeds`` are extra starting points (the best
     Megatron configuration, say), climbed at their own depth. Each climb stops when it converges (`Window`:
     ``window`` configurations without a gain of ``tolerance``); the result is ``converged`` when every climb did
-    within its share of ``time_limit``."""
+    within its share of ``time_limit``. Depths are independent: where there are cores for it they are climbed
+    side by side in forked processes (`search.workers`), and the result is the one a single process finds
+    whenever the climbs converge."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     depths = depths or pipeline_depths(model, model.cluster.num_devices)
+    processes = min(default_workers(), len(depths))
     start_time = time.perf_counter()
+    before = len(evaluate.cache)
+    best_here: list[Found] = []  # this process's best so far, for progress
+
+    def work(pp: int, stop: Callable[[], bool], left: int) -> tuple[PipelineConfig | None, int, bool]:
+        # an equal share of the time left for each depth still to climb in this process (one that converges
+        # early leaves its time to the next)
+        share = (time_limit - (time.perf_counter() - start_time)) / max(1, math.ceil(left / processes))
+        found, evaluated, converged = _climb_depth(
+            model, pp, evaluate, global_batch=global_batch, deadline=time.perf_counter() + share, max_hops=max_hops,
+            beam=beam, secondary=secondary, seeds=seeds, should_stop=stop, window=window, tolerance=tolerance)
+        if found is not None and progress is not None and not in_worker():
+            if not best_here or found.score < best_here[0].score:
+                best_here[:] = [found]
+            e, b = found.result.estimate, best_here[0].result.estimate
+            progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)")
+                     + f"; best so far {b.iteration_seconds:.3f} s" + ("" if b.memory.fits else " (no fit)"))
+        return (found.config if found is not None else None), evaluated, converged
+
+    def finish() -> tuple[list[PipelineConfig], int]:  # in a worker: its best shapes, priced again by the caller
+        return [f.config for f in evaluate.top(4)], len(evaluate.cache) - before
+
+    parts, finished = share_out(depths, work, should_stop=should_stop, finish=finish, order=_deepest_first(depths))
+    climbed = [part[0] for part in parts if part is not None and part[0] is not None]
+    for top, priced in finished:
+        evaluate.adopt(climbed + top, priced=priced)
     best: Found | None = None
     evaluated = 0
-    all_converged = True
-    for k, pp in enumerate(depths):
-        share = (time_limit - (time.perf_counter() - start_time)) / (len(depths) - k)
-        deadline = time.perf_counter() + share
-        starts = [c for c in (*balanced(model, pp, global_batch=global_batch), *(c for c in seeds or () if c.pp == pp))
-                  if evaluate.limit is None or not evaluate.limit(c)]
-        if not starts:
+    all_converged = not should_stop() and all(part is not None for part in parts)
+    for part in parts:  # in the depths' order, as one process would: a tie goes to the shallower depth
+        if part is None:
             continue
-        found = None
-        converged = True
-        for start in starts:  # each start climbs until it converges, within the depth's time
-            climbed, count = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
-                                    window=Window(window, tolerance))
-            converged = converged and climbed.converged
-            # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
-            climbed, tried = _retune(model, climbed, evaluate, global_batch, zeros=range(climbed.config.zero))
-            evaluated += count + tried
-            if found is None or climbed.score < found.score:
-                found = climbed
-        if time.perf_counter() < deadline and not should_stop():  # the depth's time left: secondary bottlenecks
-            climbed, count = _climb(model, found.config, evaluate, global_batch, deadline, max_hops, beam,
-                                    should_stop, secondary=secondary, window=Window(window, tolerance))
-            evaluated += count
-            converged = converged and climbed.converged
-            if climbed.score < found.score:
-                found = climbed
-        else:
-            converged = False
-        # the exact per-stage recomputation on the depth's best configuration
-        found, count = _retune(model, found, evaluate, global_batch, zeros=(found.config.zero,), rotor=True)
+        config, count, converged = part
         evaluated += count
+        if config is None:
+            continue
+        found = Found(config, evaluate(config), count, by="aceso", converged=converged)
         all_converged = all_converged and converged
         if best is None or found.score < best.score:
             best = found
-        if progress:
-            e, b = found.result.estimate, best.result.estimate
-            progress(f"pp {pp}: {e.iteration_seconds:.3f} s per iteration" + ("" if e.memory.fits else " (no fit)")
-                     + f"; best so far {b.iteration_seconds:.3f} s" + ("" if b.memory.fits else " (no fit)"))
-        if should_stop():
-            all_converged = False
-            break
     if best is not None:
         best.evaluated, best.by, best.converged = evaluated, "aceso", all_converged
     return best
+
+
+def _climb_depth(
+    model: PipelineModel, pp: int, evaluate: Evaluator, *, global_batch: int, deadline: float, max_hops: int,
+    beam: int, secondary: int, seeds: list[PipelineConfig] | None, should_stop: Callable[[], bool], window: int,
+    tolerance: float,
+) -> tuple[Found | None, int, bool]:
+    """Aceso at depth ``pp`` until ``deadline``: its best configuration (None where no start is allowed), the
+    configurations priced, and whether every climb converged."""
+    starts = [c for c in (*balanced(model, pp, global_batch=global_batch), *(c for c in seeds or () if c.pp == pp))
+              if evaluate.limit is None or not evaluate.limit(c)]
+    if not starts:
+        return None, 0, True
+    found = None
+    converged = True
+    evaluated = 0
+    for start in starts:  # each start climbs until it converges, within the depth's time
+        climbed, count = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
+                                window=Window(window, tolerance))
+        converged = converged and climbed.converged
+        # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
+        climbed, tried = _retune(model, climbed, evaluate, global_batch, zeros=range(climbed.config.zero))
+        evaluated += count + tried
+        if found is None or climbed.score < found.score:
+            found = climbed
+    if time.perf_counter() < deadline and not should_stop():  # the depth's time left: secondary bottlenecks
+        climbed, count = _climb(model, found.config, evaluate, global_batch, deadline, max_hops, beam,
+                                should_stop, secondary=secondary, window=Window(window, tolerance))
+        evaluated += count
+        converged = converged and climbed.converged
+        if climbed.score < found.score:
+            found = climbed
+    else:
+        converged = False
+    # the exact per-stage recomputation on the depth's best configuration
+    found, count = _retune(model, found, evaluate, global_batch, zeros=(found.config.zero,), rotor=True)
+    return found, evaluated + count, converged
 
 
 def _retune(
@@ -597,9 +698,11 @@ def auto(
     start = time.perf_counter()
     evaluate = Evaluator(model, global_batch=global_batch, limit=limit)
     baselines = Evaluator(model, global_batch=global_batch)
-    grid = megatron_grid(model, global_batch=global_batch, evaluate=baselines, deadline=start + time_limit / 3)
+    grid = megatron_grid(model, global_batch=global_batch, evaluate=baselines, deadline=start + time_limit / 3,
+                         limit=limit)
     if limit is not None:  # the grid's points the limit accepts seed the search
         evaluate.cache.update((c, r) for c, r in baselines.cache.items() if not limit(c))
+        evaluate.elsewhere += baselines.elsewhere
     else:
         evaluate = baselines
     if progress and grid is not None:
@@ -624,7 +727,7 @@ def auto(
     best = min(searches, key=lambda f: f.score, default=None)
     if best is not None:
         complete = grid is not None and grid.converged
-        best = replace(best, by="grid" if best is allowed_grid else best.by, evaluated=len(evaluate.cache),
+        best = replace(best, by="grid" if best is allowed_grid else best.by, evaluated=evaluate.priced,
                        runners_up=evaluate.top(3, besides=best.config),
                        converged=complete and all(f.converged for f in (found, chains) if f is not None)
                        and chains is not None)
@@ -764,7 +867,7 @@ def pipeline_searches(
             found["aceso"].runners_up = evaluate.top(3, besides=found["aceso"].config)
     elif kind == "exhaustive":
         found["exhaustive"] = exhaustive(model, global_batch=global_batch, deadline=deadline, within=limit)
-    found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=baselines)
+    found["megatron"] = megatron_grid(model, global_batch=global_batch, evaluate=baselines, limit=limit)
     found["dp"] = data_parallel(model, global_batch=global_batch, zero=0, evaluate=baselines)
     if kind == "mcmc":
         found["mcmc"] = _chains(model, global_batch=global_batch, deadline=deadline, evaluate=evaluate,
@@ -792,5 +895,5 @@ def _chains(
                  time_limit=max(deadline - time.perf_counter(), 0.1), seed=seed, progress=progress,
                  should_stop=should_stop)
     if found is not None:
-        found.runners_up, found.evaluated = evaluate.top(3, besides=found.config), len(evaluate.cache)
+        found.runners_up, found.evaluated = evaluate.top(3, besides=found.config), evaluate.priced
     return found

@@ -1,0 +1,124 @@
+"""Pipeline depths searched side by side in forked processes (`autopar.search.workers`): the same plans as one
+process finds, errors and stops that reach the caller, and no worker left behind."""
+
+import os
+import time
+
+import pytest
+
+from autopar.capture import trace
+from autopar.cluster import load_cluster
+from autopar.cost.pipeline import PipelineModel
+from autopar.search.pipeline import aceso, auto, megatron_grid, runtime_limit, score
+from autopar.search.workers import default_workers, in_worker, share_out
+from autopar.zoo import load
+
+
+def _pid_after(item: int, stop, left: int) -> tuple[int, int, int]:
+    time.sleep(0.05)  # long enough that every process takes some items
+    return item, os.getpid(), left
+
+
+def test_items_are_shared_between_processes_and_come_back_in_order(monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "3")
+    results, finished = share_out(list(range(12)), _pid_after, finish=lambda: ("done", in_worker()))
+    assert [r[0] for r in results] == list(range(12))
+    assert len({r[1] for r in results}) == 3 and os.getpid() in {r[1] for r in results}
+    assert finished == [("done", True), ("done", True)]  # each worker's, not the caller's
+    assert not in_worker()
+    assert sorted(r[2] for r in results) == list(range(1, 13))  # each item knew how many were left when taken
+
+
+def test_the_order_items_are_taken_in_is_the_callers(monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "1")
+    taken = []
+    results, _ = share_out(["a", "b", "c"], lambda item, stop, left: taken.append(item) or item, order=[2, 0, 1])
+    assert taken == ["c", "a", "b"] and results == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="each of the 3 items' indices once"):
+        share_out(["a", "b", "c"], lambda item, stop, left: item, order=[0, 0, 1])
+
+
+def _fails_on_three(item: int, stop, left: int) -> int:
+    if item == 3:
+        raise ValueError(f"item {item} is bad")
+    time.sleep(0.02)
+    return item
+
+
+def test_an_error_in_a_worker_is_raised_here_and_no_worker_is_left(monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    before = _children()
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        share_out(list(range(8)), _fails_on_three)
+    assert _children() == before
+
+
+def test_a_stop_asked_here_reaches_the_workers(monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    start = time.perf_counter()
+
+    def slow(item: int, stop, left: int) -> int:
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline and not stop():
+            time.sleep(0.01)
+        return item
+
+    results, _ = share_out(list(range(6)), slow, should_stop=lambda: time.perf_counter() > start + 0.5)
+    assert time.perf_counter() - start < 3  # not 6 items x 5 s / 2 processes
+    assert results[2:] == [None] * 4  # the two items under way ended; none was started after the stop
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_worker_count_is_refused_naming_the_variable(monkeypatch, value) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", value)
+    with pytest.raises(ValueError, match="AUTOPAR_WORKERS"):
+        default_workers()
+
+
+def _children() -> set[int]:
+    path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
+    with open(path) as f:
+        return {int(p) for p in f.read().split()}
+
+
+def _model(name: str, *, gpus: int, **overrides) -> PipelineModel:
+    zoo = load(name, batch=1, **overrides)
+    cluster = load_cluster("a100-80g-sxm").with_devices(gpus)
+    return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=1, screen=True)
+
+
+@pytest.mark.parametrize(("name", "gpus", "overrides"), [
+    ("gpt3-125m", 16, {"layers": 8}),
+    ("llama-7b", 32, {"layers": 8, "hidden": 1024, "heads": 8, "kv_heads": 4, "ffn": 2816, "vocab": 8000}),
+])
+def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, name, gpus, overrides) -> None:
+    found = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("AUTOPAR_WORKERS", workers)
+        model = _model(name, gpus=gpus, **overrides)  # a fresh model: nothing cached from the other run
+        limit = lambda config: runtime_limit(config)  # noqa: E731 - the CLI's search keeps to what runs
+        result = auto(model, global_batch=64, time_limit=120, limit=limit)
+        climbed = aceso(model, global_batch=64, time_limit=120)
+        found[workers] = (result, climbed, megatron_grid(model, global_batch=64))
+    (one, climbed_one, grid_one), (two, climbed_two, grid_two) = found["1"], found["2"]
+    assert one["auto"].converged and two["auto"].converged
+    assert one["auto"].config == two["auto"].config and one["auto"].by == two["auto"].by
+    assert [f.config for f in one["auto"].runners_up] == [f.config for f in two["auto"].runners_up]
+    assert climbed_one.config == climbed_two.config and climbed_one.converged and climbed_two.converged
+    assert score(climbed_one.result) == score(climbed_two.result)
+    assert grid_one.config == grid_two.config and grid_one.evaluated == grid_two.evaluated
+    for kind in ("megatron", "dp", "fsdp"):
+        assert one[kind].config == two[kind].config, kind
+    # what the workers priced is counted, the configurations both processes priced twice
+    assert two["auto"].evaluated >= one["auto"].evaluated > 0
+
+
+def test_a_worker_prices_what_the_caller_would(monkeypatch) -> None:
+    """A worker is a fork: its results are configurations, priced again here, never prices carried over."""
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    model = _model("gpt3-125m", gpus=16, layers=8)
+    climbed = aceso(model, global_batch=64, time_limit=120)
+    fresh = _model("gpt3-125m", gpus=16, layers=8)
+    again = fresh.estimate(climbed.config, global_batch=64)
+    assert again.estimate == climbed.result.estimate
+    assert score(again) == climbed.score
