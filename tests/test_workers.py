@@ -9,7 +9,8 @@ import pytest
 from autopar.capture import trace
 from autopar.cluster import load_cluster
 from autopar.cost.pipeline import PipelineModel
-from autopar.search.pipeline import aceso, auto, megatron_grid, runtime_limit, score
+from autopar.search.mcmc import mcmc
+from autopar.search.pipeline import aceso, auto, data_parallel, megatron_grid, runtime_limit, score
 from autopar.search.workers import default_workers, in_worker, share_out
 from autopar.zoo import load
 
@@ -99,18 +100,23 @@ def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, n
         limit = lambda config: runtime_limit(config)  # noqa: E731 - the CLI's search keeps to what runs
         result = auto(model, global_batch=64, time_limit=120, limit=limit)
         climbed = aceso(model, global_batch=64, time_limit=120)
-        found[workers] = (result, climbed, megatron_grid(model, global_batch=64))
-    (one, climbed_one, grid_one), (two, climbed_two, grid_two) = found["1"], found["2"]
+        grid = megatron_grid(model, global_batch=64)
+        dp = data_parallel(model, global_batch=64, zero=0)
+        chains = mcmc(model, global_batch=64, seeds=[grid.config, dp.config], time_limit=120, seed=5)
+        found[workers] = (result, climbed, grid, chains)
+    (one, climbed_one, grid_one, chains_one), (two, climbed_two, grid_two, chains_two) = found["1"], found["2"]
     assert one["auto"].converged and two["auto"].converged
     assert one["auto"].config == two["auto"].config and one["auto"].by == two["auto"].by
     assert [f.config for f in one["auto"].runners_up] == [f.config for f in two["auto"].runners_up]
     assert climbed_one.config == climbed_two.config and climbed_one.converged and climbed_two.converged
     assert score(climbed_one.result) == score(climbed_two.result)
     assert grid_one.config == grid_two.config and grid_one.evaluated == grid_two.evaluated
+    assert chains_one.converged and chains_two.converged
+    assert chains_one.config == chains_two.config and chains_one.evaluated == chains_two.evaluated
     for kind in ("megatron", "dp", "fsdp"):
         assert one[kind].config == two[kind].config, kind
-    # what the workers priced is counted, the configurations both processes priced twice
-    assert two["auto"].evaluated >= one["auto"].evaluated > 0
+    # what the workers priced is counted, once each, as one process counts it
+    assert two["auto"].evaluated == one["auto"].evaluated > 0
 
 
 def test_a_worker_prices_what_the_caller_would(monkeypatch) -> None:

@@ -41,6 +41,7 @@ from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineMode
 from autopar.search.pipeline import (
     Evaluator, Found, Window, _bottlenecks, micro_batches, pipeline_depths, primitives, score, tensor_parallel_sizes,
 )
+from autopar.search.workers import default_workers, in_worker, share_out
 
 log = logging.getLogger(__name__)
 
@@ -92,24 +93,38 @@ def mcmc(
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     starts = _usable(seeds, evaluate)
     start_time = time.perf_counter()
-    best: Found | None = None
-    proposals, converged = 0, True
-    for n, start in enumerate(starts):
-        share = (time_limit - (time.perf_counter() - start_time)) / (len(starts) - n)
+    processes = min(default_workers(), len(starts))
+    before = len(evaluate.cache)
+
+    def work(n: int, stop: Callable[[], bool], left: int) -> tuple[PipelineConfig, int, bool]:
+        # each chain its own random stream: the same chains whichever process runs them
+        share = (time_limit - (time.perf_counter() - start_time)) / max(1, math.ceil(left / processes))
         rng = random.Random(seed * 7919 + n)
-        found, tried, done = _chain(model, start, evaluate, global_batch, rng, schedule,
-                                    time.perf_counter() + share, should_stop)
+        found, tried, done = _chain(model, starts[n], evaluate, global_batch, rng, schedule,
+                                    time.perf_counter() + share, stop)
+        if progress and not in_worker():
+            e = found.result.estimate
+            progress(f"MCMC chain {n + 1}/{len(starts)}: {e.iteration_seconds:.3f} s per iteration"
+                     + ("" if e.memory.fits else " (no fit)"))
+        return found.config, tried, done
+
+    def finish() -> tuple[list[PipelineConfig], list[int]]:  # in a worker: its best shapes, priced again by the caller
+        return [f.config for f in evaluate.top(4)], evaluate.since(before)
+
+    chains, finished = share_out(range(len(starts)), work, should_stop=should_stop, finish=finish)
+    for top, priced in finished:
+        evaluate.adopt([chain[0] for chain in chains if chain is not None] + top, priced=priced)
+    best: Found | None = None
+    proposals, converged = 0, not should_stop() and all(chain is not None for chain in chains)
+    for chain in chains:  # in order, as one process would: a tie goes to the earlier chain
+        if chain is None:
+            continue
+        config, tried, done = chain
         proposals += tried
         converged = converged and done
+        found = Found(config, evaluate(config), tried, by="mcmc")
         if best is None or found.score < best.score:
             best = found
-            if progress:
-                e = best.result.estimate
-                progress(f"MCMC chain {n + 1}/{len(starts)}: {e.iteration_seconds:.3f} s per iteration"
-                         + ("" if e.memory.fits else " (no fit)"))
-        if should_stop():
-            converged = False
-            break
     if best is not None:
         best.evaluated, best.by, best.converged = proposals, "mcmc", converged
     return best

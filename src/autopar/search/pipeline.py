@@ -113,21 +113,25 @@ class Evaluator:
         self.global_batch = global_batch
         self.limit = limit  # configurations it names a reason for are refused (`runtime_limit`)
         self.cache: dict[PipelineConfig, PipelineEstimate] = {}
-        self.elsewhere = 0  # configurations workers priced that this cache does not hold (`adopt`)
+        self.elsewhere: set[int] = set()  # hashes of configurations workers priced (`adopt`)
 
     @property
     def priced(self) -> int:
-        """Configurations priced for this evaluator, here or in workers."""
-        return len(self.cache) + self.elsewhere
+        """Configurations priced for this evaluator, here or in workers, each counted once: what one process
+        would have priced."""
+        return len(self.cache) + len(self.elsewhere.difference(map(hash, self.cache)))
 
-    def adopt(self, configs: Iterable[PipelineConfig], *, priced: int) -> None:
-        """A worker's results: it priced ``priced`` configurations, of which ``configs`` are priced again here (the
-        rest stay counted in `priced`)."""
-        configs = list(dict.fromkeys(configs))
-        new = sum(1 for config in configs if config not in self.cache)
-        for config in configs:
+    def since(self, before: int, *, where: Limit | None = None) -> list[int]:
+        """Hashes of the configurations priced after the first ``before``, less those ``where`` refuses (a
+        worker's, for `adopt`: a fork has the hash seed of the process it came from)."""
+        return [hash(config) for config in itertools.islice(self.cache, before, None)
+                if where is None or not where(config)]
+
+    def adopt(self, configs: Iterable[PipelineConfig], *, priced: Iterable[int]) -> None:
+        """A worker's results: ``configs`` are priced again here, and ``priced`` (`since`) counted in `priced`."""
+        for config in dict.fromkeys(configs):
             self(config)
-        self.elsewhere += priced - new
+        self.elsewhere.update(priced)
 
     def __call__(self, config: PipelineConfig) -> PipelineEstimate:
         found = self.cache.get(config)
@@ -221,14 +225,15 @@ def megatron_grid(
         mine.append(pp)
         return _grid_depth(model, pp, evaluate, global_batch=global_batch, deadline=deadline)
 
-    def finish() -> tuple[list[PipelineConfig], int]:  # in a worker: what the caller prices again
+    def finish() -> tuple[list[PipelineConfig], list[int]]:  # in a worker: what the caller prices again
         kept: list[PipelineConfig] = []
         if limit is not None:  # each depth's best the limit accepts: the searches after the grid start there
             ranked = sorted(evaluate.cache.items(), key=lambda item: score(item[1]))
             for pp in mine:
                 kept += [c for c, _ in ranked if c.pp == pp and c.chunks == 1 and not limit(c)][:1]
         kept += [f.config for f in evaluate.top(4, where=limit)]
-        return kept, len(evaluate.cache) - before
+        # counted for the searches after the grid, which keep to the limit (`auto`)
+        return kept, evaluate.since(before, where=limit)
 
     parts, finished = share_out(depths, work, finish=finish, order=_deepest_first(depths))
     worked = [part for part in parts if part is not None]
@@ -477,8 +482,8 @@ def aceso(
                      + f"; best so far {b.iteration_seconds:.3f} s" + ("" if b.memory.fits else " (no fit)"))
         return (found.config if found is not None else None), evaluated, converged
 
-    def finish() -> tuple[list[PipelineConfig], int]:  # in a worker: its best shapes, priced again by the caller
-        return [f.config for f in evaluate.top(4)], len(evaluate.cache) - before
+    def finish() -> tuple[list[PipelineConfig], list[int]]:  # in a worker: its best shapes, priced again by the caller
+        return [f.config for f in evaluate.top(4)], evaluate.since(before)
 
     parts, finished = share_out(depths, work, should_stop=should_stop, finish=finish, order=_deepest_first(depths))
     climbed = [part[0] for part in parts if part is not None and part[0] is not None]
@@ -702,7 +707,7 @@ def auto(
                          limit=limit)
     if limit is not None:  # the grid's points the limit accepts seed the search
         evaluate.cache.update((c, r) for c, r in baselines.cache.items() if not limit(c))
-        evaluate.elsewhere += baselines.elsewhere
+        evaluate.elsewhere |= baselines.elsewhere
     else:
         evaluate = baselines
     if progress and grid is not None:
