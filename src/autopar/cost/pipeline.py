@@ -353,6 +353,7 @@ class PipelineModel:
         self._reports: dict[tuple, StageReport] = {}
         self._stage_keys: dict[Stage, tuple] = {}  # `stage_key`'s, by stage
         self._alike: dict[Stage, list[tuple[int, int]]] = {}  # `_alike_rows`' of stages without layouts
+        self._heaviest: dict[tuple[int, int], tuple[int, ...]] = {}  # `heaviest_first`
         self._calls: dict[tuple, tuple] = {}  # stage reports' calls, one object for alike ones
         self._boundaries: dict[tuple, float] = {}  # `_boundary_bytes` before sequence parallelism, by stage key
         self.memory = StageMemoryModel(self)  # stages' peaks as the runtime allocates them
@@ -567,6 +568,17 @@ class PipelineModel:
             cluster=self.cluster.name,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
+
+    def heaviest_first(self, start: int, end: int) -> tuple[int, ...]:
+        """Rows ``start`` .. ``end`` - 1, those saving the most activations for backward first: where one more
+        level of recomputation frees the most (the searches ask for it at every step)."""
+        found = self._heaviest.get((start, end))
+        if found is None:
+            if len(self._heaviest) >= _REPORTS_KEPT:
+                self._heaviest.clear()
+            found = self._heaviest[(start, end)] = tuple(sorted(
+                range(start, end), key=lambda r: -self.layers[r].saved_sharded - self.layers[r].saved_replicated))
+        return found
 
     def _alike_rows(self, stage: Stage, layouts: dict | None = None) -> list[tuple[int, int]]:
         """The stage's rows as runs (first row, rows) that price alike: like rows (`_runs`) at one recomputation

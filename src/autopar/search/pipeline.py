@@ -386,12 +386,11 @@ def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_
         stages_new[stage] = replace(s, intra=not s.intra)
         yield _with(config, stages_new)
     # recompute one level more / less on the rows keeping the most activations (one row, or a share of them)
-    rows = range(s.start, s.end)
     levels = {"none": 0, "selective": 1, "full": 2}
-    heavy = sorted(rows, key=lambda r: -model.layers[r].saved_sharded - model.layers[r].saved_replicated)
+    heavy = model.heaviest_first(s.start, s.end)
     for direction in (1, -1):
-        movable = [row for row in heavy if model.layers[row].repeated
-                   and 0 <= levels[s.recompute_of(row)] + direction <= 2]
+        movable = list(itertools.islice((row for row in heavy if model.layers[row].repeated
+                                         and 0 <= levels[s.recompute_of(row)] + direction <= 2), max(steps)))
         for step in steps:
             if step > len(movable):
                 continue
