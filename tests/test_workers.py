@@ -128,3 +128,18 @@ def test_a_worker_prices_what_the_caller_would(monkeypatch) -> None:
     again = fresh.estimate(climbed.config, global_batch=64)
     assert again.estimate == climbed.result.estimate
     assert score(again) == climbed.score
+
+
+def test_with_another_thread_running_everything_is_done_here(monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        results, finished = share_out(list(range(4)), _pid_after, finish=lambda: "worker")
+    finally:
+        release.set()
+        other.join()
+    assert {r[1] for r in results} == {os.getpid()} and finished == []

@@ -7,8 +7,8 @@ through a pipe: a few configurations and counts, never prices (a price holds clo
 caller prices again the handful it keeps, in its own process, with its own caches; prices are deterministic, so
 the result is what one process would have found.
 
-The calling process works too; only where fork exists and more than one core is free are there workers, else
-every item is done here in turn. Each process takes the next item when it is free, so a slow depth does not hold
+The calling process works too; only where fork exists, more than one core is free and no other thread runs are
+there workers, else every item is done here in turn. Each process takes the next item when it is free, so a slow depth does not hold
 up the others. Stopping: the ``should_stop`` the caller passes is asked
 here, and a stop it reports reaches the workers through a flag in shared memory (Ctrl-C reaches them anyway: it
 goes to the whole process group, and they inherit the search's handler). A worker that raises raises here; one
@@ -25,6 +25,7 @@ import select
 import signal
 import struct
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -110,7 +111,9 @@ def share_out(
                 break
         return done
 
-    count = min(default_workers(), len(items))
+    # a fork copies only the calling thread: with others running (a notebook's, a server's), a lock one of them
+    # holds would stay held in the worker for ever, so then everything is done here
+    count = min(default_workers(), len(items)) if threading.active_count() == 1 else 1
     if count < 2:
         finished = []
         done = drain(should_stop)
