@@ -11,8 +11,25 @@ from autopar.cluster import load_cluster
 from autopar.cost.pipeline import PipelineModel
 from autopar.search.mcmc import mcmc
 from autopar.search.pipeline import aceso, auto, data_parallel, megatron_grid, runtime_limit, score
+from autopar.search import workers
 from autopar.search.workers import default_workers, in_worker, share_out
 from autopar.zoo import load
+
+
+@pytest.fixture
+def forks(monkeypatch) -> list[int]:
+    """Workers are forked even where an earlier test left a thread behind (torch.compile's ``tqdm_monitor``; they
+    are idle here); the list counts the forks, so that a test can check it compared two processes with one."""
+    made: list[int] = []
+    fork = workers._fork
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return fork(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "_other_threads", lambda: [])
+    monkeypatch.setattr(workers, "_fork", counted)
+    return made
 
 
 def _pid_after(item: int, stop, left: int) -> tuple[int, int, int]:
@@ -20,7 +37,7 @@ def _pid_after(item: int, stop, left: int) -> tuple[int, int, int]:
     return item, os.getpid(), left
 
 
-def test_items_are_shared_between_processes_and_come_back_in_order(monkeypatch) -> None:
+def test_items_are_shared_between_processes_and_come_back_in_order(monkeypatch, forks) -> None:
     monkeypatch.setenv("AUTOPAR_WORKERS", "3")
     results, finished = share_out(list(range(12)), _pid_after, finish=lambda: ("done", in_worker()))
     assert [r[0] for r in results] == list(range(12))
@@ -46,15 +63,15 @@ def _fails_on_three(item: int, stop, left: int) -> int:
     return item
 
 
-def test_an_error_in_a_worker_is_raised_here_and_no_worker_is_left(monkeypatch) -> None:
+def test_an_error_in_a_worker_is_raised_here_and_no_worker_is_left(monkeypatch, forks) -> None:
     monkeypatch.setenv("AUTOPAR_WORKERS", "2")
     before = _children()
     with pytest.raises(ValueError, match="item 3 is bad"):
         share_out(list(range(8)), _fails_on_three)
-    assert _children() == before
+    assert _children() == before and forks
 
 
-def test_a_stop_asked_here_reaches_the_workers(monkeypatch) -> None:
+def test_a_stop_asked_here_reaches_the_workers(monkeypatch, forks) -> None:
     monkeypatch.setenv("AUTOPAR_WORKERS", "2")
     start = time.perf_counter()
 
@@ -66,7 +83,7 @@ def test_a_stop_asked_here_reaches_the_workers(monkeypatch) -> None:
 
     results, _ = share_out(list(range(6)), slow, should_stop=lambda: time.perf_counter() > start + 0.5)
     assert time.perf_counter() - start < 3  # not 6 items x 5 s / 2 processes
-    assert results[2:] == [None] * 4  # the two items under way ended; none was started after the stop
+    assert results[2:] == [None] * 4 and forks  # the two items under way ended; none was started after the stop
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1"])
@@ -92,10 +109,11 @@ def _model(name: str, *, gpus: int, **overrides) -> PipelineModel:
     ("gpt3-125m", 16, {"layers": 8}),
     ("llama-7b", 32, {"layers": 8, "hidden": 1024, "heads": 8, "kv_heads": 4, "ffn": 2816, "vocab": 8000}),
 ])
-def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, name, gpus, overrides) -> None:
+def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, forks, name, gpus,
+                                                                  overrides) -> None:
     found = {}
-    for workers in ("1", "2"):
-        monkeypatch.setenv("AUTOPAR_WORKERS", workers)
+    for count in ("1", "2"):
+        monkeypatch.setenv("AUTOPAR_WORKERS", count)
         model = _model(name, gpus=gpus, **overrides)  # a fresh model: nothing cached from the other run
         limit = lambda config: runtime_limit(config)  # noqa: E731 - the CLI's search keeps to what runs
         result = auto(model, global_batch=64, time_limit=120, limit=limit)
@@ -103,7 +121,8 @@ def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, n
         grid = megatron_grid(model, global_batch=64)
         dp = data_parallel(model, global_batch=64, zero=0)
         chains = mcmc(model, global_batch=64, seeds=[grid.config, dp.config], time_limit=120, seed=5)
-        found[workers] = (result, climbed, grid, chains)
+        found[count] = (result, climbed, grid, chains)
+        assert (len(forks) >= 4) if count == "2" else not forks  # the grid, Aceso (in auto and alone) and MCMC forked
     (one, climbed_one, grid_one, chains_one), (two, climbed_two, grid_two, chains_two) = found["1"], found["2"]
     assert one["auto"].converged and two["auto"].converged
     assert one["auto"].config == two["auto"].config and one["auto"].by == two["auto"].by
@@ -119,11 +138,12 @@ def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, n
     assert two["auto"].evaluated == one["auto"].evaluated > 0
 
 
-def test_a_worker_prices_what_the_caller_would(monkeypatch) -> None:
+def test_a_worker_prices_what_the_caller_would(monkeypatch, forks) -> None:
     """A worker is a fork: its results are configurations, priced again here, never prices carried over."""
     monkeypatch.setenv("AUTOPAR_WORKERS", "2")
     model = _model("gpt3-125m", gpus=16, layers=8)
     climbed = aceso(model, global_batch=64, time_limit=120)
+    assert forks
     fresh = _model("gpt3-125m", gpus=16, layers=8)
     again = fresh.estimate(climbed.config, global_batch=64)
     assert again.estimate == climbed.result.estimate

@@ -8,11 +8,11 @@ caller prices again the handful it keeps, in its own process, with its own cache
 the result is what one process would have found.
 
 The calling process works too; only where fork exists, more than one core is free and no other thread runs are
-there workers, else every item is done here in turn. Each process takes the next item when it is free, so a slow depth does not hold
-up the others. Stopping: the ``should_stop`` the caller passes is asked
-here, and a stop it reports reaches the workers through a flag in shared memory (Ctrl-C reaches them anyway: it
-goes to the whole process group, and they inherit the search's handler). A worker that raises raises here; one
-that dies, or an interrupt here, takes every worker down with it.
+there workers, else every item is done here in turn. Each process takes the next item when it is free, so a slow
+depth does not hold up the others. Stopping: the ``should_stop`` the caller passes is asked here, and a stop it
+reports reaches the workers through a flag in shared memory (Ctrl-C reaches them anyway: it goes to the whole
+process group, and they inherit the search's handler). A worker that raises raises here; one that dies, or an
+interrupt here, takes every worker down with it.
 """
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ def share_out(
 ) -> tuple[list[R | None], list[Any]]:
     """``work(item, stop, left)`` for each item, ``left`` counting the items not yet started (this one included),
     here and in forked workers (`default_workers` permitting), each process taking the next item as it is free,
-    in ``order`` (indices into ``items``; default: as given); a stop ends every process after its current item
-    (each does one at least, so that a search stopped at once still has a best so far). Returns the results in the items' order (None where a stop
-    left an item undone) and what ``finish`` returned in each worker (not here) once it had no more to do."""
+    in ``order`` (indices into ``items``; default: as given). A stop ends every process after its current item;
+    each does one at least, so that a search stopped at once still has a best so far. Returns the results in the
+    items' order (None where a stop left an item undone) and what ``finish`` returned in each worker (not here)
+    once it had no more to do."""
     results: list[R | None] = [None] * len(items)
     queue = _Queue(len(items))
     order = list(order) if order is not None else list(range(len(items)))
@@ -113,7 +114,7 @@ def share_out(
 
     # a fork copies only the calling thread: with others running (a notebook's, a server's), a lock one of them
     # holds would stay held in the worker for ever, so then everything is done here
-    count = min(default_workers(), len(items)) if threading.active_count() == 1 else 1
+    count = min(default_workers(), len(items)) if not _other_threads() else 1
     if count < 2:
         finished = []
         done = drain(should_stop)
@@ -142,6 +143,11 @@ def share_out(
     for index, result in done:
         results[index] = result
     return results, finished
+
+
+def _other_threads() -> list[str]:
+    """The names of this process's other live threads (torch.compile leaves a ``tqdm_monitor``, say)."""
+    return [t.name for t in threading.enumerate() if t is not threading.current_thread()]
 
 
 def _fork(job: Callable[[Stop], Any], flag: mmap.mmap, should_stop: Stop) -> tuple[int, int]:
