@@ -3,7 +3,8 @@ search, simulation of the finalists and the plan-time check, with the CLI's defa
 
 Run: python bench/plan_wall.py [--runs N] [--quick]. Prints, per case, the wall time of each run and their median,
 the search's own seconds, the plan's iteration time, who found it and whether the search converged (a converged
-search finds the same plan every run). Targets: gpt3-175b on 1,024 GPUs and the 1,000-layer GPT each under 10 s,
+search finds the same plan every run), and how long a fixed loop of pure Python took just before each case: on a
+shared machine whose speed varies from minute to minute, compare runs by it. Targets: gpt3-175b on 1,024 GPUs and the 1,000-layer GPT each under 10 s,
 llama-70b on 16,384 GPUs under 30 s. `AUTOPAR_WORKERS=1` in the environment measures one search process.
 """
 
@@ -30,8 +31,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt3-175b only")
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
-    print(f"{'case':34} {'runs, wall s':>24} {'median':>7} {'target':>7} {'search s':>9} {'s/iteration':>12}  found by")
+    print(f"{'case':34} {'runs, wall s':>24} {'median':>7} {'target':>7} {'search s':>9} {'s/iteration':>12}"
+          f" {'loop s':>7}  found by")
     for name, command, target in cases:
+        loop = _loop_seconds()
         walls, searches, plans = [], [], set()
         for _ in range(args.runs):
             start = time.perf_counter()
@@ -47,9 +50,19 @@ def main() -> None:
         median = statistics.median(walls)
         for seconds, by, converged in sorted(plans):
             print(f"{name:34} {runs:>24} {median:7.1f} {'<' + format(target, '.0f'):>7} "
-                  f"{statistics.median(searches):9.1f} {seconds:12.3f}  {by}{'' if converged else ' (not converged)'}")
+                  f"{statistics.median(searches):9.1f} {seconds:12.3f} {loop:7.2f}  "
+                  f"{by}{'' if converged else ' (not converged)'}")
         if len(plans) > 1:
             print(f"  {name}: the runs found {len(plans)} different plans")
+
+
+def _loop_seconds() -> float:
+    """Seconds of 20 million additions in a Python loop: this machine's speed right now."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(20_000_000):
+        total += i
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
