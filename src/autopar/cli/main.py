@@ -8,8 +8,8 @@ The `autopar` command is `entry`: `main`, then an exit that skips the interprete
 from __future__ import annotations
 
 import argparse
-import json
 import atexit
+import json
 import logging
 import os
 import re

@@ -88,8 +88,8 @@ def mcmc(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> Found | None:
     """One chain per configuration of ``seeds`` (duplicates and configurations ``evaluate`` refuses dropped),
-    each with an equal share of the time left; the best configuration any chain priced, ``converged`` when every
-    chain converged."""
+    each with an equal share of the time left, side by side in forked processes where there are cores
+    (`search.workers`); the best configuration any chain priced, ``converged`` when every chain converged."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     starts = _usable(seeds, evaluate)
     start_time = time.perf_counter()

@@ -26,8 +26,9 @@ Aceso (§3, Algorithms 1-2 of its appendix), as done here, for each pipeline dep
    the faster of a knapsack over none / selective / full per layer (`search.recompute`) and the rotor programme
    with communication terms, which also checkpoints runs of layers together (`search.rotor`, MAP §5.2).
 
-Depths are searched one after another, each with an equal share of the budget (a depth that converges early
-leaves its time to the next); the best over depths wins.
+Depths are independent, so they are searched side by side, one process per core (`search.workers`), each
+process taking the next depth, deepest first, with an equal share of the budget left to it (a depth that
+converges early leaves its time to the next); the best over depths wins, ties to the shallower, as in one process.
 """
 
 from __future__ import annotations
