@@ -30,6 +30,7 @@ from autopar.plan import Plan, Workload
 from autopar.plan.checks import FieldError, choice, finite, flag, integer, text
 from autopar.plan.records import DTYPES, KERNELS, MAX_BATCH
 from autopar.runtime.source import ModelSource
+from autopar.search.heap import gc_paused
 from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,14 @@ def search_pipeline(
     ``should_stop`` ends the search early, keeping the best plan found so far. ``Searched.seconds`` count from
     ``started`` (a `time.perf_counter` reading; default: this call) to the end of the simulation. ``profile``
     (an `autopar.profiling.ProfileDB`): layers it measured are priced by its times."""
-    start = time.perf_counter() if started is None else started
+    with gc_paused():
+        return _search_pipeline(subject, cluster, options, progress=progress, should_stop=should_stop,
+                                start=time.perf_counter() if started is None else started, profile=profile)
+
+
+def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions, *,
+                     progress: Callable[[str], None] | None, should_stop: Callable[[], bool], start: float,
+                     profile) -> Searched:  # noqa: ANN001
     precision = Precision.of(options.dtype, optimizer=options.optimizer)
     model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
                           screen=True, precision=precision, profile=profile)  # searches: the closed form

@@ -68,12 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# Commands that do their work in this process and end: the garbage collector is paused while they run
+# (`autopar.search.heap.gc_paused`). The others start ranks and may run for hours.
+_IN_PROCESS = frozenset({"profile", "estimate", "analyze", "plan", "export", "dryrun", "models"})
+
+
+def main(argv: Sequence[str] | None = None, *, ending: bool = False) -> int:
+    """Run one command and return its exit status. ``ending``: the process ends right after (`entry`), so the
+    garbage collector paused for an in-process command need not resume."""
     with SignalHandling() as signals:
         try:
             commands()  # imports every command, torch with them: a signal meanwhile ends the process at once
             signals.importing = False
-            return _main(argv)
+            return _main(argv, ending=ending)
         except BaseException as exc:
             outcome = signals.after(exc)
             if outcome is None:
@@ -82,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return outcome[0]
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, *, ending: bool = False) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -92,6 +99,15 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"autopar {args.command}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if args.command in _IN_PROCESS:  # allocations that all stay alive until the output is printed
+        from autopar.search.heap import gc_paused
+
+        with gc_paused(resume=not ending):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         result: Any = args.handler(args)
     except (ValueError, KeyError, ImportError, RuntimeError, OSError, NotImplementedError) as exc:
@@ -131,7 +147,7 @@ def entry() -> None:
     the searches' caches of millions of prices among them: 1.6 s after planning gpt3-175b, 2.4 s after the
     1,000-layer GPT, for nothing. So where no other thread is left, what was registered to run at exit runs (log
     handlers, temporary files), the output is flushed, and the process ends at once."""
-    code = main()
+    code = main(ending=True)
     if threading.active_count() > 1:
         sys.exit(code)
     atexit._run_exitfuncs()

@@ -14,17 +14,15 @@ and the other axes by batch. Each takes its own best micro-batch count.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.analysis import BlockGraph, ParallelBlock, Segment, Split, build_blocks, find_segments, op_dims
+from autopar.analysis import BlockGraph, ParallelBlock, Segment, build_blocks, find_segments
 from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
 from autopar.cluster.calls import CommCall
@@ -35,6 +33,7 @@ from autopar.cost.types import Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
 from autopar.plan import Block, ModuleLayout, ParamLayout, Plan, Workload
 from autopar.plan import Mesh as PlanMesh
+from autopar.search.heap import gc_paused
 from autopar.search.ilp import Edge, Solution, solve
 from autopar.sharding import Transfer
 from autopar.sharding.layout import Shard
@@ -388,20 +387,6 @@ class _Budget:
 
     def left(self) -> bool:
         return time.perf_counter() < self.deadline and not self.should_stop()
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector: planning allocates hundreds of thousands of small objects that all stay
-    alive (nodes, layouts, cached costs), and repeated full collections over them took a third of the time of a
-    320-layer plan. Reference counting still frees everything; collection resumes on exit."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan_intra(
