@@ -8,7 +8,7 @@ the model it was made for: `autopar.runtime.source`):
 - the runtime can apply the plan's kind (`check_supported`) and the plan carries its workload or is given its model;
 - a plan with compiled kernels finds ``torch.compile`` working on this machine (`check_compiler`);
 - every module and parameter the plan names exists, with the planned shape (`check_matches`);
-- the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_of`);
+- the stages cover the model's chain of layers in order, each layer once (`autopar.search.pipeline.config_on`);
 - every split dimension divides by the devices that split it, and attention heads (and key/value heads) divide by
   tp, since the runtime gives each tp rank whole heads;
 - no projection that tp splits by output features has its output cut along those features by the model's own code
@@ -63,14 +63,15 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_split_outputs(graph, plan, model)
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
+    if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
+        _rehearse(plan, source, thins(plan, model), model=model)
+        return
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
     checkpoint_segments(model, [list(segment) for stage in plan.stages for segment in stage.segments])
     if plan.pp > 1:
         stage_layers(model, plan)
         check_stage_forward(model, seq=_seq(source))
-    elif rehearse:
-        _rehearse(plan, source, thins(plan, model))
 
 
 def _check_sequence(model: nn.Module, source: ModelSource) -> None:
@@ -100,20 +101,23 @@ def fake_errors_quiet() -> Any:
         logger.setLevel(level)
 
 
-def _rehearse(plan: Plan, source: ModelSource, thinned: bool) -> None:
+def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None) -> None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
     fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
 
     With ``thinned`` (the model has lists of layers `autopar.runtime.thin` thins), the rehearsals run each kind
     of layer once (``whole=False``) first; a plan they refuse is rehearsed again whole, so that a refusal is never
-    an artefact of the layers left out, and names the module the whole step fails in."""
+    an artefact of the layers left out, and names the module the whole step fails in.
+
+    ``model``: the source's meta model, already built, for the first rehearsal (it is changed); the others build
+    their own."""
     failed: ValueError | None = None
     for whole in (False, True) if thinned else (True,):
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 with fake_errors_quiet():
-                    rehearsal(plan, source=source, dtype=dtype, whole=whole)
+                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model)
                 return
             except ValueError as exc:
                 if dtype == torch.float32:
@@ -121,6 +125,8 @@ def _rehearse(plan: Plan, source: ModelSource, thinned: bool) -> None:
             except NotImplementedError:
                 if dtype == torch.float32:
                     raise
+            finally:
+                model = None
     assert failed is not None
     raise failed
 
@@ -144,7 +150,8 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 
 def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
-              dtype: torch.dtype = torch.float32, whole: bool = True) -> list[dict[str, Any]] | None:
+              dtype: torch.dtype = torch.float32, whole: bool = True,
+              model: nn.Module | None = None) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
     default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
@@ -156,7 +163,8 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
     compiled layers run eager (`check_compiler` checks the compiler; recomputation then replays whole layers, as
     compiled ones do). Any error is raised as a
-    ValueError that says the plan could not be applied."""
+    ValueError that says the plan could not be applied. ``model``: the source's meta model, already built (it is
+    changed in place); by default one is built."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -169,8 +177,9 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     source = source or ModelSource.of_workload(Workload.of(plan))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
-        model = source.meta().to(dtype)
+        model = source.meta() if model is None else model
         applied = plan if whole or count else thin(model, plan)
+        model = model.to(dtype)  # thinned first: a 1,000-layer model's cast alone took a second
         parallel = parallelize(model, applied, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -231,12 +240,9 @@ def _materialise(module: nn.Module) -> None:
 
 
 def _check_chain(plan: Plan, graph: Graph) -> None:
-    from autopar.cluster import load_cluster
-    from autopar.cost.pipeline import PipelineModel
-    from autopar.search.pipeline import config_of
+    from autopar.search.pipeline import config_on
 
-    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1, dtype="fp32")
-    config_of(model, plan)
+    config_on([row.name for row in graph.layers()], plan)
 
 
 def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph

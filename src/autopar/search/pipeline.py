@@ -37,7 +37,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from autopar.cluster import build_mesh
@@ -817,9 +817,15 @@ def pipeline_plan(
 
 
 def config_of(model: PipelineModel, plan: Plan) -> PipelineConfig:
-    """The configuration a pipeline plan describes, on ``model``'s layer chain: its stages must cover the chain in
-    order, each a contiguous run of layers (a ValueError names the first layer out of place)."""
-    index = {layer.name: i for i, layer in enumerate(model.layers)}
+    """The configuration a pipeline plan describes, on ``model``'s layer chain (`config_on`)."""
+    return config_on([layer.name for layer in model.layers], plan)
+
+
+def config_on(chain: Sequence[str], plan: Plan) -> PipelineConfig:
+    """The configuration a pipeline plan describes, on the chain of layers named ``chain`` (a traced graph's
+    `Graph.layers`, in order): its stages must cover the chain in order, each a contiguous run of layers (a
+    ValueError names the first layer out of place)."""
+    index = {name: i for i, name in enumerate(chain)}
     stages = []
     expected = 0
     for number, entry in enumerate(plan.stages):
@@ -829,17 +835,17 @@ def config_of(model: PipelineModel, plan: Plan) -> PipelineConfig:
                 raise ValueError(f"stage {number} of the plan holds {name!r}, which the model does not have")
             if index[name] != expected:
                 raise ValueError(f"stage {number} of the plan holds {name!r} where the model's chain has "
-                                 f"{model.layers[expected].name!r}: stages must cover the model's layers in order")
+                                 f"{chain[expected]!r}: stages must cover the model's layers in order")
             rows.append(index[name])
             expected += 1
         start, end = rows[0], rows[-1] + 1
-        levels = tuple(entry.recompute_of(model.layers[r].name) for r in range(start, end))
+        levels = tuple(entry.recompute_of(chain[r]) for r in range(start, end))
         segments = tuple((index[first], index[last] + 1) for first, last in entry.segments)
         stages.append(Stage(start=start, end=end, tp=entry.tp, dp=entry.dp, recompute=levels, segments=segments,
                             intra=entry.intra))
-    if expected != len(model.layers):
-        raise ValueError(f"the plan's stages end at {model.layers[expected - 1].name!r}; the model's chain goes on to "
-                         f"{model.layers[expected].name!r} ({len(model.layers) - expected} more)")
+    if expected != len(chain):
+        raise ValueError(f"the plan's stages end at {chain[expected - 1]!r}; the model's chain goes on to "
+                         f"{chain[expected]!r} ({len(chain) - expected} more)")
     return PipelineConfig(stages=tuple(stages), micro_batch=plan.micro_batch_size, zero=plan.zero, sp=plan.sp,
                           schedule=plan.schedule, chunks=plan.chunks)
 
