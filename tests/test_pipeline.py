@@ -8,7 +8,7 @@ from autopar.capture import trace
 from autopar.cluster import load_cluster
 from autopar.cluster.spec import GIB
 from autopar.cost import ParallelConfig, estimate
-from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+from autopar.cost.pipeline import PipelineConfig, PipelineModel, RangeMax, Stage
 from autopar.search.pipeline import Evaluator, aceso, auto, even_stages, exhaustive, megatron_grid, score
 from autopar.zoo import load
 
@@ -202,3 +202,22 @@ def test_a_limited_search_keeps_to_what_the_runtime_runs() -> None:
     assert chosen.runners_up and all(limit(f.config) is None for f in (chosen, *chosen.runners_up))
     alone = auto(model, global_batch=64, time_limit=6, limit=functools.partial(runtime_limit, pipelines=False))
     assert alone["auto"].config.pp == 1 and all(f.config.pp == 1 for f in alone["auto"].runners_up)
+
+
+def test_range_max_is_the_largest_of_every_range():
+    import random
+
+    rng = random.Random(3)
+    for n in (1, 2, 3, 7, 16, 33):
+        values = [rng.randint(-1, 40) for _ in range(n)]
+        largest = RangeMax(values)
+        for a in range(n):
+            for b in range(a + 1, n + 1):
+                assert largest(a, b) == max(values[a:b])
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        RangeMax([1, 2])(1, 1)
+
+
+def test_a_stage_names_a_recomputation_level_it_does_not_know():
+    with pytest.raises(ValueError, match="recompute must be one of .* got 'most'"):
+        Stage(start=0, end=3, tp=1, dp=1, recompute=("none", "most", "full"))

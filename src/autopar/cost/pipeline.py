@@ -49,9 +49,10 @@ once, so a configuration of a 1,000-layer model costs a sum over its layers, not
 from __future__ import annotations
 
 import itertools
+import operator
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
@@ -211,9 +212,9 @@ class Stage:
             raise ValueError(f"stage tp and dp must be positive, got tp={self.tp}, dp={self.dp}")
         if self.recompute and len(self.recompute) != self.end - self.start:
             raise ValueError("stage recompute needs one entry per row")
-        for r in self.recompute:
-            if r not in RECOMPUTE:
-                raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
+        if not _LEVELS.issuperset(self.recompute):  # one pass in C: a 1,000-row stage is made many times a search
+            bad = next(r for r in self.recompute if r not in _LEVELS)
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {bad!r}")
         if self.segments:
             check_segments(self.segments, self.start, self.end, self.recompute_of)
         if self.intra and self.tp == 1:
@@ -309,7 +310,30 @@ class PipelineEstimate:
     ranking: tuple[bool, float] | None = field(default=None, repr=False, compare=False)
 
 
+_LEVELS = frozenset(RECOMPUTE)
 _REPORTS_KEPT = 200_000  # stage reports cached before the cache starts again
+
+
+class RangeMax:
+    """The largest of ``values[a:b]`` in constant time, after a set-up of n log n (a sparse table): asked for
+    every stage a search makes, of a chain of any depth."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self._table = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            row = self._table[-1]
+            self._table.append(list(map(max, row[:len(row) - width], row[width:])))
+            width *= 2
+
+    def __call__(self, a: int, b: int) -> float:
+        if not 0 <= a < b <= len(self._table[0]):
+            raise ValueError(f"[{a}, {b}) is not a non-empty range of the {len(self._table[0])} values")
+        level = (b - a).bit_length() - 1
+        row = self._table[level]
+        return max(row[a], row[b - (1 << level)])
 
 
 class PipelineModel:
@@ -355,7 +379,6 @@ class PipelineModel:
         self._alike: dict[Stage, list[tuple[int, int]]] = {}  # `_alike_rows`' of stages without layouts
         self._heaviest: dict[tuple[int, int], tuple[int, ...]] = {}  # `heaviest_first`
         self._calls: dict[tuple, tuple] = {}  # stage reports' calls, one object for alike ones
-        self._boundaries: dict[tuple, float] = {}  # `_boundary_bytes` before sequence parallelism, by stage key
         self.memory = StageMemoryModel(self)  # stages' peaks as the runtime allocates them
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
@@ -589,11 +612,11 @@ class PipelineModel:
             return found
         ends = self._runs[1] if self._runs is not None else None
         levels = [stage.end]  # where each run of one recomputation level ends
-        if stage.recompute:
-            levels, at = [], stage.start
-            for _, run in itertools.groupby(stage.recompute):
-                at += sum(1 for _ in run)
-                levels.append(at)
+        recompute = stage.recompute
+        if recompute:  # the rows whose level differs from the next row's, found in C (stages are deep)
+            changes = itertools.compress(range(stage.start + 1, stage.end),
+                                         map(operator.ne, recompute[1:], recompute[:-1]))
+            levels = [*changes, stage.end]
         runs, row, level = [], stage.start, 0
         while row < stage.end:
             while levels[level] <= row:
@@ -777,13 +800,16 @@ class PipelineModel:
                          CommCall(kind=Collective.ALL_GATHER, axis="tp", bytes=boundary, phase=Phase.SEND))
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
-        key = self.stage_key(stage)
-        size = self._boundaries.get(key)
-        if size is None:
-            rows = [self.layers[r] for r in range(stage.start, stage.end) if self.layers[r].repeated]
-            rows = rows or [layer for layer in self.layers if layer.repeated][:1]
-            size = self._boundaries[key] = max((layer.largest_input for layer in rows), default=0)
+        """The largest activation input of the stage's repeated layers (of the model's first one where the stage
+        has none): what crosses its boundaries."""
+        size = self._largest_inputs(stage.start, stage.end)
+        if size < 0:
+            size = next((layer.largest_input for layer in self.layers if layer.repeated), 0)
         return size / (stage.tp if config.sp else 1)
+
+    @cached_property
+    def _largest_inputs(self) -> RangeMax:
+        return RangeMax([layer.largest_input if layer.repeated else -1 for layer in self.layers])
 
     def _sync(self, stage: Stage, zero: int, m: int, mesh, calls: list[CommCall], *, extra: float = 0,  # noqa: ANN001
               view: StageView | None = None) -> tuple[float, tuple]:
