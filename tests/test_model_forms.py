@@ -361,3 +361,25 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
     else:
         assert code == 2 and not out.exists()
         assert "would train a different model" in err and "plan without pipeline parallelism" in err
+
+
+def test_a_moe_model_traces_in_fp32_as_in_bf16(capfd):
+    """Hugging Face MoE experts run a grouped matmul whose fake kernel takes bf16 only on CPU; traced in fp32 the
+    model runs the same grouped matmuls with the same flops as in bf16, at fp32 sizes, and no traceback is
+    logged."""
+    import torch
+
+    graphs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        zoo = load("hf:mixtral-tiny", batch=2, seq=16, layers=2, dtype=dtype)
+        graphs[dtype] = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    fp32, bf16 = graphs[torch.float32], graphs[torch.bfloat16]
+    grouped = [n for n in fp32.nodes if "grouped_mm" in n.op]
+    assert grouped, "the experts run a grouped matmul"
+    others = [n for n in bf16.nodes if "grouped_mm" in n.op]
+    assert len(grouped) == len(others)
+    for a, b in zip(grouped, others):
+        assert a.flops_forward == b.flops_forward > 0
+        assert a.output_bytes == 2 * b.output_bytes
+    assert sum(n.flops_forward for n in fp32.nodes) == sum(n.flops_forward for n in bf16.nodes)
+    assert "Traceback" not in capfd.readouterr().err

@@ -136,6 +136,31 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+# ops whose fake-tensor kernel on CPU takes bf16 inputs only, where the real op takes fp32 too (grouped matmul:
+# Hugging Face's MoE experts); their output shapes do not depend on the dtype
+_BF16_ONLY_FAKE = frozenset({"aten::_grouped_mm"})
+
+
+def _shapes_in_bf16(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The outputs of ``func`` for fp32 inputs its fake kernel refuses, where it takes bf16 only: run in bf16 and
+    cast back, which gives the fp32 op's shapes (and bytes, the outputs being fp32 again). None for any other op
+    or inputs, and where the bf16 op fails too (the fp32 op then raises its own error)."""
+    if func._schema.name not in _BF16_ONLY_FAKE:
+        return None
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in leaves):
+        return None
+    cast = [t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in leaves]
+    args16, kwargs16 = tree_unflatten(cast, spec)
+    try:
+        out = func(*args16, **kwargs16)
+    except Exception:  # noqa: BLE001 - not the dtype after all: the caller reports the first error
+        return None
+    flat, out_spec = tree_flatten(out)
+    return tree_unflatten([t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
+                           for t in flat], out_spec)
+
+
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
@@ -292,7 +317,9 @@ class _Recorder(tp.TorchDispatchMode):
         if not self.recording or func.namespace == "prim":
             return func(*args, **kwargs)
         try:
-            out = func(*args, **kwargs)
+            out = _shapes_in_bf16(func, args, kwargs)
+            if out is None:
+                out = func(*args, **kwargs)
         except Exception as exc:
             module = self.module_stack[-1]
             raise CaptureError(
