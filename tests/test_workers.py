@@ -8,6 +8,7 @@ import pytest
 
 from autopar.capture import trace
 from autopar.cluster import load_cluster
+from autopar.api.search import simulated
 from autopar.cost.pipeline import PipelineModel
 from autopar.search.mcmc import mcmc
 from autopar.search.pipeline import aceso, auto, data_parallel, megatron_grid, runtime_limit, score
@@ -121,9 +122,13 @@ def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, f
         grid = megatron_grid(model, global_batch=64)
         dp = data_parallel(model, global_batch=64, zero=0)
         chains = mcmc(model, global_batch=64, seeds=[grid.config, dp.config], time_limit=120, seed=5)
-        found[count] = (result, climbed, grid, chains)
         assert (len(forks) >= 4) if count == "2" else not forks  # the grid, Aceso (in auto and alone) and MCMC forked
-    (one, climbed_one, grid_one, chains_one), (two, climbed_two, grid_two, chains_two) = found["1"], found["2"]
+        before = len(forks)
+        shown = simulated(model, result, global_batch=64, own="auto")
+        assert len(forks) == before + (count == "2")  # and the simulation of the finalists
+        found[count] = (result, climbed, grid, chains, shown)
+    (one, climbed_one, grid_one, chains_one, shown_one), (two, climbed_two, grid_two, chains_two, shown_two) = \
+        found["1"], found["2"]
     assert one["auto"].converged and two["auto"].converged
     assert one["auto"].config == two["auto"].config and one["auto"].by == two["auto"].by
     assert [f.config for f in one["auto"].runners_up] == [f.config for f in two["auto"].runners_up]
@@ -136,6 +141,17 @@ def test_searching_depths_in_workers_finds_what_one_process_finds(monkeypatch, f
         assert one[kind].config == two[kind].config, kind
     # what the workers priced is counted, once each, as one process counts it
     assert two["auto"].evaluated == one["auto"].evaluated > 0
+    # the finalists simulated side by side: the same plans, estimates and order, each plan with its timeline
+    for kind, f in shown_one.items():
+        g = shown_two[kind]
+        assert (f is None) == (g is None), kind
+        if f is None:
+            continue
+        assert (f.config, f.by, f.result.estimate) == (g.config, g.by, g.result.estimate), kind
+        assert [(r.config, r.result.estimate) for r in f.runners_up] == \
+            [(r.config, r.result.estimate) for r in g.runners_up], kind
+        assert f.result.simulation is not None and g.result.simulation is not None
+        assert g.result.simulation.timeline.end == f.result.simulation.timeline.end
 
 
 def test_a_worker_prices_what_the_caller_would(monkeypatch, forks) -> None:

@@ -25,13 +25,14 @@ from torch import nn
 from autopar.capture import Graph
 from autopar.cluster.spec import Cluster
 from autopar.cost.memory import OPTIMIZER_STATE_BYTES, Precision
-from autopar.cost.pipeline import PipelineModel
+from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel
 from autopar.plan import Plan, Workload
 from autopar.plan.checks import FieldError, choice, finite, flag, integer, text
 from autopar.plan.records import DTYPES, KERNELS, MAX_BATCH
 from autopar.runtime.source import ModelSource
 from autopar.search.heap import gc_paused
 from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
+from autopar.search.workers import in_worker, share_out
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
 
     baselines = {k: (typed(k, f) if f is not None else None) for k, f in found.items() if k != options.search}
     chosen, refused = _runnable_choice(subject, options, chosen, typed, limit)
+    chosen = with_timeline(model, chosen, options.batch)  # a runner-up promoted: its timeline
     plan = typed(options.search, chosen)
     if subject.workload is not None:
         plan = plan.with_workload(subject.workload)
@@ -244,7 +246,7 @@ def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_ba
     are candidates too: its plan is never slower than a baseline it beat on the screen.
     A configuration the simulator refuses (an interleaved micro-batch count torch's schedule refuses) drops out;
     a baseline left with none is n/a, the search's own an error."""
-    priced = {kind: _repriced(model, f, global_batch) for kind, f in found.items()}
+    priced = _repriced(model, found, global_batch)
     result: dict[str, Found | None] = {}
     for kind, f in found.items():
         ranked, reasons = priced[kind]
@@ -263,19 +265,53 @@ def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_ba
             if c is not best and shape(c.config) not in seen:
                 seen.add(shape(c.config))
                 rest.append(c)
-        result[kind] = replace(best, evaluated=f.evaluated, runners_up=rest, by={"megatron": "grid"}.get(by, by),
-                               converged=f.converged)
+        result[kind] = replace(with_timeline(model, best, global_batch), evaluated=f.evaluated, runners_up=rest,
+                               by={"megatron": "grid"}.get(by, by), converged=f.converged)
     return result
 
 
-def _repriced(model: PipelineModel, found: Found | None, global_batch: int) -> tuple[list[Found], list[str]]:
-    """``found`` and its runners-up simulated, best first, and why any could not be."""
-    priced, reasons = [], []
-    for c in (found, *found.runners_up) if found is not None else ():
+def with_timeline(model: PipelineModel, found: Found, global_batch: int) -> Found:
+    """``found`` with its simulated timeline, simulated again where a worker priced it (`_repriced`)."""
+    if found.result.simulation is not None:
+        return found
+    return replace(found, result=model.estimate(found.config, global_batch=global_batch, simulate=True))
+
+
+def _repriced(model: PipelineModel, found: dict[str, Found | None],
+              global_batch: int) -> dict[str, tuple[list[Found], list[str]]]:
+    """Per search, its plan and runners-up simulated, best first, and why any could not be. Each configuration is
+    simulated once, side by side in worker processes where there are cores for it (`share_out`), the longest
+    first; a worker sends back the estimate without its timeline (a timeline of a 1,000-layer FSDP plan is
+    200,000 tasks, as slow to send as to simulate), which `with_timeline` simulates again for the plans kept."""
+    configs: dict[PipelineConfig, int] = {}
+    for f in found.values():
+        for c in (f, *f.runners_up) if f is not None else ():
+            configs.setdefault(c.config, len(configs))
+    listed = list(configs)
+
+    def work(config: PipelineConfig, _stop: Callable[[], bool], _left: int) -> PipelineEstimate | str:
         try:
-            priced.append(replace(c, result=model.estimate(c.config, global_batch=global_batch, simulate=True),
-                                  runners_up=[]))
+            priced = model.estimate(config, global_batch=global_batch, simulate=True)
         except ValueError as exc:
-            reasons.append(str(exc))
-    return sorted(priced, key=lambda c: score(c.result)), reasons
+            return str(exc)
+        if not in_worker():
+            return priced
+        return replace(priced, stages=[replace(s, parts=None) for s in priced.stages], simulation=None)
+
+    def tasks(config: PipelineConfig) -> int:  # about how many the simulator makes: per unit where ZeRO cuts them
+        rows = sum(s.end - s.start for s in config.stages) if config.zero else len(config.stages)
+        return global_batch // config.micro_batch * rows
+
+    estimates, _ = share_out(listed, work, order=sorted(range(len(listed)), key=lambda i: -tasks(listed[i])))
+    result = {}
+    for kind, f in found.items():
+        priced, reasons = [], []
+        for c in (f, *f.runners_up) if f is not None else ():
+            estimate = estimates[configs[c.config]]
+            if isinstance(estimate, str):
+                reasons.append(estimate)
+            else:
+                priced.append(replace(c, result=estimate, runners_up=[]))
+        result[kind] = (sorted(priced, key=lambda c: score(c.result)), reasons)
+    return result
 
