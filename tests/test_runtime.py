@@ -194,6 +194,24 @@ def test_pipelines_match_one_process_and_the_predicted_collectives(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_pipelines_of_sliding_window_models_match_one_process(tmp_path, model_type) -> None:
+    """A window of 8 tokens at sequence 32: each stage gives its layers the masks (and, Gemma 3, the rotary tables)
+    of their attention types, as the whole model does. Gemma 3's head dim (256) exceeds its hidden size: the
+    stages send the residual stream, not the larger rotary tables its layers also read."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=256, vocab_size=256, sliding_window=8)
+    if model_type == "gemma3_text":
+        config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.to_json_file(tmp_path / "config.json")
+    path = _pipeline_plan(tmp_path, f"hf:{tmp_path / 'config.json'}", {}, tp=1, dp=1, pp=2, schedule="1f1b")
+    data = _run(path, 2)
+    assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "overrides", "schedule"),
     [("gpt3-125m", GPT4, "1f1b"), ("llama-7b", LLAMA4, "gpipe"), ("hf:llama-tiny", HF, "1f1b")],

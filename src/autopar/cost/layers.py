@@ -40,7 +40,9 @@ class LayerCost:
     saved_columns: int = 0  # of ``saved_replicated``, what column-parallel ops save (their whole input)
     attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
     input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
-    largest_input: int = 0  # its largest single activation input (what a pipeline stage boundary sends)
+    # the stream it reads from the layer before (the residual stream: what a pipeline stage boundary sends and
+    # sequence parallelism scatters), not inputs made beside the chain (rotary tables, masks, encoder outputs)
+    stream_input: int = 0
     row_outputs: list[int] = field(default_factory=list)  # bytes of each row-parallel output (fwd all-reduce)
     column_inputs: list[int] = field(default_factory=list)  # bytes of each column group's input (bwd all-reduce)
     gathered_outputs: list[int] = field(default_factory=list)  # bytes of each unclosed column's output (fwd gather)
@@ -61,6 +63,19 @@ def _behind_views(graph: Graph, node_id: int, index: int) -> tuple[int, int]:
         source = graph.nodes[node_id].sources[0]
         node_id, index = source.node, source.index
     return node_id, index
+
+
+def _stream_of_first_layers(rows: dict[str, LayerCost], largest: dict[str, int]) -> None:
+    """A repeated layer that reads no other repeated layer (the first of a stack, reading the embedding) carries
+    the stream of the next layer that does (the stack's layers are alike); where none does (a stack of one), its
+    largest activation input."""
+    ordered = [layer for layer in rows.values() if layer.repeated]
+    following = 0
+    for layer in reversed(ordered):
+        if layer.stream_input:
+            following = layer.stream_input
+        else:
+            layer.stream_input = following or largest[layer.name]
 
 
 def analyse(graph: Graph) -> list[LayerCost]:
@@ -133,22 +148,28 @@ def analyse(graph: Graph) -> list[LayerCost]:
     for layer in rows.values():
         for node in layer.nodes:
             layer_of_node[node.id] = layer
+    largest: dict[str, int] = {}  # per repeated layer, its largest activation input from outside it
     for layer in rows.values():
         if not layer.repeated:
             continue
         seen: set[tuple[int, int]] = set()
+        largest[layer.name] = 0
         for node in layer.nodes:
             for s, t in zip(node.sources, node.inputs):
                 if s.state is not None or (s.node, s.index) in seen or not t.dtype.startswith(("float", "bfloat")):
                     continue
-                if s.node >= 0 and layer_of_node.get(s.node) is layer:
+                source = layer_of_node.get(s.node) if s.node >= 0 else None
+                if source is layer:
                     continue
                 seen.add((s.node, s.index))
                 layer.input_bytes += t.nbytes
-                layer.largest_input = max(layer.largest_input, t.nbytes)
+                largest[layer.name] = max(largest[layer.name], t.nbytes)
+                if source is not None and source.repeated:  # from the layer before: the stream
+                    layer.stream_input = max(layer.stream_input, t.nbytes)
+    _stream_of_first_layers(rows, largest)
     first = next((layer for layer in rows.values() if layer.repeated), None)
     if first is not None:
-        first.sp_entry = first.largest_input
+        first.sp_entry = first.stream_input
         ordered = list(rows.values())
         for layer in ordered[ordered.index(first):]:
             read = {s.state for node in layer.nodes if not node.is_view and not _is_param_contraction(node)

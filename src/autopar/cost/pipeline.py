@@ -800,16 +800,16 @@ class PipelineModel:
                          CommCall(kind=Collective.ALL_GATHER, axis="tp", bytes=boundary, phase=Phase.SEND))
 
     def _boundary_bytes(self, stage: Stage, config: PipelineConfig) -> float:
-        """The largest activation input of the stage's repeated layers (of the model's first one where the stage
-        has none): what crosses its boundaries."""
-        size = self._largest_inputs(stage.start, stage.end)
+        """The largest stream the stage's repeated layers read (`LayerCost.stream_input`; the model's first
+        one's where the stage has none): what crosses its boundaries."""
+        size = self._streams(stage.start, stage.end)
         if size < 0:
-            size = next((layer.largest_input for layer in self.layers if layer.repeated), 0)
+            size = next((layer.stream_input for layer in self.layers if layer.repeated), 0)
         return size / (stage.tp if config.sp else 1)
 
     @cached_property
-    def _largest_inputs(self) -> RangeMax:
-        return RangeMax([layer.largest_input if layer.repeated else -1 for layer in self.layers])
+    def _streams(self) -> RangeMax:
+        return RangeMax([layer.stream_input if layer.repeated else -1 for layer in self.layers])
 
     def _sync(self, stage: Stage, zero: int, m: int, mesh, calls: list[CommCall], *, extra: float = 0,  # noqa: ANN001
               view: StageView | None = None) -> tuple[float, tuple]:

@@ -48,6 +48,7 @@ class StageModule(nn.Module):
             inner = nn.Module()  # `model.` prefix kept, so parameter names match the whole model's
             inner.layers = chosen
             inner.rotary_emb = model.model.rotary_emb
+            self.config = model.config  # not a module: its masks are made per forward from it
             if first:
                 inner.embed_tokens = model.model.embed_tokens
             if last:
@@ -82,16 +83,51 @@ class StageModule(nn.Module):
         return x
 
     def _forward_hf(self, x: torch.Tensor) -> torch.Tensor:
-        inner = self.model
+        """The stage's share of a Hugging Face decoder's forward: each layer gets the mask and position embeddings
+        of its attention type (``config.layer_types``: full or sliding-window attention; a model without them has
+        one type, sliding where its config sets a window), built as the whole model builds them."""
+        inner, config = self.model, self.config
         if self.first:
             x = inner.embed_tokens(x)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        rotary = inner.rotary_emb(x, position_ids=positions)
-        for layer in inner.layers.values():  # no mask: SDPA runs causal, as the whole model does
-            x = layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        types = getattr(config, "layer_types", None)
+        masks: dict[str, Any] = {}
+        rotary: dict[str, Any] = {}
+        for key, layer in inner.layers.items():
+            kind = types[int(key)] if types else _one_attention_type(config)
+            if kind not in masks:
+                masks[kind] = _attention_mask(config, kind, x, positions)
+                rotary[kind] = (inner.rotary_emb(x, positions, kind) if _rotary_by_type(inner.rotary_emb)
+                                else inner.rotary_emb(x, position_ids=positions))
+            x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
         if self.last:
             return self.lm_head(inner.norm(x))
         return x
+
+
+def _one_attention_type(config: Any) -> str:
+    """The attention type of every layer of a model whose config lists none: sliding-window attention where the
+    config sets a window (Mistral, Phi-3), else full."""
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _attention_mask(config: Any, kind: str, x: torch.Tensor, positions: torch.Tensor) -> Any:
+    """The mask the whole model gives layers of attention type ``kind`` (None where SDPA runs causal by itself)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    if kind not in makers:
+        raise NotImplementedError(f"pipeline stages cannot run layers of attention type {kind!r} yet (full and "
+                                  "sliding-window attention can)")
+    return makers[kind](config=config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                        position_ids=positions)
+
+
+def _rotary_by_type(rotary: nn.Module) -> bool:
+    """Whether the model's rotary embedding takes the layer's attention type (Gemma 3: one base per type)."""
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
 def chain_kind(model: nn.Module) -> str:
@@ -104,11 +140,6 @@ def chain_kind(model: nn.Module) -> str:
         return "llama"
     inner = getattr(model, "model", None)
     if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        attention = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-        if attention != "sdpa":  # a stage runs its layers without a mask: only SDPA then attends causally
-            raise NotImplementedError(f"pipeline stages of a {type(model).__name__} with {attention!r} attention "
-                                      "cannot be run yet: stages pass no attention mask, which only 'sdpa' attention "
-                                      "makes causal; build the model with attn_implementation='sdpa'")
         return "hf"
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models and Hugging Face "
@@ -121,8 +152,8 @@ CHECK_SEQ = 16  # tokens of the small copy's check; a sliding window shorter tha
 
 def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     """Refuse (NotImplementedError, naming the class) pipeline stages of a Hugging Face model whose forward does
-    more than a stage runs (embedding, layers with a causal mask, norm, head): a sliding-window or per-layer mask,
-    a scaled embedding, capped or scaled logits. Stages would then train a different model.
+    more than a stage runs (embedding, layers under the masks of their attention types, norm, head): a mask of
+    another kind, capped or scaled logits. Stages would then train a different model.
 
     Checked on numbers, not on names: a small copy of the model (the same class and config, 4 layers or fewer,
     hidden 64, 4 heads, vocabulary 128, random weights; a sliding window shorter than the real ``seq`` stays
@@ -153,13 +184,13 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
             last = StageModule(small, list(range(cut, layers)), first=False, last=True)
             staged = last(first(ids))
     except Exception as exc:  # noqa: BLE001 - whatever the stages raised: they cannot run this model
-        raise failed("fail on a small copy of the model, calling its layers as LLaMA's are called", exc) from None
+        raise failed("fail on a small copy of the model", exc) from None
     difference = float((staged - whole).abs().max())
     if not torch.allclose(staged, whole, rtol=1e-4, atol=1e-5):
         raise NotImplementedError(
             f"pipeline stages of {name} would train a different model: its forward does more than a stage runs "
-            "(embedding, layers under a causal mask, norm, head), e.g. a sliding-window or per-layer attention mask, "
-            f"a scaled embedding or capped logits (a small copy's logits differ by up to {difference:.3g}); plan "
+            "(embedding, layers under the masks of their attention types, norm, head), e.g. "
+            f"scaled or capped logits (a small copy's logits differ by up to {difference:.3g}); plan "
             "without pipeline parallelism")
 
 
