@@ -125,6 +125,29 @@ def test_pipelines_of_hugging_face_models_take_any_attention() -> None:
     assert can_pipeline(sdpa) and can_pipeline(eager)
 
 
+def test_pipelines_are_refused_for_a_forward_that_does_more_than_stages_run() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    from autopar.api.search import can_pipeline
+    from autopar.runtime.pipeline import check_stage_forward
+
+    class _DoubledLogits(transformers.LlamaForCausalLM):
+        """A user's causal LM whose forward does a step after the head that pipeline stages do not know."""
+
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        doubled = _DoubledLogits(config)
+    assert not can_pipeline(doubled)
+    with pytest.raises(NotImplementedError, match="_DoubledLogits would train a different model"):
+        check_stage_forward(doubled, seq=16)
+
+
 def _plan(dp: int, tp: int, *, micro: int = 4, batches: int = 2) -> Plan:
     weight = ParamLayout(name="fc.weight", placements=(Replicate(), Shard(0)), shape=(8, 8))
     return Plan(model="m", kind="test", mesh=Mesh(shape=(1, dp * tp), axes=("pp", "dp_tp")),

@@ -335,15 +335,16 @@ def test_a_hugging_face_moe_plan_is_runnable(tmp_path: Path, capsys: pytest.Capt
 @pytest.mark.parametrize(("model", "window", "written"), [
     ("hf:mistral", 16, True),  # a sliding window shorter than the sequence: stages mask as the model does
     ("hf:mistral", 64, True),  # a window as long as the sequence: causal throughout
-    ("hf:cohere", None, False),  # logits scaled after the head
+    ("hf:cohere", None, True),  # logits scaled after the head, as the last stage scales them
+    ("hf:gemma2", None, True),  # logits soft-capped after the head
     ("hf:llama", None, True),
 ])
 def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, window: int | None, written: bool) -> None:
     """Checked on a small copy of the model (`runtime.pipeline.check_stage_forward`): before the check, a Mistral
     plan with a window of 16, when stages passed no mask, was written, and `autopar run --check` found its loss
-    5.5476 against 5.5507. Stages now mask as the model does, and pass the check; Cohere scales its logits after
-    the head, which stages do not."""
+    5.5476 against 5.5507. Stages now mask, scale and cap as the model does, and pass the check (a model whose
+    forward does another step is refused: `test_api`)."""
     name = model
     if window is not None:
         from transformers import AutoConfig

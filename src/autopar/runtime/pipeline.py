@@ -49,6 +49,8 @@ class StageModule(nn.Module):
             inner.layers = chosen
             inner.rotary_emb = model.model.rotary_emb
             self.config = model.config  # not a module: its masks are made per forward from it
+            scale = getattr(model, "logit_scale", None)  # a number (Cohere), not a parameter
+            self.logit_scale = scale if isinstance(scale, (int, float)) else None
             if first:
                 inner.embed_tokens = model.model.embed_tokens
             if last:
@@ -89,6 +91,9 @@ class StageModule(nn.Module):
         inner, config = self.model, self.config
         if self.first:
             x = inner.embed_tokens(x)
+            multiplier = getattr(config, "embedding_multiplier", None)  # Granite scales its embeddings
+            if multiplier is not None:
+                x = x * multiplier
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         types = getattr(config, "layer_types", None)
         masks: dict[str, Any] = {}
@@ -101,8 +106,22 @@ class StageModule(nn.Module):
                                 else inner.rotary_emb(x, position_ids=positions))
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
         if self.last:
-            return self.lm_head(inner.norm(x))
+            return self._logits(self.lm_head(inner.norm(x)))
         return x
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the causal LM's forward ends it: scaled (Cohere's ``logit_scale``, Granite's
+        ``logits_scaling``) or soft-capped (Gemma 2's ``final_logit_softcapping``)."""
+        config = self.config
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        scaling = getattr(config, "logits_scaling", None)
+        if scaling is not None:
+            logits = logits / scaling
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _one_attention_type(config: Any) -> str:
@@ -152,8 +171,9 @@ CHECK_SEQ = 16  # tokens of the small copy's check; a sliding window shorter tha
 
 def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     """Refuse (NotImplementedError, naming the class) pipeline stages of a Hugging Face model whose forward does
-    more than a stage runs (embedding, layers under the masks of their attention types, norm, head): a mask of
-    another kind, capped or scaled logits. Stages would then train a different model.
+    more than a stage runs (embedding, scaled as Granite's; layers under the masks of their attention types; norm;
+    head, its logits scaled or capped as Cohere's, Granite's and Gemma 2's): a mask of another kind, say, or another
+    step after the head. Stages would then train a different model.
 
     Checked on numbers, not on names: a small copy of the model (the same class and config, 4 layers or fewer,
     hidden 64, 4 heads, vocabulary 128, random weights; a sliding window shorter than the real ``seq`` stays
@@ -189,8 +209,8 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     if not torch.allclose(staged, whole, rtol=1e-4, atol=1e-5):
         raise NotImplementedError(
             f"pipeline stages of {name} would train a different model: its forward does more than a stage runs "
-            "(embedding, layers under the masks of their attention types, norm, head), e.g. "
-            f"scaled or capped logits (a small copy's logits differ by up to {difference:.3g}); plan "
+            "(embedding, layers under the masks of their attention types, norm, head, the logits' scale or cap), "
+            f"e.g. another kind of mask or another step after the head (a small copy's logits differ by up to {difference:.3g}); plan "
             "without pipeline parallelism")
 
 
