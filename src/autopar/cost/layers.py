@@ -40,8 +40,9 @@ class LayerCost:
     saved_columns: int = 0  # of ``saved_replicated``, what column-parallel ops save (their whole input)
     attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
     input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
-    # the stream it reads from the layer before (the residual stream: what a pipeline stage boundary sends and
-    # sequence parallelism scatters), not inputs made beside the chain (rotary tables, masks, encoder outputs)
+    # its largest input from the repeated layers before it (the residual stream, or what else one layer hands the
+    # next, T5's position bias): what a pipeline stage boundary sends and sequence parallelism scatters; not inputs
+    # made beside the chain of layers (rotary tables, masks, encoder outputs)
     stream_input: int = 0
     row_outputs: list[int] = field(default_factory=list)  # bytes of each row-parallel output (fwd all-reduce)
     column_inputs: list[int] = field(default_factory=list)  # bytes of each column group's input (bwd all-reduce)

@@ -210,8 +210,8 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
         raise NotImplementedError(
             f"pipeline stages of {name} would train a different model: its forward does more than a stage runs "
             "(embedding, layers under the masks of their attention types, norm, head, the logits' scale or cap), "
-            f"e.g. another kind of mask or another step after the head (a small copy's logits differ by up to {difference:.3g}); plan "
-            "without pipeline parallelism")
+            "e.g. another kind of mask or another step after the head (a small copy's logits differ by up to "
+            f"{difference:.3g}); plan without pipeline parallelism")
 
 
 def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
