@@ -73,8 +73,9 @@ class ModelSource:
 
 def trace_chain(module: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Graph:
     """``module``'s trace in its own dtype (fp32, as the runtime trains), or in bf16 where a kernel's fake
-    implementation takes bf16 only (MoE's grouped matmul on CPU): the chain of layers is the same in any dtype.
-    Raises ValueError when neither traces."""
+    implementation takes bf16 only: the chain of layers is the same in any dtype. (MoE's grouped matmul, the one
+    such kernel known, the tracer already shapes in bf16 itself: `capture.tracer._shapes_in_bf16`; this retry is
+    for any other.) Raises ValueError when neither traces."""
     from autopar.capture import CaptureError
     from autopar.runtime.validate import fake_errors_quiet
 
