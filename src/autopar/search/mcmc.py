@@ -108,10 +108,8 @@ def mcmc(
                      + ("" if e.memory.fits else " (no fit)"))
         return found.config, tried, done
 
-    def finish() -> tuple[list[PipelineConfig], list[int]]:  # in a worker: its best shapes, priced again by the caller
-        return [f.config for f in evaluate.top(4)], evaluate.since(before)
-
-    chains, finished = share_out(range(len(starts)), work, should_stop=should_stop, finish=finish)
+    chains, finished = share_out(range(len(starts)), work, should_stop=should_stop,
+                                 finish=lambda: evaluate.handed_back(before))
     for top, priced in finished:
         evaluate.adopt([chain[0] for chain in chains if chain is not None] + top, priced=priced)
     best: Found | None = None

@@ -128,6 +128,12 @@ class Evaluator:
         return [hash(config) for config in itertools.islice(self.cache, before, None)
                 if where is None or not where(config)]
 
+    def handed_back(self, before: int, *, where: Limit | None = None) -> tuple[list[PipelineConfig], list[int]]:
+        """What a worker hands back once it is done (`search.workers`), for the caller's `adopt`: the configurations
+        of its four best shapes (runners-up), and the hashes of what it priced after the first ``before`` (`since`);
+        both less those ``where`` refuses."""
+        return [f.config for f in self.top(4, where=where)], self.since(before, where=where)
+
     def adopt(self, configs: Iterable[PipelineConfig], *, priced: Iterable[int]) -> None:
         """A worker's results: ``configs`` are priced again here, and ``priced`` (`since`) counted in `priced`."""
         for config in dict.fromkeys(configs):
@@ -232,9 +238,9 @@ def megatron_grid(
             ranked = sorted(evaluate.cache.items(), key=lambda item: score(item[1]))
             for pp in mine:
                 kept += [c for c, _ in ranked if c.pp == pp and c.chunks == 1 and not limit(c)][:1]
-        kept += [f.config for f in evaluate.top(4, where=limit)]
         # counted for the searches after the grid, which keep to the limit (`auto`)
-        return kept, evaluate.since(before, where=limit)
+        top, priced = evaluate.handed_back(before, where=limit)
+        return kept + top, priced
 
     parts, finished = share_out(depths, work, finish=finish, order=_deepest_first(depths))
     worked = [part for part in parts if part is not None]
@@ -482,10 +488,8 @@ def aceso(
                      + f"; best so far {b.iteration_seconds:.3f} s" + ("" if b.memory.fits else " (no fit)"))
         return (found.config if found is not None else None), evaluated, converged
 
-    def finish() -> tuple[list[PipelineConfig], list[int]]:  # in a worker: its best shapes, priced again by the caller
-        return [f.config for f in evaluate.top(4)], evaluate.since(before)
-
-    parts, finished = share_out(depths, work, should_stop=should_stop, finish=finish, order=_deepest_first(depths))
+    parts, finished = share_out(depths, work, should_stop=should_stop, finish=lambda: evaluate.handed_back(before),
+                                order=_deepest_first(depths))
     climbed = [part[0] for part in parts if part is not None and part[0] is not None]
     for top, priced in finished:
         evaluate.adopt(climbed + top, priced=priced)
