@@ -221,3 +221,21 @@ def test_range_max_is_the_largest_of_every_range():
 def test_a_stage_names_a_recomputation_level_it_does_not_know():
     with pytest.raises(ValueError, match="recompute must be one of .* got 'most'"):
         Stage(start=0, end=3, tp=1, dp=1, recompute=("none", "most", "full"))
+
+
+def test_a_deep_chain_climbs_coarse_then_fine_and_finds_as_good_a_plan_for_less() -> None:
+    from autopar.search import pipeline as search
+
+    model = _model("gpt3-350m", gpus=8, memory_gib=16, layers=200, screen=True)
+    assert search.coarse_unit(model, 1) == len(model.layers) // 8 and search.coarse_unit(model, 8) == 1
+    assert search._coarse_steps(100, unit=25) == (25,) and search._coarse_steps(400, unit=25) == (25, 50)
+    assert search._fine_steps(100, unit=25) == (1, 2, 4, 8, 16)
+    coarse = aceso(model, global_batch=64, time_limit=120)
+    plain_unit, search.coarse_unit = search.coarse_unit, lambda model, pp: 1
+    try:
+        plain = aceso(model, global_batch=64, time_limit=120)
+    finally:
+        search.coarse_unit = plain_unit
+    assert coarse.converged and plain.converged
+    assert coarse.score <= plain.score
+    assert coarse.evaluated < 0.8 * plain.evaluated

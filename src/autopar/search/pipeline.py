@@ -33,6 +33,7 @@ converges early leaves its time to the next); the best over depths wins, ties to
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -365,14 +366,16 @@ def _bottlenecks(result: PipelineEstimate) -> list[int]:
     return sorted(range(len(reports)), key=lambda i: (over[i] <= 1, -over[i] if over[i] > 1 else -reports[i].seconds))
 
 
-def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_batch: int) -> Iterator[PipelineConfig]:
-    """Every single reconfiguration of ``stage`` (and the global micro-batch and ZeRO stage) that is valid.
-    Checkpointed runs are dropped: the rotor programme chooses them again for the configuration found."""
+def primitives(model: PipelineModel, config: PipelineConfig, stage: int, global_batch: int, *,
+               steps: Callable[[int], tuple[int, ...]] | None = None) -> Iterator[PipelineConfig]:
+    """Every single reconfiguration of ``stage`` (and the global micro-batch and ZeRO stage) that is valid;
+    ``steps(rows)``: how many rows one move or recomputation change takes on a stage of ``rows`` rows (default
+    `_steps`). Checkpointed runs are dropped: the rotor programme chooses them again for the configuration found."""
     if any(s.segments for s in config.stages):
         config = replace(config, stages=tuple(replace(s, segments=()) for s in config.stages))
     stages = list(config.stages)
     s = stages[stage]
-    steps = _steps(s.end - s.start)
+    steps = (steps or _steps)(s.end - s.start)
     # op#: hand rows to a neighbour
     for step in steps:
         if stage > 0 and s.end - s.start > step:
@@ -423,6 +426,24 @@ def _steps(rows: int) -> tuple[int, ...]:
     return (1,) if rows < 16 else (1, rows // 8)
 
 
+def coarse_unit(model: PipelineModel, pp: int) -> int:
+    """Rows per step of the coarse climb at depth ``pp``: an eighth of a stage's share of the chain where that
+    is at least 4 rows (stages of 32 rows or more), else 1 (no coarse climb)."""
+    unit = len(model.layers) // (8 * pp)
+    return unit if unit >= 4 else 1
+
+
+def _coarse_steps(rows: int, *, unit: int) -> tuple[int, ...]:
+    """A coarse climb's steps: ``unit`` rows, and an eighth of the stage in whole units."""
+    return tuple(sorted({unit, max(unit, rows // 8 // unit * unit)}))
+
+
+def _fine_steps(rows: int, *, unit: int) -> tuple[int, ...]:
+    """The steps of the climb after a coarse one of ``unit`` rows: the powers of two below ``unit``, so each
+    boundary and each recomputation count settles within the coarse step in a few hops."""
+    return tuple(1 << k for k in range((unit - 1).bit_length()))
+
+
 def _with(config: PipelineConfig, stages: list[Stage]) -> PipelineConfig:
     return replace(config, stages=tuple(stages))
 
@@ -463,9 +484,11 @@ def aceso(
     """Aceso's search over every pipeline depth (or ``depths``); ``seeds`` are extra starting points (the best
     Megatron configuration, say), climbed at their own depth. Each climb stops when it converges (`Window`:
     ``window`` configurations without a gain of ``tolerance``); the result is ``converged`` when every climb did
-    within its share of ``time_limit``. Depths are independent: where there are cores for it they are climbed
-    side by side in forked processes (`search.workers`), and the result is the one a single process finds
-    whenever the climbs converge."""
+    within its share of ``time_limit``. On a deep chain (stages of 32 rows or more) each climb moves and recomputes
+    rows in steps of an eighth of a stage first (`coarse_unit`), then in powers of two below that step, which
+    prices far fewer configurations than single rows from the start. Depths are independent: where there are
+    cores for it they are climbed side by side in forked processes (`search.workers`), and the result is the one
+    a single process finds whenever the climbs converge."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     depths = depths or pipeline_depths(model, model.cluster.num_devices)
     processes = min(default_workers(), len(depths))
@@ -526,9 +549,18 @@ def _climb_depth(
     found = None
     converged = True
     evaluated = 0
+    # on a deep chain each start climbs in steps of many rows first, then in finer steps from where that ends:
+    # single-row steps from the start would take hundreds of hops, each pricing every primitive
+    unit = coarse_unit(model, pp)
     for start in starts:  # each start climbs until it converges, within the depth's time
-        climbed, count = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
-                                window=Window(window, tolerance))
+        count, steps = 0, None
+        if unit > 1:
+            coarse, count = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
+                                   window=Window(window, tolerance), steps=functools.partial(_coarse_steps, unit=unit))
+            start, steps = coarse.config, functools.partial(_fine_steps, unit=unit)
+        climbed, fine = _climb(model, start, evaluate, global_batch, deadline, max_hops, beam, should_stop,
+                               window=Window(window, tolerance), steps=steps)
+        count += fine
         converged = converged and climbed.converged
         # a climb that fits by raising ZeRO can miss fitting by recomputation instead, which may be faster
         climbed, tried = _retune(model, climbed, evaluate, global_batch, zeros=range(climbed.config.zero))
@@ -574,6 +606,7 @@ def _retune(
 def _climb(
     model: PipelineModel, start: PipelineConfig, evaluate: Evaluator, global_batch: int, deadline: float,
     max_hops: int, beam: int, should_stop: Callable[[], bool], *, secondary: int = 0, window: Window | None = None,
+    steps: Callable[[int], tuple[int, ...]] | None = None,
 ) -> tuple[Found, int]:
     """Relieve the bottleneck until no sequence of up to ``max_hops`` primitives improves, or ``window`` says
     the gains have become too small to go on for; with ``secondary`` > 0, the next ``secondary`` bottlenecks are
@@ -587,7 +620,8 @@ def _climb(
     while time.perf_counter() < deadline and not should_stop():
         for rank in range(secondary + 1):
             improved, current, current_score, tried = _hops(
-                model, current, current_score, rank, evaluate, global_batch, deadline, max_hops, beam, visited)
+                model, current, current_score, rank, evaluate, global_batch, deadline, max_hops, beam, visited,
+                steps=steps)
             count += tried
             if improved or time.perf_counter() > deadline:
                 break
@@ -601,7 +635,8 @@ def _climb(
 
 def _hops(
     model: PipelineModel, current: PipelineConfig, current_score: Score, rank: int, evaluate: Evaluator,
-    global_batch: int, deadline: float, max_hops: int, beam: int, visited: set,
+    global_batch: int, deadline: float, max_hops: int, beam: int, visited: set, *,
+    steps: Callable[[int], tuple[int, ...]] | None = None,
 ) -> tuple[bool, PipelineConfig, Score, int]:
     """One multi-hop search from ``current`` on each configuration's ``rank``-th bottleneck: the first
     configuration better than ``current`` within ``max_hops`` primitives, keeping the ``beam`` best per hop."""
@@ -613,7 +648,7 @@ def _hops(
             ranked = _bottlenecks(evaluate(config))
             if rank >= len(ranked):
                 continue
-            for candidate in primitives(model, config, ranked[rank], global_batch):
+            for candidate in primitives(model, config, ranked[rank], global_batch, steps=steps):
                 if candidate in visited:
                     continue
                 visited.add(candidate)
