@@ -96,7 +96,7 @@ def gradient_sync(zero: int, micro_batches: int, *, root: bool = False) -> list[
     """Collectives per iteration that keep data-parallel replicas' parameters in step, with their call counts, on a
     buffer the size of one FSDP unit's gradients (the whole model's, where it is one unit):
 
-    - ZeRO 0: one all-reduce (per DDP bucket, see `ddp_buckets`);
+    - ZeRO 0: one all-reduce (per DDP bucket, see `ddp_buckets`, or per slice, `flat_buckets`);
     - ZeRO 1: the weights all-gathered once before the first micro-batch, the accumulated gradients
       reduce-scattered once after the last;
     - ZeRO 2: the same gather, and a reduce-scatter after every micro-batch (gradients stay sharded);
@@ -113,8 +113,24 @@ def gradient_sync(zero: int, micro_batches: int, *, root: bool = False) -> list[
     return [(Collective.ALL_GATHER, m if root else 2 * m), (Collective.REDUCE_SCATTER, m)]
 
 
-def ddp_buckets(nbytes: float) -> list[float]:
-    """Bucket sizes DDP all-reduces ``nbytes`` of gradients in."""
+def ddp_buckets(gradients: Iterable[float]) -> list[float]:
+    """Bucket sizes `DistributedDataParallel` all-reduces gradients of these sizes (bytes, in the order they
+    become ready in the backward) in, as it rebuilds its buckets after the first step: a tensor is never split,
+    and a bucket closes once it holds `DDP_BUCKET_BYTES` or more (so a large embedding makes one large bucket)."""
+    buckets, current = [], 0.0
+    for nbytes in gradients:
+        current += nbytes
+        if current >= DDP_BUCKET_BYTES:
+            buckets.append(current)
+            current = 0.0
+    if current or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+def flat_buckets(nbytes: float) -> list[float]:
+    """Slice sizes of ``nbytes`` of gradients all-reduced by hand as one flat buffer in `DDP_BUCKET_BYTES` slices
+    (`autopar.runtime.apply`, where no wrapper does it: tp x dp, pipelines)."""
     full, rest = divmod(nbytes, DDP_BUCKET_BYTES)
     return [float(DDP_BUCKET_BYTES)] * int(full) + ([rest] if rest or not full else [])
 

@@ -56,14 +56,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
-from autopar.capture import Graph
+from autopar.capture import Graph, StateInfo
 from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
 from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cost.checkpoint import SegmentCosts, check_segments, segment_costs
 from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
-from autopar.cost.memory import Precision, ddp_buckets, gradient_itemsize, gradient_sync
+from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
@@ -383,6 +383,27 @@ class PipelineModel:
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._tied = [(row, index[owner], size) for row, layer in enumerate(self.layers)  # (reader, owner, size)
                       for owner, size in layer.tied if owner in index]
+
+    @cached_property
+    def _ddp_gradients(self) -> tuple[int, ...]:
+        """Elements of each trainable parameter in the order its gradient becomes ready in the backward, the
+        order DDP rebuilds its buckets in after the first step: rows last to first, and in a row its parameters
+        last read first (a tied weight once, in the row that owns it, whose read comes first)."""
+        index = {layer.name: row for row, layer in enumerate(self.layers)}
+        rows: list[list[StateInfo]] = [[] for _ in self.layers]
+        for info in self.graph.state.values():
+            if not info.is_buffer and info.requires_grad:
+                rows[index.get(self.graph.layer_of(info.fqn.rpartition(".")[0]), len(self.layers) - 1)].append(info)
+        order: list[int] = []
+        for row in reversed(range(len(self.layers))):
+            read: dict[str, int] = {}
+            for node in self.layers[row].nodes:
+                for source in node.sources:
+                    if source.state is not None:
+                        read.setdefault(source.state, len(read))
+            ranked = sorted(rows[row], key=lambda info: read.get(info.fqn, len(read)))
+            order += [info.tensor.numel for info in reversed(ranked)]
+        return tuple(order)
 
     @cached_property
     def split_widths(self) -> frozenset[int]:
@@ -849,8 +870,10 @@ class PipelineModel:
         rest *= itemsize
         if rest:
             units.append((rest, True))
-        if zero == 0:
-            units = [(nbytes, True) for nbytes in ddp_buckets(sum(nbytes for nbytes, _ in units))]
+        if zero == 0 and stage.tp == 1 and (stage.start, stage.end) == (0, len(self.layers)):  # DDP
+            units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in self._ddp_gradients)]
+        elif zero == 0:  # by hand, in slices of one flat buffer
+            units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")
         total = 0.0
         calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit
