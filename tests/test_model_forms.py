@@ -307,6 +307,26 @@ def test_a_replicated_norm_between_split_linears_is_refused_under_tp(tmp_path: P
     assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
     code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", *common, "--out", str(tmp_path / "llama.json"))
     assert code == 0, err
+    # Gemma 3 scales by 1 + weight: the weight reaches the split activations through an op on the weight alone
+    # (`autopar run --check` measured a q_norm gradient difference of 1.4e-3 before this was followed)
+    code, _, err = run_cli(capsys, "estimate", "hf:gemma3_text", *_flags(SMALL), "--kv-heads", "2", *common,
+                           "--out", str(tmp_path / "gemma3.json"))
+    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
+
+
+def test_attention_that_forms_heads_from_the_full_head_count_is_refused_under_tp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OPT's attention shapes q with view(bsz, -1, num_heads, head_dim): under tp each rank's half of the
+    features would become half the sequence (`autopar run --check` measured a different loss at step 0 before this
+    refusal). LLaMA's view(*shape, -1, head_dim) forms each rank's share of the heads and passes."""
+    common = ["--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "4"]
+    code, _, err = run_cli(capsys, "estimate", "hf:opt", *_flags(SMALL), *common, "--out", str(tmp_path / "opt.json"))
+    assert code == 2, err
+    assert "the attention in module 'model.decoder.layers.0.self_attn' runs on 4 heads x 16 positions" in err
+    assert not (tmp_path / "opt.json").exists()
+    code, _, err = run_cli(capsys, "estimate", "hf:gpt_neox", *_flags(SMALL), *common, "--out",
+                           str(tmp_path / "neox.json"))
+    assert code == 0, err
 
 
 def test_a_model_that_traces_in_fp32_only_is_traced_in_fp32_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,13 +14,17 @@ the model it was made for: `autopar.runtime.source`):
 - no projection that tp splits by output features has its output cut along those features by the model's own code
   (a fused QKV ``Linear(h, 3h)`` followed by ``.split(h, dim=-1)``, ``.chunk(3, -1)`` or a slice) before the heads are
   formed: each rank's shard would be cut in the wrong places, a different model (`_check_split_outputs`), nor a
-  replicated parameter applied to the activations tp splits (q and k norms per head), whose gradient the runtime
-  does not sum over tp (`_check_replicated_inside`);
+  replicated parameter applied to the activations tp splits (q and k norms per head), directly or through ops on
+  the parameter alone (Gemma's ``1 + weight``), whose gradient the runtime does not sum over tp
+  (`_check_replicated_inside`);
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
 - a single-stage plan applies and trains a step on a fake process group of its full size (`rehearsal`), running
-  one layer of each kind (`autopar.runtime.thin`), so that the check of a 1,000-layer model takes seconds.
+  one layer of each kind (`autopar.runtime.thin`), so that the check of a 1,000-layer model takes seconds; under
+  tp each rank's attention must run on its share of the traced model's heads, over the whole sequence (a model
+  that forms heads from its full head count, as OPT's ``view(bsz, -1, num_heads, head_dim)`` does, would fold a
+  rank's features into the sequence).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture import Graph
 from autopar.plan import Plan
@@ -64,7 +69,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
-        _rehearse(plan, source, thins(plan, model), model=model)
+        _rehearse(plan, source, thins(plan, model), model=model, attention=attention_shapes(graph))
         return
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
@@ -101,7 +106,8 @@ def fake_errors_quiet() -> Any:
         logger.setLevel(level)
 
 
-def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None) -> None:
+def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None,
+              attention: frozenset[tuple[int, int, int]] | None = None) -> None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
     fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
@@ -111,13 +117,14 @@ def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Modul
     an artefact of the layers left out, and names the module the whole step fails in.
 
     ``model``: the source's meta model, already built, for the first rehearsal (it is changed); the others build
-    their own."""
+    their own. ``attention``: the traced model's attention shapes (`attention_shapes`), which each rank's must
+    match (`rehearsal`)."""
     failed: ValueError | None = None
     for whole in (False, True) if thinned else (True,):
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 with fake_errors_quiet():
-                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model)
+                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, attention=attention)
                 return
             except ValueError as exc:
                 if dtype == torch.float32:
@@ -150,8 +157,8 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 
 def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
-              dtype: torch.dtype = torch.float32, whole: bool = True,
-              model: nn.Module | None = None) -> list[dict[str, Any]] | None:
+              dtype: torch.dtype = torch.float32, whole: bool = True, model: nn.Module | None = None,
+              attention: frozenset[tuple[int, int, int]] | None = None) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
     default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
@@ -164,7 +171,13 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     compiled layers run eager (`check_compiler` checks the compiler; recomputation then replays whole layers, as
     compiled ones do). Any error is raised as a
     ValueError that says the plan could not be applied. ``model``: the source's meta model, already built (it is
-    changed in place); by default one is built."""
+    changed in place); by default one is built.
+
+    ``attention``: the (heads, sequence, head size) of the traced model's attention calls (`attention_shapes`).
+    Under tp each rank must call attention on its share of the heads, over the whole sequence at the same head
+    size; a model whose code forms heads from its full head count (``view(bsz, -1, num_heads, head_dim)``, as
+    OPT's attention does) would fold each rank's half of the features into the sequence instead and train a
+    different model without an error, so this is refused, naming the module."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -189,7 +202,9 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # layers stay eager here; a compiled layer's recomputation replays its whole forward (one compiled
             # function), which checkpointing without early stop does too, collectives alike
             compiled = plan.kernels == "compiled"
-            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled):
+            tp = plan.grid[1]
+            shapes = _AttentionShapes(where, attention, tp) if attention and tp > 1 else contextlib.nullcontext()
+            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes:
                 local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), 0)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
@@ -206,6 +221,40 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     finally:
         dist.destroy_process_group()
     return counter.summary() if count else None
+
+
+def attention_shapes(graph: Graph) -> frozenset[tuple[int, int, int]]:
+    """(heads, sequence, head size) of the query of every attention call (``scaled_dot_product`` ops) the traced
+    model makes."""
+    return frozenset(tuple(node.inputs[0].shape[1:]) for node in _first_instances(graph)
+                     if "scaled_dot_product" in node.op and node.inputs and len(node.inputs[0].shape) == 4)
+
+
+class _AttentionShapes(TorchDispatchMode):
+    """Raises ValueError at the first attention call whose query is not a tp rank's share of one the traced model
+    makes: its heads / tp, the whole sequence, the same head size (see `rehearsal`)."""
+
+    def __init__(self, where: list[str], traced: frozenset[tuple[int, int, int]], tp: int) -> None:
+        super().__init__()
+        self.where, self.tp = where, tp
+        self.expected = {(heads // tp, seq, size) for heads, seq, size in traced if heads % tp == 0}
+        self.traced = traced
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.name()
+        if "scaled_dot_product" in name and not name.endswith("backward") and args:
+            query = getattr(args[0], "_local_tensor", args[0])  # a DTensor's own shard
+            if isinstance(query, torch.Tensor) and query.dim() == 4 and tuple(query.shape[1:]) not in self.expected:
+                heads, seq, size = query.shape[1:]
+                whole = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.traced))
+                module = self.where[-1] if self.where else "<root>"
+                raise ValueError(
+                    f"under tp {self.tp} the attention in module {module!r} runs on {heads} heads x {seq} positions "
+                    f"x {size} per rank, which is not a rank's share of the model's ({whole}): its code forms heads "
+                    "from the model's full head count (as view(bsz, -1, num_heads, head_dim) does), so each rank "
+                    "would fold its share of the features into the sequence and train a different model; plan with "
+                    "tp 1 (--runnable finds one)")
+        return func(*args, **(kwargs or {}))
 
 
 def _cast(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -276,16 +325,38 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
             if user.id not in inside and user.module not in rows and user.module not in columns:
                 inside[user.id] = user
                 frontier.append(user)
+    trained = _trained_parameters(graph, nodes)
     for node in sorted(inside.values(), key=lambda n: n.id):  # the first in the forward is named
         for ref in node.sources:
-            info = graph.state.get(ref.state) if ref.state else None
-            owner = ref.state.rpartition(".")[0] if ref.state else ""
-            if info is not None and not info.is_buffer and info.requires_grad and owner not in split:
-                raise ValueError(
-                    f"parameter {ref.state!r} is applied whole to the activations tp {tp} splits (in "
-                    f"{node.module or '<root>'!r}, between a column-parallel and a row-parallel linear): each rank "
-                    "would compute its gradient from its own part only and the copies would drift apart, which the "
-                    "runtime does not sum over tp yet; plan with tp 1 (dp, FSDP or a pipeline)")
+            for name in ([ref.state] if ref.state else sorted(trained.get(ref.node, ()))):
+                info = graph.state.get(name)
+                if info is not None and not info.is_buffer and info.requires_grad \
+                        and name.rpartition(".")[0] not in split:
+                    raise ValueError(
+                        f"parameter {name!r} is applied whole to the activations tp {tp} splits (in "
+                        f"{node.module or '<root>'!r}, between a column-parallel and a row-parallel linear): each "
+                        "rank would compute its gradient from its own part only and the copies would drift apart, "
+                        "which the runtime does not sum over tp yet; plan with tp 1 (dp, FSDP or a pipeline)")
+
+
+def _trained_parameters(graph, nodes: list) -> dict[int, set[str]]:  # noqa: ANN001 - a traced Graph
+    """Node id -> the parameters it is computed from, for nodes computed from model state alone (Gemma's norms
+    scale by ``1 + weight``, a cast of the weight first): such a value carries its parameters' gradients as the
+    parameters themselves do."""
+    found: dict[int, set[str]] = {}
+    for node in nodes:
+        names: set[str] = set()
+        for ref in node.sources:
+            if ref.state is not None:
+                names.add(ref.state)
+            elif ref.node in found:
+                names |= found[ref.node]
+            else:  # an activation or a model input
+                break
+        else:
+            if names:
+                found[node.id] = names
+    return found
 
 
 def _consumers(nodes: list) -> dict[int, list]:
