@@ -67,3 +67,24 @@ def test_no_module_runs_twice_in_one_forward(name: str) -> None:
     with CommDebugMode() as comm:
         model(**global_batch(work, 0)).backward()
     assert comm.get_total_counts() == 0  # one process: no collectives
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "t5", "llama"])
+def test_hand_written_hugging_face_models_carry_their_dropout_and_the_runtime_turns_it_off(kind: str) -> None:
+    """`autopar run` builds with dropout 0: every dropout of the model must then be off, or its ranks and the
+    one-process reference drop different units (hf:gpt2 under DP measured a different loss at step 0)."""
+    import torch
+    import transformers
+
+    from autopar.zoo.hf import SPECS
+    from autopar.zoo.hf_fields import dropouts
+
+    spec = SPECS[kind]
+    defaults = dropouts(getattr(transformers, spec.config_class)())
+    assert spec.dropout == max(defaults.values(), default=0.0)
+    assert get_config(f"hf:{kind}-tiny").dropout == spec.dropout
+    off = load(f"hf:{kind}-tiny", batch=1, seq=16, dtype=torch.float32, dropout=0.0).module
+    assert all(getattr(off.config, name) == 0.0 for name in defaults)
+    assert all(m.p == 0.0 for m in off.modules() if isinstance(m, torch.nn.Dropout))
+    on = load(f"hf:{kind}-tiny", batch=1, seq=16).module
+    assert all(getattr(on.config, name) == spec.dropout for name, value in defaults.items() if value)

@@ -17,6 +17,7 @@ from torch import nn
 
 from autopar.zoo import hf_auto
 from autopar.zoo.config import ModelConfig
+from autopar.zoo.hf_fields import dropouts
 from autopar.zoo.hf_tasks import transformers_module
 
 _COMMON_KEYS = {
@@ -38,6 +39,7 @@ class HFSpec:
     tiny: dict[str, Any]
     keys: dict[str, str] = field(default_factory=lambda: dict(_COMMON_KEYS))
     seq: int = 2048  # default sequence length for planning (the position table may be longer)
+    dropout: float = 0.0  # the config class's default dropout (every dropout field of it is set to the model's)
 
 
 def _llama_like(full: dict[str, Any], config: str, model: str, seq: int = 4096, **extra_keys: str) -> HFSpec:
@@ -55,7 +57,7 @@ SPECS: dict[str, HFSpec] = {
         tiny={"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 128},
         keys={"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size",
               "seq": "n_positions", "ffn": "n_inner"},
-        seq=1024,
+        seq=1024, dropout=0.1,
     ),
     "llama": _llama_like(
         {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -85,7 +87,7 @@ SPECS: dict[str, HFSpec] = {
         tiny={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
               "vocab_size": 256, "max_position_embeddings": 128},
         keys={k: v for k, v in _COMMON_KEYS.items() if k != "kv_heads"},
-        seq=512,
+        seq=512, dropout=0.1,
     ),
     "t5": HFSpec(
         "T5Config", "T5ForConditionalGeneration",
@@ -95,7 +97,7 @@ SPECS: dict[str, HFSpec] = {
               "vocab_size": 256},
         keys={"layers": "num_layers", "decoder_layers": "num_decoder_layers", "hidden": "d_model",
               "heads": "num_heads", "head_dim": "d_kv", "vocab": "vocab_size", "ffn": "d_ff"},
-        seq=512,
+        seq=512, dropout=0.1,
     ),
 }
 SPECS["mixtral"].tiny.update(num_local_experts=4, num_experts_per_tok=2)
@@ -125,7 +127,8 @@ def get_config(name: str) -> ModelConfig:
     if kind == "gpt2":
         mapped["ffn"] = 4 * mapped["hidden"]
     mapped.pop("seq", None)  # the position table's size, not the planning default
-    return ModelConfig(family="hf", name=name, hf_type=kind, seq=128 if tiny else spec.seq, **mapped)
+    return ModelConfig(family="hf", name=name, hf_type=kind, seq=128 if tiny else spec.seq, dropout=spec.dropout,
+                       **mapped)
 
 
 def exact_seq(cfg: ModelConfig) -> bool:
@@ -147,7 +150,9 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
     if "max_position_embeddings" in values or "n_positions" in values:
         key = "n_positions" if kind == "gpt2" else "max_position_embeddings"
         values[key] = max(values.get(key, 0), cfg.seq)
-    config = getattr(transformers, spec.config_class)(**values, use_cache=False)
+    config_class = getattr(transformers, spec.config_class)
+    values.update(dict.fromkeys(dropouts(config_class()), cfg.dropout))  # `autopar run` turns them all off
+    config = config_class(**values, use_cache=False)
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = getattr(transformers, spec.model_class)(config)
