@@ -406,3 +406,15 @@ def test_a_moe_model_traces_in_fp32_as_in_bf16(capfd):
         assert a.output_bytes == 2 * b.output_bytes
     assert sum(n.flops_forward for n in fp32.nodes) == sum(n.flops_forward for n in bf16.nodes)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_pipeline_stage_tp_cannot_split_is_refused_when_planned(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral's router is not a Linear: a pp 2 x tp 2 plan used to be written, then failed on rank 1 of
+    `autopar run` (a single-stage plan's rehearsal already refused it)."""
+    code, _, err = run_cli(capsys, "estimate", "hf:mixtral", *_flags(SMALL), "--kv-heads", "2", "--experts", "4",
+                           "--seq", "32", "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--mbs", "2", "--tp", "2",
+                           "--pp", "2", "--dp", "1", "--out", str(tmp_path / "mixtral.json"))
+    assert code == 2
+    assert "module 'model.layers.0.mlp.gate' (MixtralTopKRouter) cannot be split by tensor parallelism yet" in err
+    assert not (tmp_path / "mixtral.json").exists()

@@ -433,27 +433,11 @@ def _tensor_parallel(
 
     from autopar.zoo.layers import Attention
 
-    model = module if model is None else model
     sp = plan.sp
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
     tp = mesh.size()
-    placements: dict[str, str] = {}
+    placements = tensor_parallel_placements(module, plan, model=model)
     modules = dict(module.named_modules())
-    for entry in plan.modules:
-        fqn = entry.fqn
-        if fqn not in modules:  # another pipeline stage's
-            continue
-        weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
-        tp_placement = short(weight.on(1)) if weight is not None else "R"
-        if tp_placement == "R":
-            continue
-        linear = modules[fqn]
-        weight_tensor = getattr(linear, "weight", None)
-        if weight_tensor is not None and sum(p is weight_tensor for p in _all_parameters(model)) > 1:
-            continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
-        if not isinstance(linear, nn.Linear):
-            raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
-        placements[fqn] = tp_placement
     blocks = {fqn.rpartition(".")[0] for fqn, placement in placements.items() if placement == "S(1)"}
     columns: dict[str, list[str]] = {}
     for fqn, placement in placements.items():
@@ -481,8 +465,6 @@ def _tensor_parallel(
             permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if linear.bias is not None else {})})
             parent.heads //= tp
             parent.kv_heads //= tp
-        elif placement == "S(0)" and isinstance(parent, Attention):
-            raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
     for block, names in columns.items():
         if len(names) > 1:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
@@ -490,6 +472,41 @@ def _tensor_parallel(
         _sequence_parallel(module, mesh, styles)
     parallelize_module(module, mesh, styles)
     return permutations
+
+
+def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Module | None = None) -> dict[str, str]:
+    """The tp placement (``S(0)``: output features, ``S(1)``: input features) of each module of ``module`` (the
+    model, or one pipeline stage's modules; ``model`` the whole model, where tied weights are found) whose weight
+    the plan splits over tp, weights tied to another module left whole. Raises NotImplementedError naming the
+    first such module the runtime cannot split: `check_runnable` calls it on the whole model, so that a pipeline
+    stage's refusal comes when the plan is made, not on the ranks."""
+    from autopar.zoo.layers import Attention
+
+    model = module if model is None else model
+    placements: dict[str, str] = {}
+    modules = dict(module.named_modules())
+    tied = None
+    for entry in plan.modules:
+        fqn = entry.fqn
+        if fqn not in modules:  # another pipeline stage's
+            continue
+        weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
+        tp_placement = short(weight.on(1)) if weight is not None else "R"
+        if tp_placement == "R":
+            continue
+        linear = modules[fqn]
+        weight_tensor = getattr(linear, "weight", None)
+        if tied is None:
+            tied = _all_parameters(model)
+        if weight_tensor is not None and sum(p is weight_tensor for p in tied) > 1:
+            continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
+        if not isinstance(linear, nn.Linear):
+            raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
+        parent = modules.get(fqn.rpartition(".")[0])
+        if tp_placement == "S(0)" and isinstance(parent, Attention) and not fqn.endswith(".qkv"):
+            raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
+        placements[fqn] = tp_placement
+    return placements
 
 
 def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool) -> None:

@@ -41,7 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture import Graph
 from autopar.plan import Plan
-from autopar.runtime.apply import check_matches, check_supported, checkpoint_segments, parallelize, recompute
+from autopar.runtime.apply import (
+    check_matches, check_supported, checkpoint_segments, parallelize, recompute, tensor_parallel_placements,
+)
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin, thins
 from autopar.runtime.train import LEARNING_RATE, Workload
@@ -62,6 +64,8 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     # the model as the runtime trains it, and (its chain of layers) as the planner traced it
     model = source.meta()
     check_matches(model, plan)
+    if any(stage.tp > 1 for stage in plan.stages):  # every stage's, before any rank builds its own
+        tensor_parallel_placements(model, plan)
     graph = source.chain()
     _check_chain(plan, graph)
     _check_divisible(model, plan)
