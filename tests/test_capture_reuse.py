@@ -80,5 +80,22 @@ def test_layer_index_attributes_do_not_break_repetition() -> None:
 
     model = nn.ModuleList([Block(0), Block(1), Block(2, width=8)])
     assert len(find_units(model)) == 3
+    assert len(set(find_units(model).values())) == 1
     model.append(Block(3, width=16))
-    assert len(find_units(model)) == 3  # the wider block is different
+    units = find_units(model)  # the wider block is a layer of the list too, of its own fingerprint
+    assert len(units) == 4 and len(set(units.values())) == 2
+
+
+def test_layers_of_alternating_kinds_are_each_a_layer() -> None:
+    """Gemma 2 alternates sliding-window and full attention: at 2 layers no two are alike, yet each is one of the
+    model's layers (an FSDP unit and a pipeline cut for the runtime), not part of one row holding the whole model."""
+    from autopar.zoo import load
+
+    built = load("hf:gemma2", batch=1, seq=16, layers=2, hidden=64, heads=4)
+    graph = autopar.trace(built.module, example_kwargs=built.inputs)
+    assert [group.instances for group in graph.repeats] == [("model.layers.0",), ("model.layers.1",)]
+    assert {"model.layers.0", "model.layers.1"} <= {row.name for row in graph.layers()}
+    deeper = load("hf:gemma2", batch=1, seq=16, layers=4, hidden=64, heads=4)
+    graph = autopar.trace(deeper.module, example_kwargs=deeper.inputs)
+    assert sorted(group.instances for group in graph.repeats) == [("model.layers.0", "model.layers.2"),
+                                                                   ("model.layers.1", "model.layers.3")]

@@ -70,7 +70,8 @@ def test_one_layer_of_each_kind_and_each_pair_of_neighbours_is_kept() -> None:
     kept = [before.index(block) for block in model.blocks]
     assert kept == [0, 1, 6, 7, 8, 10, 11]
     assert [m.up.out_features for m in model.blocks] == [64, 64, 64, 128, 64, 64, 64]
-    assert "blocks" in thinned.stages[0].layers  # the chain's row is the list itself here
+    # every block is a layer of the chain, the wider one too (of a kind of its own)
+    assert [name for name in thinned.stages[0].layers if name.startswith("blocks")] == [f"blocks.{i}" for i in range(7)]
     names = {p.name for entry in thinned.modules for p in entry.params}
     assert "blocks.6.up.weight" in names and "blocks.7.up.weight" not in names
     assert dict(model.named_parameters())["blocks.3.up.weight"].shape == (128, WIDTH)

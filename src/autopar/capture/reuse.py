@@ -105,10 +105,13 @@ def _plain_tuple(value: Any) -> bool:
 def _find_units(
     model: nn.Module, fingerprint_of: dict[int, int], keys: list[tuple[Any, ...]], units: dict[int, str]
 ) -> None:
-    """Outermost repeated layers: children of a container that share a fingerprint with a sibling and own parameters.
+    """Outermost repeated layers: children of a container that share a class with a sibling and own parameters.
 
     Layers live in containers (`nn.ModuleList`, `nn.Sequential`, `nn.ModuleDict`); two look-alike modules in
-    unrelated places (an embedding's and a head's LayerNorm) gain nothing from replay.
+    unrelated places (an embedding's and a head's LayerNorm) gain nothing from replay. A layer whose configuration
+    differs from its siblings' (Gemma 2 alternates sliding-window and full attention) is a unit of its own
+    fingerprint, replayed only where that repeats: it is still one of the model's layers, a unit of FSDP and of
+    recomputation and a place to cut pipeline stages, as the runtime treats every child of a layer list.
     """
     hex_of: dict[int, str] = {}
 
@@ -121,12 +124,12 @@ def _find_units(
     while todo:
         module = todo.pop()
         if isinstance(module, _CONTAINERS):
-            counts = Counter(fingerprint_of[id(c)] for c in module._modules.values() if c is not None)
+            counts = Counter(type(c) for c in module._modules.values() if c is not None)
             for child in module._modules.values():
                 if child is None:
                     continue
                 fp = fingerprint_of[id(child)]
-                if counts[fp] > 1 and _owns_parameters(keys, fp):
+                if counts[type(child)] > 1 and _owns_parameters(keys, fp):
                     units[id(child)] = stable(fp)
         todo.extend(c for c in module._modules.values() if c is not None and id(c) not in units)
 

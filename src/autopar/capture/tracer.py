@@ -577,7 +577,6 @@ class _GraphBuilder:
                 spans=tuple(m[1] for m in members),
             )
             for fingerprint, members in by_key.items()
-            if len(members) > 1
         ]
 
 
