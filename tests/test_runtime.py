@@ -423,3 +423,17 @@ def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_befo
     err = capsys.readouterr().err.strip()
     assert "recomputes attention selectively under tensor parallelism with compiled kernels" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "grid"), [
+    ("hf:phi", {"tp": 2, "dp": 1}),  # attention and MLP read one norm's output: each reduces its gradient
+    ("hf:phi", {"tp": 2, "dp": 1, "sp": True}),
+    ("hf:gemma", {"tp": 1, "dp": 2}),  # a 62 MiB embedding: DDP's buckets are whole tensors, not 25 MiB slices
+    ("hf:gemma2", {"tp": 1, "dp": 2, "zero": 3}),  # alternating layer kinds: each layer is its own FSDP unit
+    ("hf:gpt2", {"tp": 1, "dp": 2}),  # its configs' dropout 0.1, turned off by the runtime
+])
+def test_hugging_face_models_match_one_process_and_the_predicted_collectives(tmp_path, name, grid) -> None:
+    """Cases `autopar run --check --check-comm` failed on before: predicted collectives that the runtime does not
+    issue, or dropout left on."""
+    _run(_pipeline_plan(tmp_path, name, {"layers": 2, "hidden": 64, "heads": 4}, **grid), 2)

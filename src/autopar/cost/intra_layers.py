@@ -363,10 +363,10 @@ class IntraLayers:
                      scale: float) -> list[CommCall]:
         index = {b.id: v for v, b in enumerate(blocks)}
         calls: list[CommCall] = []
-        done: set[tuple] = set()  # a value read by several blocks in one layout is converted once
+        done: set[tuple] = set()  # a value several blocks of one module read in one layout is converted once
         for b, cand in zip(blocks, choice):
             for key_in, producer in self._inner_inputs(ic, b, [cand], index):
-                what = (ic.origin(ic.locate(b, key_in)), *ic.block_cost(b, cand).entries[key_in])
+                what = (ic.origin(ic.locate(b, key_in)), _scope(ic, b), *ic.block_cost(b, cand).entries[key_in])
                 if what in done:
                     continue
                 done.add(what)
@@ -417,18 +417,25 @@ class IntraLayers:
 
 
 def _converted_again(ic: IntraCost, blocks: list[ParallelBlock], parts: list[_Part]) -> list[CommCall]:
-    """Conversions of a value entering the layer that an earlier block of the layer already made in the same
-    layouts: the runtime converts it once and every reader uses the result (gradients summed before one
-    reduction)."""
+    """Conversions of a value entering the layer that an earlier block of the same module (`_scope`) already made
+    in the same layouts: the runtime converts it once and every reader uses the result (gradients summed before
+    one reduction)."""
     seen: set[tuple] = set()
     again: list[CommCall] = []
     for block, part in zip(blocks, parts):
         for (key_in, need, grad), moves in part.entering:
-            what = (ic.origin(ic.locate(block, key_in)), need, grad)
+            what = (ic.origin(ic.locate(block, key_in)), _scope(ic, block), need, grad)
             if what in seen:
                 again += moves
             seen.add(what)
     return again
+
+
+def _scope(ic: IntraCost, block: ParallelBlock) -> str:
+    """Where the runtime converts a block's input once for all its readers: the module holding the block's leading
+    linear (q, k and v of one attention module, gate and up of one MLP). Two modules reading one value (Phi's
+    attention and MLP read one norm's output) convert it each, and each reduces its gradient."""
+    return ic.nodes[block.leader].module.rpartition(".")[0]
 
 
 def _between(ic: IntraCost, value: tuple[int, int], sp: bool, tp: int) -> tuple:
