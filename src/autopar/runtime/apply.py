@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -496,9 +497,9 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             continue
         linear = modules[fqn]
         weight_tensor = getattr(linear, "weight", None)
-        if tied is None:
-            tied = _all_parameters(model)
-        if weight_tensor is not None and sum(p is weight_tensor for p in tied) > 1:
+        if tied is None:  # how many modules hold each parameter, counted once for the whole model
+            tied = Counter(id(p) for p in _all_parameters(model))
+        if weight_tensor is not None and tied[id(weight_tensor)] > 1:
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
         if not isinstance(linear, nn.Linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
