@@ -179,3 +179,69 @@ def test_with_another_thread_running_everything_is_done_here(monkeypatch) -> Non
         release.set()
         other.join()
     assert {r[1] for r in results} == {os.getpid()} and finished == []
+
+
+def test_a_job_beside_runs_in_another_process_and_its_result_or_error_comes_back(monkeypatch, forks) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    before = _children()
+    job = workers.beside(lambda: (os.getpid(), in_worker()))
+    pid, inside = job.result()
+    assert pid != os.getpid() and inside and len(forks) == 1 and _children() == before
+
+    def fails() -> None:
+        raise ValueError("the job is bad")
+
+    with pytest.raises(ValueError, match="the job is bad"):
+        workers.beside(fails).result()
+    assert _children() == before
+
+
+def test_a_job_beside_that_is_cancelled_leaves_no_process(monkeypatch, forks) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    before = _children()
+    job = workers.beside(lambda: time.sleep(30))
+    assert _children() != before
+    start = time.perf_counter()
+    job.cancel()
+    job.cancel()  # twice is harmless
+    assert _children() == before and time.perf_counter() - start < 5
+
+
+def test_a_job_beside_with_one_worker_runs_here_when_asked(monkeypatch, forks) -> None:
+    monkeypatch.setenv("AUTOPAR_WORKERS", "1")
+    ran = []
+    job = workers.beside(lambda: ran.append(os.getpid()) or "done")
+    assert not ran and not forks  # nothing done until its result is asked for
+    assert job.result() == "done" and ran == [os.getpid()]
+    with pytest.raises(RuntimeError, match="already taken"):
+        job.result()
+    skipped = workers.beside(lambda: ran.append("again"))
+    skipped.cancel()
+    assert ran == [os.getpid()]
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_the_plan_is_checked_once_beside_the_simulation_and_its_reason_kept(monkeypatch, forks, tmp_path,
+                                                                          count) -> None:
+    """The search's favourite is checked while the finalists are simulated: in a worker where there are cores for
+    it, here otherwise; the plan shown carries that check's answer, and nothing is checked twice."""
+    from autopar.api.search import SearchOptions, Subject, search_pipeline
+
+    monkeypatch.setenv("AUTOPAR_WORKERS", count)
+    calls = tmp_path / "calls"
+
+    def check(plan) -> str:
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {plan.pp} {plan.micro_batch_size}\n")
+        return "refused by the test"
+
+    zoo = load("gpt3-125m", batch=1, layers=8)
+    subject = Subject(graph=trace(zoo.module, example_kwargs=zoo.inputs), name="gpt", check=check)
+    searched = search_pipeline(subject, load_cluster("a100-80g-sxm").with_devices(16),
+                               SearchOptions(batch=64, budget_s=60, runnable_only=False))
+    lines = calls.read_text().split()
+    assert searched.not_runnable == "refused by the test"
+    assert len(lines) == 3 and (int(lines[0]) != os.getpid()) == (count == "2")
+    plan = searched.plan
+    assert (int(lines[1]), int(lines[2])) == (plan.pp, plan.micro_batch_size)
+    assert not [pid for pid in _children() if pid == int(lines[0])]

@@ -32,7 +32,7 @@ from autopar.plan.records import DTYPES, KERNELS, MAX_BATCH
 from autopar.runtime.source import ModelSource
 from autopar.search.heap import gc_paused
 from autopar.search.pipeline import Found, pipeline_plan, pipeline_searches, runtime_limit, score, shape
-from autopar.search.workers import in_worker, share_out
+from autopar.search.workers import Beside, beside, in_worker, share_out
 
 log = logging.getLogger(__name__)
 
@@ -148,18 +148,28 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
     interrupted = should_stop()
     if progress is not None:
         progress("simulating the best plans")
-    found = simulated(model, found, global_batch=options.batch, own=options.search)
-    seconds = time.perf_counter() - start
-    chosen = found[options.search]
-    if chosen is None:
-        raise FieldError("batch", f"{options.batch} does not divide over the {cluster.num_devices} devices: no "
-                         f"{options.search} plan exists for it")
 
     def typed(kind: str, f: Found) -> Plan:
         return pipeline_plan(model, f, name=subject.name, kind=kind, global_batch=options.batch)
 
+    # the plan most likely to be chosen (the search's best on the closed form) is checked on the model while the
+    # finalists are simulated, on the core the simulation leaves; it is used only if simulation chooses it too
+    early = _check_beside(subject, options, found.get(options.search), typed, limit)
+    try:
+        found = simulated(model, found, global_batch=options.batch, own=options.search)
+    except BaseException:
+        if early is not None:
+            early[1].cancel()
+        raise
+    seconds = time.perf_counter() - start
+    chosen = found[options.search]
+    if chosen is None:
+        if early is not None:
+            early[1].cancel()
+        raise FieldError("batch", f"{options.batch} does not divide over the {cluster.num_devices} devices: no "
+                         f"{options.search} plan exists for it")
     baselines = {k: (typed(k, f) if f is not None else None) for k, f in found.items() if k != options.search}
-    chosen, refused = _runnable_choice(subject, options, chosen, typed, limit)
+    chosen, refused = _runnable_choice(subject, options, chosen, typed, limit, early=early)
     chosen = with_timeline(model, chosen, options.batch)  # a runner-up promoted: its timeline
     plan = typed(options.search, chosen)
     if subject.workload is not None:
@@ -208,20 +218,49 @@ def can_pipeline(module: nn.Module, *, seq: int = 0) -> bool:
     return True
 
 
+def _check_beside(subject: Subject, options: SearchOptions, favourite: Found | None,
+                  typed: Callable[[str, Found], Plan], limit: Callable[[Any], str | None]) -> tuple[Any, Beside] | None:
+    """``subject.check`` of the ``favourite`` configuration's plan started beside this process (`beside`), as
+    (its configuration, the job); None where `_runnable_choice` would not check it (it does not fit, or ``limit``
+    refuses it)."""
+    if favourite is None or not favourite.result.estimate.memory.fits or limit(favourite.config):
+        return None
+    plan = _with_workload(subject, typed(options.search, favourite))
+    return favourite.config, beside(lambda: subject.check(plan))
+
+
+def _with_workload(subject: Subject, plan: Plan) -> Plan:
+    return plan.with_workload(subject.workload) if subject.workload is not None else plan
+
+
 def _runnable_choice(subject: Subject, options: SearchOptions, chosen: Found, typed: Callable[[str, Found], Plan],
-                     limit: Callable[[Any], str | None]) -> tuple[Found, str | None]:
+                     limit: Callable[[Any], str | None], *,
+                     early: tuple[Any, Beside] | None = None) -> tuple[Found, str | None]:
     """The search's plan and why the runtime would refuse it (or None). A fitting plan is checked on the model
     itself (``subject.check``); with ``runnable_only`` the runners-up are tried in order when it would be refused,
-    and when none can run the answer is an error naming the reason, never a plan that fails on the ranks."""
+    and when none can run the answer is an error naming the reason, never a plan that fails on the ranks.
+    ``early``: a configuration whose check was started before (`_check_beside`); its result stands for the check
+    of that configuration, and is dropped unused when no plan of it is checked."""
+    try:
+        return _runnable(subject, options, chosen, typed, limit, early)
+    finally:
+        if early is not None:
+            early[1].cancel()  # a no-op where its result was taken
+
+
+def _runnable(subject: Subject, options: SearchOptions, chosen: Found, typed: Callable[[str, Found], Plan],
+              limit: Callable[[Any], str | None], early: tuple[Any, Beside] | None) -> tuple[Found, str | None]:
     if not chosen.result.estimate.memory.fits:
         return chosen, limit(chosen.config)  # not offered to run: the coarse reason is enough
     reasons = []
     for found in [chosen, *chosen.runners_up] if options.runnable_only else [chosen]:
         if not found.result.estimate.memory.fits:
             continue
-        plan = typed(options.search, found)
-        reason = limit(found.config) or subject.check(
-            plan.with_workload(subject.workload) if subject.workload is not None else plan)
+        reason = limit(found.config)
+        if reason is None and early is not None and found.config == early[0]:
+            reason = early[1].result()
+        elif reason is None:
+            reason = subject.check(_with_workload(subject, typed(options.search, found)))
         if reason is None:
             return (_promoted(found, chosen) if found is not chosen else chosen), None
         reasons.append(reason)

@@ -231,9 +231,12 @@ def _top_level(chains: list[tuple[list[Element], Chain]], peak: int, unit: float
             for k, (w, cost, _, origin) in enumerate(options):
                 if w > key_slots:
                     continue
-                option = _shift(at[origin], w) + cost
-                better = option < new
-                new[better], pick[better] = option[better], k
+                # new[m] vs at[origin][m - w] + cost for m >= w, in place on the slices (the hot loop)
+                option = at[origin][: key_slots + 1 - w] + cost
+                target = new[w:]
+                better = option < target
+                np.copyto(target, option, where=better)
+                pick[w:][better] = k
             at.append(new)
             back.append((options, pick))
         traces.append((at, back))

@@ -145,6 +145,55 @@ def share_out(
     return results, finished
 
 
+class Beside:
+    """A job started by `beside`: ``result()`` waits for it and returns what it returned (or raises what it raised);
+    ``cancel()`` ends it unfinished. One of the two must be called."""
+
+    def __init__(self, job: Callable[[], R]) -> None:
+        self._job: Callable[[], R] | None = job
+        self._child: tuple[int, int] | None = None
+        self._flag: mmap.mmap | None = None
+
+    def result(self) -> R:
+        if self._child is None:  # not forked: done here, now
+            job, self._job = self._job, None
+            if job is None:
+                raise RuntimeError("this job's result was already taken")
+            return job()
+        (pid, fd), self._child = self._child, None
+        try:
+            return _collect(pid, fd, self._flag, lambda: False)
+        finally:
+            self._flag.close()
+
+    def cancel(self) -> None:
+        self._job = None
+        if self._child is None:
+            return
+        (pid, fd), self._child = self._child, None
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+        self._flag.close()
+
+
+def beside(job: Callable[[], R]) -> Beside:
+    """``job()`` started in a forked process while this one goes on, where `share_out` would fork (more than one
+    core, no other thread); else it runs here when its result is asked for. Its result comes back pickled. Used to
+    do work that is likely, though not certain, to be needed (checking the plan most likely to be chosen while the
+    finalists are simulated): the caller takes the result where it turns out to apply and cancels it otherwise."""
+    handle = Beside(job)
+    if default_workers() < 2 or _other_threads():
+        return handle
+    handle._flag = mmap.mmap(-1, 1)
+    handle._child = _fork(lambda _stop: job(), handle._flag, lambda: False)
+    handle._job = None
+    return handle
+
+
 def _other_threads() -> list[str]:
     """The names of this process's other live threads (torch.compile leaves a ``tqdm_monitor``, say)."""
     return [t.name for t in threading.enumerate() if t is not threading.current_thread()]

@@ -6,7 +6,7 @@ import logging
 
 from autopar.cost.simulator.build import build, seconds_of
 from autopar.cost.simulator.spec import PipelineSpec, StageTimes
-from autopar.cost.simulator.tasks import Task, Timeline, simulate
+from autopar.cost.simulator.tasks import Task, Timeline, check_task, simulate
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,20 @@ class PipelineSimulation:
         tasks = []
         owners: list[list[int]] = [[] for _ in spec.stages]
         times: dict[tuple, tuple[float, float]] = {}  # (stage, recipe) -> (seconds, tail)
+        checked: set[tuple] = set()  # the kinds of task checked (`check_task`): each once, not once per task
         peers = b.peers
+        make = Task.unchecked
         for i, (kind, device, stream, stage, micro_batch, recipe, after) in enumerate(b.rows):
             key = (stage, recipe)
             found = times.get(key)
             if found is None:
                 found = times[key] = seconds_of(spec.stages[stage], recipe)
-            tasks.append(Task(kind=kind, device=device, stream=stream, seconds=found[0], tail=found[1],
-                              after=tuple(after), peer=peers.get(i, -1), stage=stage, micro_batch=micro_batch))
+            peer = peers.get(i, -1)
+            sort = (kind, stream, peer >= 0, found)
+            if sort not in checked:
+                check_task(kind, stream, found[0], found[1], peer, device)
+                checked.add(sort)
+            tasks.append(make(kind, device, stream, found[0], found[1], tuple(after), peer, stage, micro_batch))
             owners[stage].append(i)
         return cls(spec, simulate(tasks), tuple(map(tuple, owners)), tuple(row[5] for row in b.rows))
 

@@ -35,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -63,32 +64,53 @@ COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE})
 PP_STREAMS = frozenset({Stream.PP_FORWARD, Stream.PP_BACKWARD})
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Task:
-    """One task. ``after`` names tasks by their index in the task list (earlier or later ones)."""
-
+class _TaskFields(NamedTuple):
     kind: Kind
     device: int
     stream: Stream
     seconds: float
-    tail: float = 0.0  # compute tasks: tp collectives at their end (the stream waits for them)
-    after: tuple[int, ...] = ()
-    peer: int = -1  # a send: the receiving device
-    stage: int = -1
-    micro_batch: int = -1
+    tail: float
+    after: tuple[int, ...]
+    peer: int
+    stage: int
+    micro_batch: int
 
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.seconds < math.inf and 0.0 <= self.tail < math.inf):
-            raise ValueError(f"task seconds and tail must be finite and not negative, got {self.seconds!r} and "
-                             f"{self.tail!r} ({self.kind.value} on device {self.device})")
-        compute = self.stream is Stream.COMPUTE
-        if compute != (self.kind in COMPUTE_KINDS):
-            raise ValueError(f"a {self.kind.value} task cannot run on the {self.stream.value} stream")
-        if self.tail and not compute:
-            raise ValueError("only compute tasks have a tp tail")
-        sends = self.peer >= 0
-        if sends != (self.kind is Kind.SEND) or sends != (self.stream in PP_STREAMS):
-            raise ValueError("a send, and only a send, has a peer and runs on a pp stream")
+
+class Task(_TaskFields):
+    """One task. ``after`` names tasks by their index in the task list (earlier or later ones). Made by keyword,
+    and checked (`check_task`); `Task.unchecked` makes one from fields already checked (the builder's hundreds of
+    thousands, whose kinds and times it checks once each)."""
+
+    __slots__ = ()
+
+    def __new__(cls, *, kind: Kind, device: int, stream: Stream, seconds: float, tail: float = 0.0,  # noqa: D102
+                after: tuple[int, ...] = (), peer: int = -1, stage: int = -1, micro_batch: int = -1) -> Task:
+        check_task(kind, stream, seconds, tail, peer, device)
+        return tuple.__new__(cls, (kind, device, stream, seconds, tail, after, peer, stage, micro_batch))
+
+    @classmethod
+    def unchecked(cls, kind: Kind, device: int, stream: Stream, seconds: float, tail: float, after: tuple[int, ...],
+                  peer: int, stage: int, micro_batch: int) -> Task:
+        return tuple.__new__(cls, (kind, device, stream, seconds, tail, after, peer, stage, micro_batch))
+
+    def __reduce__(self):  # noqa: ANN204 - pickled as its fields (the constructor takes keywords only)
+        return Task.unchecked, tuple(self)
+
+
+def check_task(kind: Kind, stream: Stream, seconds: float, tail: float, peer: int, device: int = 0) -> None:
+    """Raise ValueError unless a task of these fields can run: finite, non-negative times; compute kinds, and
+    only they, on the compute stream; a tail only on compute; a peer for sends only, which run on a pp stream."""
+    if not (0.0 <= seconds < math.inf and 0.0 <= tail < math.inf):
+        raise ValueError(f"task seconds and tail must be finite and not negative, got {seconds!r} and "
+                         f"{tail!r} ({kind.value} on device {device})")
+    compute = stream is Stream.COMPUTE
+    if compute != (kind in COMPUTE_KINDS):
+        raise ValueError(f"a {kind.value} task cannot run on the {stream.value} stream")
+    if tail and not compute:
+        raise ValueError("only compute tasks have a tp tail")
+    sends = peer >= 0
+    if sends != (kind is Kind.SEND) or sends != (stream in PP_STREAMS):
+        raise ValueError("a send, and only a send, has a peer and runs on a pp stream")
 
 
 @dataclass(frozen=True, slots=True)
