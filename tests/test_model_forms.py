@@ -297,21 +297,91 @@ def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pyt
     assert os.path.exists(out)
 
 
-def test_a_replicated_norm_between_split_linears_is_refused_under_tp(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Qwen3 normalises q and k per head with one weight: under tp each rank would see only its own heads'
-    gradient of it (`autopar run --check` measured a difference of 1.5e-3 before this refusal)."""
+def test_norms_per_head_are_summed_over_tp_and_a_norm_over_all_heads_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3 and Gemma 3 normalise q and k per head with one weight each: under tp each rank computes its gradient
+    from its own heads, so the plan marks those weights summed over tp (`autopar run --check` measured a difference
+    of 1.4e-3 without the sum). OLMo 2 normalises q over all heads at once: each rank would normalise over its own
+    part, so that is refused; so is a plan that does not sum what it must."""
     common = ["--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "4"]
-    code, _, err = run_cli(capsys, "estimate", "hf:qwen3", *_flags(SMALL), "--kv-heads", "2", *common, "--out",
-                           str(tmp_path / "qwen3.json"))
-    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
-    code, _, err = run_cli(capsys, "estimate", "hf:llama-tiny", *common, "--out", str(tmp_path / "llama.json"))
+    for name in ("qwen3", "gemma3_text"):  # Gemma 3 scales by 1 + weight: an op on the weight alone first
+        out = tmp_path / f"{name}.json"
+        code, _, err = run_cli(capsys, "estimate", f"hf:{name}", *_flags(SMALL), "--kv-heads", "2", *common,
+                               "--out", str(out))
+        assert code == 0, err
+        modules = json.loads(out.read_text())["plan"]["modules"]
+        summed = sorted(name for entry in modules.values() for name in entry.get("summed", []))
+        assert summed == [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "kq"]
+    code, _, err = run_cli(capsys, "estimate", "hf:olmo2", *_flags(SMALL), "--kv-heads", "2", *common, "--out",
+                           str(tmp_path / "olmo2.json"))
+    assert code == 2 and "module 'model.layers.0.self_attn.q_norm' reduces over 64 features of the activations tp " \
+        "2 splits (aten.mean.dim), where a head has 16" in err
+    data = json.loads((tmp_path / "qwen3.json").read_text())
+    for entry in data["plan"]["modules"].values():
+        entry.pop("summed", None)
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    code, _, err = run_cli(capsys, "dryrun", str(tmp_path / "old.json"))
+    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole to the activations " \
+        "tp 2 splits" in err and "the plan does not have its gradient summed over tp" in err
+    data = json.loads((tmp_path / "qwen3.json").read_text())  # marks every norm per head, and one more
+    data["plan"]["modules"]["model.layers.0.input_layernorm"]["summed"] = ["model.layers.0.input_layernorm.weight"]
+    (tmp_path / "extra.json").write_text(json.dumps(data))
+    code, _, err = run_cli(capsys, "dryrun", str(tmp_path / "extra.json"))
+    assert code == 2 and "has the gradient of parameter 'model.layers.0.input_layernorm.weight' summed over tp 2, " \
+        "but the model does not apply it" in err
+
+
+def test_one_norm_for_q_and_k_under_tp_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model that normalises q and k with one module: the runtime would sum its gradient right, but the cost
+    model prices each use apart, so its estimate would not be what runs."""
+    path = tmp_path / "shared_norm.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import torch.nn.functional as F
+
+        class Attention(nn.Module):
+            def __init__(self, dim, heads, shared):
+                super().__init__()
+                self.hd = dim // heads
+                self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+                self.qn = nn.RMSNorm(self.hd)
+                self.kn = self.qn if shared else nn.RMSNorm(self.hd)
+
+            def forward(self, x):
+                b, s, _ = x.shape
+                q, k, v = (p(x).view(b, s, -1, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+                y = F.scaled_dot_product_attention(self.qn(q), self.kn(k), v, is_causal=True)
+                return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+        class Net(nn.Module):
+            def __init__(self, shared):
+                super().__init__()
+                self.emb = nn.Embedding(64, 32)
+                self.layers = nn.ModuleList(Attention(32, 4, shared) for _ in range(2))
+                self.head = nn.Linear(32, 64)
+
+            def forward(self, input_ids, labels):
+                x = self.emb(input_ids)
+                for layer in self.layers:
+                    x = x + layer(x)
+                return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+        def _inputs(batch):
+            return {"input_ids": torch.randint(0, 64, (batch, 16)), "labels": torch.randint(0, 64, (batch, 16))}
+
+        def shared(batch=2):
+            return Net(True), _inputs(batch)
+
+        def separate(batch=2):
+            return Net(False), _inputs(batch)
+    """))
+    common = ["--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2"]
+    code, _, err = run_cli(capsys, "estimate", f"{path}:shared", *common, "--out", str(tmp_path / "shared.json"))
+    assert code == 2 and "parameter 'layers.0.qn.weight' is applied to the activations tp 2 splits in more than " \
+        "one place (twice in 'layers.0.qn')" in err
+    code, _, err = run_cli(capsys, "estimate", f"{path}:separate", *common, "--out", str(tmp_path / "separate.json"))
     assert code == 0, err
-    # Gemma 3 scales by 1 + weight: the weight reaches the split activations through an op on the weight alone
-    # (`autopar run --check` measured a q_norm gradient difference of 1.4e-3 before this was followed)
-    code, _, err = run_cli(capsys, "estimate", "hf:gemma3_text", *_flags(SMALL), "--kv-heads", "2", *common,
-                           "--out", str(tmp_path / "gemma3.json"))
-    assert code == 2 and "parameter 'model.layers.0.self_attn.q_norm.weight' is applied whole" in err
 
 
 def test_attention_that_forms_heads_from_the_full_head_count_is_refused_under_tp(

@@ -58,6 +58,12 @@ def test_the_plan_round_trips_through_its_file(pipeline, tmp_path) -> None:
     save_plan(tmp_path / "again.json", plan)
     assert load_plan(tmp_path / "again.json") == plan
     assert json.loads((tmp_path / "again.json").read_text())["plan"]["schema"] == 2
+    summed = _mutated(pipeline, lambda p: p["modules"]["layers.0.attn.qkv"].update(summed=["layers.0.attn.qkv.bias"]))
+    marked = Plan.from_dict(summed["plan"])
+    assert [p.name for e in marked.modules for p in e.params if p.summed] == ["layers.0.attn.qkv.bias"]
+    save_plan(tmp_path / "summed.json", marked)
+    assert load_plan(tmp_path / "summed.json") == marked
+    assert "summed" not in json.dumps(pipeline)  # a model with no norm per head: nothing marked
 
 
 def test_the_kernels_setting_round_trips_and_older_files_read_as_eager(pipeline, tmp_path) -> None:
@@ -142,6 +148,13 @@ FINDINGS = [
     ("kernels true", lambda p: p.update(kernels=True), "kernels must be one of eager, compiled, got True"),
     ("heads tp does not divide", lambda p: p["workload"]["overrides"].update(heads=3, hidden=66),
      "has shape"),
+    ("summed naming another module's parameter", lambda p: p["modules"]["embed"].update(summed=["head.weight"]),
+     "modules['embed'].summed names 'head.weight', which is not one of the module's params"),
+    ("summed as a string", lambda p: p["modules"]["embed"].update(summed="embed.weight"),
+     "modules['embed'].summed must be a list, got 'embed.weight'"),
+    ("a summed weight the model does not apply to split heads",
+     lambda p: p["modules"]["embed"].update(summed=["embed.weight"]),
+     "has the gradient of parameter 'embed.weight' summed over tp 2, but the model does not apply it"),
 ]
 
 

@@ -432,8 +432,14 @@ def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_befo
     ("hf:gemma", {"tp": 1, "dp": 2}),  # a 62 MiB embedding: DDP's buckets are whole tensors, not 25 MiB slices
     ("hf:gemma2", {"tp": 1, "dp": 2, "zero": 3}),  # alternating layer kinds: each layer is its own FSDP unit
     ("hf:gpt2", {"tp": 1, "dp": 2}),  # its configs' dropout 0.1, turned off by the runtime
+    # q and k norms per head: their gradients summed over tp once a step (with SP's norm weights under SP; each
+    # rank's ZeRO shard of them under ZeRO 3)
+    ("hf:qwen3", {"tp": 2, "dp": 1}),
+    ("hf:qwen3", {"tp": 2, "dp": 1, "sp": True}),
+    ("hf:gemma3_text", {"tp": 2, "dp": 1}),
+    ("hf:qwen3", {"tp": 2, "dp": 2, "zero": 3}),
 ])
 def test_hugging_face_models_match_one_process_and_the_predicted_collectives(tmp_path, name, grid) -> None:
-    """Cases `autopar run --check --check-comm` failed on before: predicted collectives that the runtime does not
-    issue, or dropout left on."""
-    _run(_pipeline_plan(tmp_path, name, {"layers": 2, "hidden": 64, "heads": 4}, **grid), 2)
+    """Cases `autopar run --check --check-comm` failed on (or that were refused) before: predicted collectives that
+    the runtime does not issue, dropout left on, replicated weights on split heads."""
+    _run(_pipeline_plan(tmp_path, name, {"layers": 2, "hidden": 64, "heads": 4}, **grid), grid["tp"] * grid["dp"])

@@ -32,6 +32,10 @@ class LayerCost:
     sp_entry: int = 0
     sp_gathers: list[int] = field(default_factory=list)
     sp_partial_params: int = 0  # norm weights that see sequence shards: gradients summed over tp once a step
+    # replicated weights applied to the activations tp splits (q and k norms per head, `tp_partial_parameters`):
+    # each rank's gradient covers its own heads, so they are summed over tp once a step, with or without SP
+    tp_partial: frozenset[str] = frozenset()
+    tp_partial_params: int = 0  # their elements
     nodes: list[Node] = field(default_factory=list)
     sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
@@ -124,6 +128,8 @@ def analyse(graph: Graph) -> list[LayerCost]:
                     if info is not None and (node.id in layer.columns or len(info.tensor.shape) == 2):
                         split.add(source.state)
         layer.sharded_params = sum(graph.state[fqn].tensor.numel for fqn in split)
+        layer.tp_partial = frozenset(_applied_to_shards(graph, layer))
+        layer.tp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in layer.tp_partial)
         foreign = {s.state for node in layer.nodes if _is_param_contraction(node) and _reads_foreign_weight(node)
                    for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
         layer.tied = [(graph.layer_of(fqn.rpartition(".")[0]), graph.state[fqn].tensor.numel)
@@ -176,8 +182,36 @@ def analyse(graph: Graph) -> list[LayerCost]:
             read = {s.state for node in layer.nodes if not node.is_view and not _is_param_contraction(node)
                     for s in node.sources
                     if s.state and s.state in graph.state and not graph.state[s.state].is_buffer}
+            read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such
             layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
     return list(rows.values())
+
+
+def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:
+    """The parameters tp keeps whole that the layer applies to the activations tp splits, between a column-parallel
+    and a row-parallel contraction (q and k norms per head, as Qwen3 and Gemma 3 have), directly or through ops on
+    parameters alone (Gemma's ``1 + weight``): each rank computes their gradient from its own part of the
+    activations, so the gradients are summed over tp once a step (`LayerCost.tp_partial`)."""
+    found: set[str] = set()
+    made: dict[int, set[str]] = {}  # node id -> the parameters a value computed from parameters alone holds
+    for node in layer.nodes:
+        names: set[str] = set()
+        activation = False
+        for ref in node.sources:
+            info = graph.state.get(ref.state) if ref.state else None
+            if info is not None:
+                if not info.is_buffer and info.requires_grad:
+                    names.add(ref.state)
+            elif ref.node in made:
+                names |= made[ref.node]
+            elif ref.state is None:  # an activation or a model input
+                activation = True
+        if not activation:
+            if names:
+                made[node.id] = names
+        elif node.id in layer.sharded and not _is_param_contraction(node):
+            found |= names
+    return found
 
 
 def _gather_unclosed(rows: dict[str, LayerCost], open_region: dict[int, frozenset[int]], closed: set[int]) -> None:

@@ -424,7 +424,8 @@ class PipelineModel:
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
-            layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, len(layer.nodes),
+            layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, layer.tp_partial_params,
+            len(layer.nodes),
             layer.saved_sharded, layer.saved_replicated, layer.attention_saved, layer.input_bytes,
             tuple(layer.row_outputs), tuple(layer.column_inputs), tuple(layer.gathered_outputs), layer.sp_entry,
             tuple(layer.sp_gathers), layer.largest_output, sum(n.flops_forward for n in layer.nodes),
@@ -566,11 +567,16 @@ class PipelineModel:
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
-            partial = sum(self.layers[r].sp_partial_params * n for r, n in self._alike_rows(stage, view.layouts)
-                          if r not in view.layouts) if config.sp and stage.tp > 1 else 0.0
-            # norm weights' gradients from sequence shards: summed (a layout's own partial gradients are in ``reduced``)
-            if partial:
-                nbytes = partial * gradient_itemsize(self.dtype)
+            alike = list(self._alike_rows(stage, view.layouts)) if stage.tp > 1 else []
+            partial = sum(self.layers[r].sp_partial_params * n for r, n in alike if r not in view.layouts) \
+                if config.sp else 0.0
+            # replicated weights on the heads tp splits (q/k norms): each rank's share of their gradient, per rank
+            # (a ZeRO shard of it under ZeRO 1-3)
+            heads = sum(self.layers[r].tp_partial_params * n for r, n in alike if r not in view.layouts)
+            # norm weights' gradients from sequence shards, and those: summed in one all-reduce (a layout's own
+            # partial gradients are in ``reduced``)
+            if partial or heads:
+                nbytes = (partial + heads / (stage.dp if config.zero else 1)) * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))

@@ -141,14 +141,18 @@ def layout_text(placements: tuple[Placement, ...]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamLayout:
-    """One parameter's DTensor placements, one per mesh axis, and the shape it was planned for."""
+    """One parameter's DTensor placements, one per mesh axis, and the shape it was planned for. ``summed``: tp keeps
+    it whole but applies it to the activations it splits (a q or k norm per head), so each tp rank computes its
+    gradient from its own heads and the gradients are summed over tp after the backward."""
 
     name: str
     placements: tuple[Placement, ...]
     shape: tuple[int, ...] | None = None
+    summed: bool = False
 
     def __post_init__(self) -> None:
         text("name", self.name, limit=1024)
+        flag(f"{self.name} summed", self.summed)
         if not isinstance(self.placements, tuple) or not all(isinstance(p, Placement) for p in self.placements):
             raise FieldError(self.name, f"placements must be DTensor placements, got {quote(self.placements)}")
         if self.shape is not None:
@@ -189,6 +193,9 @@ class ModuleLayout:
         shapes = {p.name: list(p.shape) for p in self.params if p.shape is not None}
         if shapes:
             entry["shapes"] = shapes
+        summed = [p.name for p in self.params if p.summed]
+        if summed:
+            entry["summed"] = summed
         for key in ("input", "output"):
             value = getattr(self, key)
             if value is not None:
@@ -198,13 +205,19 @@ class ModuleLayout:
     @classmethod
     def from_dict(cls, fqn: str, data: Any) -> ModuleLayout:
         data = mapping("", data)
-        unknown_fields("", data, ("params", "shapes", "input", "output"))
+        unknown_fields("", data, ("params", "shapes", "summed", "input", "output"))
         shapes = mapping("shapes", data.get("shapes", {}))
+        layouts = mapping("params", data.get("params", {}))
+        summed = strings("summed", data.get("summed", []))
+        for name in summed:
+            if name not in layouts:
+                raise FieldError("summed", f"names {quote(name)}, which is not one of the module's params")
         params = []
-        for name, layout in mapping("params", data.get("params", {})).items():
+        for name, layout in layouts.items():
             shape = shapes.get(name)
             params.append(ParamLayout(name=name, placements=_layout(f"params[{name!r}]", layout),
-                                      shape=None if shape is None else tuple(sequence(f"shapes[{name!r}]", shape))))
+                                      shape=None if shape is None else tuple(sequence(f"shapes[{name!r}]", shape)),
+                                      summed=name in summed))
         return cls(fqn=fqn, params=tuple(params),
                    **{key: _layout(key, data[key]) for key in ("input", "output") if key in data})
 

@@ -62,6 +62,9 @@ class ParallelModel:
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
     names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
     chunks: list[nn.Module] = field(default_factory=list)  # an interleaved stage's chunks, synchronised one by one
+    # replicated weights on the activations tp splits (`tp_partial_names`): gradients summed over ``tp_group``
+    tp_partial: list[nn.Parameter] = field(default_factory=list)
+    tp_group: Any = None
     plan: Plan | None = None  # the plan `parallelize` applied: which rows of a batch this rank trains
     rank: int = 0  # this process's rank in the plan's mesh
 
@@ -153,17 +156,22 @@ class ParallelModel:
 
         partial = [p for p in self.module.parameters() if p.grad is not None and hasattr(p.grad, "placements")
                    and any(pl.is_partial() for pl in p.grad.placements)]
-        if partial:
+        # q/k norms per head: each rank's gradient (or its ZeRO shard of it) covers its own heads
+        heads = [_local(p.grad) for p in self.tp_partial if p.grad is not None]
+        if partial or heads:
             from torch.distributed.tensor import DTensor, Replicate
 
-            flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
-            mesh = partial[0].grad.device_mesh
-            dist.all_reduce(flat, group=mesh.get_group())
+            flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial] + [g.reshape(-1) for g in heads])
+            mesh = partial[0].grad.device_mesh if partial else None
+            dist.all_reduce(flat, group=mesh.get_group() if mesh is not None else self.tp_group)  # one call
             offset = 0
             for p in partial:
                 local = flat[offset : offset + p.grad.numel()].view(p.grad.shape)
                 p.grad = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
                 offset += p.grad.numel()
+            for g in heads:
+                g.copy_(flat[offset : offset + g.numel()].view(g.shape))
+                offset += g.numel()
         if self.dp_group is None:
             return
         for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
@@ -215,6 +223,11 @@ class ParallelModel:
                 tensor = restored
             out.setdefault(whole, tensor)
         return out
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (its storage: changing it changes the DTensor), or a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "placements") else tensor
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -320,21 +333,25 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
                ddp: bool) -> ParallelModel:
     """A single-stage plan: tensor parallelism over tp, then data parallelism over dp (DDP, by hand, or FSDP2)."""
     zero, (dp, tp) = plan.zero, plan.grid
-    permutations = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else {}
+    permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
+
+    def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
+        params = dict(model.named_parameters())
+        return {"tp_partial": [params[name] for name in heads], "tp_group": mesh.get_group("tp") if heads else None}
 
     def plain(cls, **kw):  # noqa: ANN001, ANN003, ANN202
         return cls(model.parameters(), **kw)
 
     if dp == 1:
-        return ParallelModel(model, zero, plain, permutations, axes)
+        return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if zero > 0:
         layers = list(units) or [
             m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()
         ]
         _fully_shard(model, layers, mesh["dp"], zero)
-        return ParallelModel(model, zero, plain, permutations, axes)
+        return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if tp > 1 or not ddp:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
-        return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"))
+        return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), **summed())
     wrapped = _ddp(model)
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
 
@@ -367,15 +384,20 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
 
     dp, tp = plan.grid
     permutations: dict[str, torch.Tensor] = {}
+    heads: list[nn.Parameter] = []
     sharded = plan.zero == 1 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
 
     def wrap(part: nn.Module) -> nn.Module:
+        names: list[str] = []
         if tp > 1:
-            permutations.update(_tensor_parallel(part, plan, mesh["tp"], model=model))
+            rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
+            permutations.update(rows)
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward
             layers = (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values()
             _fully_shard(part, layers, mesh["dp"], 1)
+        params = dict(part.named_parameters())  # by name, once wrapped (FSDP2 replaces them)
+        heads.extend(params[name] for name in names)
         return part
 
     wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,
@@ -388,7 +410,8 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
         names = {f"{k}.{name}": whole for k, chunk in enumerate(part_names) for name, whole in chunk.items()}
     return ParallelModel(
         module, plan.zero, lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
-        dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped,
+        dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped, tp_partial=heads,
+        tp_group=mesh.get_group("tp") if heads else None,
     )
 
 
@@ -420,10 +443,11 @@ def check_matches(model: nn.Module, plan: Plan) -> None:
 
 def _tensor_parallel(
     module: nn.Module, plan: Plan, mesh: Any, *, model: nn.Module | None = None
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
     stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
-    fused-QKV parameters.
+    fused-QKV parameters, and the names of the parameters whose gradients are summed over tp after the backward
+    (`tp_partial_names`).
 
     A column-parallel linear whose block (its parent) also holds a row-parallel one feeds it shards; one with no
     row partner (an LM head) gathers its output. Where a block has several column linears reading one input
@@ -469,10 +493,23 @@ def _tensor_parallel(
     for block, names in columns.items():
         if len(names) > 1:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
-    if sp:
-        _sequence_parallel(module, mesh, styles)
+    heads = tp_partial_names(module, plan)
+    if sp:  # norms inside a block see its heads, not sequence shards
+        _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
     parallelize_module(module, mesh, styles)
-    return permutations
+    return permutations, heads
+
+
+def tp_partial_names(module: nn.Module, plan: Plan) -> list[str]:
+    """The parameters of ``module`` (the model, or one pipeline stage's modules) whose gradients the runtime sums
+    over tp after the backward, as the plan marks them (``summed``: a weight tp keeps whole but applies to the
+    activations it splits, a q or k norm per head; each rank computes its gradient from its own heads). One
+    all-reduce, with sequence parallelism's norm weights where there are some, as the cost model prices.
+    `check_runnable` checks the marks against the traced model."""
+    if plan.grid[1] == 1:
+        return []
+    params = dict(module.named_parameters())
+    return [p.name for entry in plan.modules for p in entry.params if p.summed and p.name in params]
 
 
 def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Module | None = None) -> dict[str, str]:
@@ -532,14 +569,15 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
-    """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards, the first layer
-    scatters the stream into them (its gradient is gathered back), and a head TP leaves whole gathers its input."""
+def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> None:
+    """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards (but those
+    ``inside`` a split block, which see its heads), the first layer scatters the stream into them (its gradient is
+    gathered back), and a head TP leaves whole gathers its input."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
     for fqn, norm in module.named_modules():
-        if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")):
+        if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
             styles[fqn] = SequenceParallel()
     stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] == "layers"
               and isinstance(m, nn.ModuleList)]  # pipelines (whose stages hold a ModuleDict) run without SP

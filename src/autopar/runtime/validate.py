@@ -312,13 +312,17 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     found = cut_projections(graph, model, columns)
     if found:
         raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
-    _check_replicated_inside(graph, split, columns, tp=tp)
+    _check_replicated_inside(graph, split, columns, tp=tp, model=model, plan=plan)
 
 
-def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int) -> None:  # noqa: ANN001
-    """Refuse a replicated parameter applied to the activations tp splits, between a column-parallel linear and
-    its row-parallel partner (a norm on q and k per head, as Qwen3, Gemma 3 and OLMo 2 have): each rank would take
-    its gradient from its own heads only, and the copies would drift apart."""
+def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int,  # noqa: ANN001
+                             model: nn.Module, plan: Plan) -> None:
+    """What runs between a column-parallel linear and its row-parallel partner sees each rank's share of the heads.
+    Refused: a reduction there over more than one head's features (OLMo 2 normalises q over all heads at once:
+    each rank would normalise over its own part), and a replicated parameter applied there that the plan does not
+    mark ``summed`` (q and k norms per head, as Qwen3 and Gemma 3 have: each rank computes their gradient from its
+    own heads, and the runtime sums the marked ones over tp, `tp_partial_names`), or one it marks that is not
+    applied there."""
     rows = {fqn for fqn, dim in split.items() if dim == 1}
     nodes = _first_instances(graph)
     consumers = _consumers(nodes)
@@ -329,18 +333,86 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
             if user.id not in inside and user.module not in rows and user.module not in columns:
                 inside[user.id] = user
                 frontier.append(user)
+    heads = {size for _, _, size in attention_shapes(graph)}
+    for node in sorted(inside.values(), key=lambda n: n.id):
+        reduced = _reduced_sizes(node)
+        if reduced is not None and not set(reduced) <= heads:
+            raise ValueError(
+                f"module {node.module or '<root>'!r} reduces over {' x '.join(map(str, reduced))} features of the "
+                f"activations tp {tp} splits ({node.op}), where a head has {_sizes(heads)}: each rank would reduce "
+                "over its own part of them (a norm over all heads at once) and train a different model; plan with "
+                "tp 1 (dp, FSDP or a pipeline)")
     trained = _trained_parameters(graph, nodes)
-    for node in sorted(inside.values(), key=lambda n: n.id):  # the first in the forward is named
+    applied: dict[str, str] = {}  # parameter -> the first module applying it to split activations
+    for node in sorted(inside.values(), key=lambda n: n.id):
         for ref in node.sources:
             for name in ([ref.state] if ref.state else sorted(trained.get(ref.node, ()))):
                 info = graph.state.get(name)
-                if info is not None and not info.is_buffer and info.requires_grad \
-                        and name.rpartition(".")[0] not in split:
+                if info is None or info.is_buffer or not info.requires_grad or name.rpartition(".")[0] in split:
+                    continue
+                if name in applied:  # one norm module for q and k, say: the block model prices each use apart
                     raise ValueError(
-                        f"parameter {name!r} is applied whole to the activations tp {tp} splits (in "
-                        f"{node.module or '<root>'!r}, between a column-parallel and a row-parallel linear): each "
-                        "rank would compute its gradient from its own part only and the copies would drift apart, "
-                        "which the runtime does not sum over tp yet; plan with tp 1 (dp, FSDP or a pipeline)")
+                        f"parameter {name!r} is applied to the activations tp {tp} splits in more than one place "
+                        f"({_places(applied[name], node.module)}): its gradient is summed "
+                        "over tp, but the cost model cannot yet price a weight used twice there; plan with tp 1, or "
+                        "give each use its own module")
+                applied[name] = node.module
+    first = _first_of_each(graph)
+    summed = [p.name for entry in plan.modules for p in entry.params if p.summed and first(p.name)]
+    for name, module in applied.items():
+        if name not in summed:
+            raise ValueError(
+                f"parameter {name!r} is applied whole to the activations tp {tp} splits (in {module or '<root>'!r}, "
+                "between a column-parallel and a row-parallel linear), and the plan does not have its gradient "
+                "summed over tp: each rank would compute it from its own part only and the copies would drift "
+                "apart; plan again with this version of autopar, or with tp 1")
+    for name in summed:
+        if name not in applied:
+            raise ValueError(
+                f"the plan has the gradient of parameter {name!r} summed over tp {tp}, but the model does not apply "
+                "it to the activations tp splits: every rank computes it whole, and the sum would be tp times too "
+                "large; plan again with this version of autopar")
+
+
+def _places(first: str, second: str) -> str:
+    return f"twice in {first or '<root>'!r}" if first == second else f"in {first or '<root>'!r} and {second or '<root>'!r}"
+
+
+_REDUCTIONS = ("aten.mean.", "aten.sum.", "aten.var.", "aten.var_mean.", "aten.std.", "aten.std_mean.", "aten.amax.",
+               "aten.amin.", "aten.linalg_vector_norm.", "aten.norm.", "aten.logsumexp.", "aten.native_layer_norm.")
+
+
+def _reduced_sizes(node) -> tuple[int, ...] | None:  # noqa: ANN001 - a graph Node
+    """The sizes of the dims ``node`` reduces its first input over, or None where it is not a reduction. A
+    reduction whose dims cannot be read reduces over them all."""
+    if not node.op.startswith(_REDUCTIONS) or not node.inputs:
+        return None
+    shape = node.inputs[0].shape
+    args = node.args
+    if node.op.startswith("aten.native_layer_norm."):
+        dims = tuple(range(len(shape) - len(args[1]), len(shape))) if len(args) > 1 else tuple(range(len(shape)))
+    else:
+        at = 2 if node.op.startswith("aten.linalg_vector_norm.") else 1
+        dims = args[at] if len(args) > at else None
+        if isinstance(dims, int):
+            dims = (dims,)
+        if not isinstance(dims, (tuple, list)) or not dims:
+            dims = tuple(range(len(shape)))
+    try:
+        return tuple(shape[d] for d in dims)
+    except (IndexError, TypeError):
+        return tuple(shape)
+
+
+def _sizes(sizes: set[int]) -> str:
+    return " or ".join(map(str, sorted(sizes))) if sizes else "no size known (the model's attention calls no SDPA)"
+
+
+def _first_of_each(graph):  # noqa: ANN001, ANN202 - a traced Graph; a predicate on parameter names
+    """Whether a parameter belongs to the first instance of its repeated layer, or to no repeated layer (the
+    checks above walk those nodes only, `_first_instances`)."""
+    later = {fqn for group in graph.repeats for fqn in group.instances[1:]}
+    return lambda name: not any(name.startswith(f"{fqn}.") for fqn in later)
 
 
 def _trained_parameters(graph, nodes: list) -> dict[int, set[str]]:  # noqa: ANN001 - a traced Graph

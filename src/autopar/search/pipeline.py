@@ -806,7 +806,8 @@ def pipeline_plan(
 ) -> Plan:
     """A pipeline plan: stages with their layers, dp x tp and recomputed layers, and per module the layouts of its
     parameters over its stage's (dp, tp) mesh: column-parallel weights S(0), row-parallel S(1) on tp; under ZeRO-3
-    every parameter S(0) on dp."""
+    every parameter S(0) on dp. A weight tp keeps whole but applies to the activations it splits (a q or k norm per
+    head) is marked ``summed``: the runtime sums its gradient over tp, as the cost model prices."""
     config = found.config
     stages = []
     modules: dict[str, dict[str, ParamLayout]] = {}
@@ -842,8 +843,10 @@ def pipeline_plan(
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
                             tp_placement = "S(1)"
                     # the last node reading a weight decides (its transpose or view comes before the matmul)
+                    summed = stage.tp > 1 and laid_out is None and fqn in row.tp_partial
                     modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(
-                        name=fqn, placements=(dp_placement, parse(tp_placement)), shape=tuple(info.tensor.shape))
+                        name=fqn, placements=(dp_placement, parse(tp_placement)), shape=tuple(info.tensor.shape),
+                        summed=summed)
     return Plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
