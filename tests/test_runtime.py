@@ -437,6 +437,7 @@ def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_befo
     ("hf:qwen3", {"tp": 2, "dp": 1}),
     ("hf:qwen3", {"tp": 2, "dp": 1, "sp": True}),
     ("hf:gemma3_text", {"tp": 2, "dp": 1}),
+    ("hf:gemma2", {"tp": 2, "dp": 1, "sp": True}),  # norms after each block meet the stream as local shards
     ("hf:qwen3", {"tp": 2, "dp": 2, "zero": 3}),
 ])
 def test_hugging_face_models_match_one_process_and_the_predicted_collectives(tmp_path, name, grid) -> None:

@@ -475,7 +475,9 @@ def _tensor_parallel(
         if placement == "S(1)":
             styles[fqn] = RowwiseParallel(output_layouts=stream)
         elif parent_name in blocks:  # a row-parallel linear of the same block consumes the shards
-            shared = len(columns[parent_name]) > 1  # its input arrives as a replicated DTensor (hook below)
+            # its input arrives as a replicated DTensor (hook below) where several columns read it, and under SP,
+            # where the norms before it hand on local sequence shards
+            shared = len(columns[parent_name]) > 1 or sp
             styles[fqn] = ColwiseParallel() if shared else ColwiseParallel(input_layouts=stream)
         else:  # a column layer with no row partner (the LM head): gather its output for what follows
             styles[fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
@@ -491,7 +493,7 @@ def _tensor_parallel(
             parent.heads //= tp
             parent.kv_heads //= tp
     for block, names in columns.items():
-        if len(names) > 1:
+        if len(names) > 1 or sp:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
     heads = tp_partial_names(module, plan)
     if sp:  # norms inside a block see its heads, not sequence shards
@@ -571,14 +573,16 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
 
 def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> None:
     """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards (but those
-    ``inside`` a split block, which see its heads), the first layer scatters the stream into them (its gradient is
-    gathered back), and a head TP leaves whole gathers its input."""
+    ``inside`` a split block, which see its heads) and hand them on as local tensors, as the stream is between
+    layers (a norm after a block, as Gemma's, meets the residual stream there; a block gathers its input itself),
+    the first layer scatters the stream into them (its gradient is gathered back), and a head TP leaves whole
+    gathers its input."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
     for fqn, norm in module.named_modules():
         if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
-            styles[fqn] = SequenceParallel()
+            styles[fqn] = SequenceParallel(use_local_output=True)
     stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] == "layers"
               and isinstance(m, nn.ModuleList)]  # pipelines (whose stages hold a ModuleDict) run without SP
     if stacks and len(stacks[0]):

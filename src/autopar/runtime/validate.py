@@ -370,8 +370,10 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
         if name not in applied:
             raise ValueError(
                 f"the plan has the gradient of parameter {name!r} summed over tp {tp}, but the model does not apply "
-                "it to the activations tp splits: every rank computes it whole, and the sum would be tp times too "
-                "large; plan again with this version of autopar")
+                "it to the activations tp splits as the runtime splits them: every rank computes it whole, and the "
+                "sum would be tp times too large (the plan and the runtime disagree on where tp splits this layer: "
+                "a plan edited by hand, or a layer the planner does not model as the runtime runs it, such as a "
+                "head whose projection is tied to the embedding); plan with tp 1")
 
 
 def _places(first: str, second: str) -> str:

@@ -810,8 +810,9 @@ def pipeline_plan(
     head) is marked ``summed``: the runtime sums its gradient over tp, as the cost model prices."""
     config = found.config
     stages = []
-    modules: dict[str, dict[str, ParamLayout]] = {}
+    modules: dict[str, dict[str, tuple]] = {}  # module -> parameter -> (tp placement, summed, shape)
     dp_placement = parse("S(0)" if config.zero == 3 else "R")
+    placements = {text: (dp_placement, parse(text)) for text in ("R", "S(0)", "S(1)")}
     for index, (stage, report) in enumerate(zip(config.stages, found.result.stages)):
         rows = [model.layers[r] for r in range(stage.start, stage.end)]
         layouts = model.stage_view(config, index, global_batch=global_batch).layouts
@@ -844,16 +845,19 @@ def pipeline_plan(
                             tp_placement = "S(1)"
                     # the last node reading a weight decides (its transpose or view comes before the matmul)
                     summed = stage.tp > 1 and laid_out is None and fqn in row.tp_partial
-                    modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(
-                        name=fqn, placements=(dp_placement, parse(tp_placement)), shape=tuple(info.tensor.shape),
-                        summed=summed)
+                    modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = (tp_placement, summed, info.tensor.shape)
+    entries = {
+        fqn: tuple(ParamLayout(name=name, placements=placements.get(tp) or (dp_placement, parse(tp)),
+                               shape=tuple(shape), summed=summed) for name, (tp, summed, shape) in params.items())
+        for fqn, params in modules.items()
+    }
     return Plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
         schedule=config.schedule, chunks=config.chunks, micro_batch_size=config.micro_batch,
         micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, kernels=model.kernels,
         stages=tuple(stages),
-        modules=tuple(ModuleLayout(fqn=fqn, params=tuple(params.values())) for fqn, params in modules.items()),
+        modules=tuple(ModuleLayout(fqn=fqn, params=params) for fqn, params in entries.items()),
         workload=workload, estimate=found.result.estimate,
     )
 
