@@ -157,19 +157,16 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
     early = _check_beside(subject, options, found.get(options.search), typed, limit)
     try:
         found = simulated(model, found, global_batch=options.batch, own=options.search)
-    except BaseException:
+        seconds = time.perf_counter() - start
+        chosen = found[options.search]
+        if chosen is None:
+            raise FieldError("batch", f"{options.batch} does not divide over the {cluster.num_devices} devices: no "
+                             f"{options.search} plan exists for it")
+        baselines = {k: (typed(k, f) if f is not None else None) for k, f in found.items() if k != options.search}
+        chosen, refused = _runnable_choice(subject, options, chosen, typed, limit, early=early)
+    finally:
         if early is not None:
-            early[1].cancel()
-        raise
-    seconds = time.perf_counter() - start
-    chosen = found[options.search]
-    if chosen is None:
-        if early is not None:
-            early[1].cancel()
-        raise FieldError("batch", f"{options.batch} does not divide over the {cluster.num_devices} devices: no "
-                         f"{options.search} plan exists for it")
-    baselines = {k: (typed(k, f) if f is not None else None) for k, f in found.items() if k != options.search}
-    chosen, refused = _runnable_choice(subject, options, chosen, typed, limit, early=early)
+            early[1].cancel()  # a no-op where its result was taken
     chosen = with_timeline(model, chosen, options.batch)  # a runner-up promoted: its timeline
     plan = typed(options.search, chosen)
     if subject.workload is not None:
@@ -240,16 +237,7 @@ def _runnable_choice(subject: Subject, options: SearchOptions, chosen: Found, ty
     itself (``subject.check``); with ``runnable_only`` the runners-up are tried in order when it would be refused,
     and when none can run the answer is an error naming the reason, never a plan that fails on the ranks.
     ``early``: a configuration whose check was started before (`_check_beside`); its result stands for the check
-    of that configuration, and is dropped unused when no plan of it is checked."""
-    try:
-        return _runnable(subject, options, chosen, typed, limit, early)
-    finally:
-        if early is not None:
-            early[1].cancel()  # a no-op where its result was taken
-
-
-def _runnable(subject: Subject, options: SearchOptions, chosen: Found, typed: Callable[[str, Found], Plan],
-              limit: Callable[[Any], str | None], early: tuple[Any, Beside] | None) -> tuple[Found, str | None]:
+    of that configuration (the caller cancels it where no plan of it is checked)."""
     if not chosen.result.estimate.memory.fits:
         return chosen, limit(chosen.config)  # not offered to run: the coarse reason is enough
     reasons = []

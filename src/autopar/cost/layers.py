@@ -32,7 +32,7 @@ class LayerCost:
     sp_entry: int = 0
     sp_gathers: list[int] = field(default_factory=list)
     sp_partial_params: int = 0  # norm weights that see sequence shards: gradients summed over tp once a step
-    # replicated weights applied to the activations tp splits (q and k norms per head, `tp_partial_parameters`):
+    # replicated weights applied to the activations tp splits (q and k norms per head, `_applied_to_shards`):
     # each rank's gradient covers its own heads, so they are summed over tp once a step, with or without SP
     tp_partial: frozenset[str] = frozenset()
     tp_partial_params: int = 0  # their elements

@@ -414,7 +414,15 @@ def _first_of_each(graph):  # noqa: ANN001, ANN202 - a traced Graph; a predicate
     """Whether a parameter belongs to the first instance of its repeated layer, or to no repeated layer (the
     checks above walk those nodes only, `_first_instances`)."""
     later = {fqn for group in graph.repeats for fqn in group.instances[1:]}
-    return lambda name: not any(name.startswith(f"{fqn}.") for fqn in later)
+
+    def first(name: str) -> bool:
+        while name:
+            name = name.rpartition(".")[0]
+            if name in later:
+                return False
+        return True
+
+    return first
 
 
 def _trained_parameters(graph, nodes: list) -> dict[int, set[str]]:  # noqa: ANN001 - a traced Graph
