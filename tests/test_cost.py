@@ -162,3 +162,20 @@ def test_pipeline_bubble_and_in_flight_micro_batches() -> None:
     gpipe = estimate(graph, cluster, ParallelConfig(pp=4, mbs=1, schedule="gpipe"), global_batch=8)
     assert one_f_one_b.bubble_seconds > 0
     assert gpipe.memory.activations > one_f_one_b.memory.activations  # GPipe keeps all 8 in flight, 1F1B at most 4
+
+
+def test_a_tied_projection_after_a_split_one_stays_whole_and_the_split_output_is_gathered() -> None:
+    """RoBERTa's LM head runs dense -> gelu -> LayerNorm -> a decoder tied to the embedding. The runtime keeps the
+    tied decoder whole, so the dense layer, split by output features, gathers its output and what follows runs on
+    whole features: not a row-parallel decoder closing a region with a LayerNorm on split features inside it."""
+    zoo = load("hf:roberta", batch=1, seq=16, layers=1, hidden=64, heads=4)
+    head = next(layer for layer in analyse(autopar.trace(zoo.module, example_kwargs=zoo.inputs))
+                if layer.name == "lm_head")
+    by_module = {}
+    for node in head.nodes:
+        by_module.setdefault(node.module, []).append(node)
+    dense = next(n for n in by_module["lm_head.dense"] if n.op.startswith("aten.addmm"))
+    assert dense.id in head.columns and head.gathered_outputs == [dense.output_bytes]
+    for module in ("lm_head.layer_norm", "lm_head.decoder"):
+        assert not any(n.id in head.sharded for n in by_module[module]), module
+    assert not head.row_outputs and not head.tp_partial

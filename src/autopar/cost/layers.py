@@ -99,7 +99,9 @@ def analyse(graph: Graph) -> list[LayerCost]:
         activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
         region = frozenset().union(*(open_region.get(s.node, ()) for s in activation_sources))
         in_region = bool(region)
-        if _is_param_contraction(node) and not (not in_region and _reads_foreign_weight(node)):
+        if _is_param_contraction(node) and _reads_foreign_weight(node):
+            pass  # a tied weight: TP keeps it, and the contraction, whole; a column left open before it is gathered
+        elif _is_param_contraction(node):
             if in_region:  # row-parallel: consumes the shard, produces partial sums -> all-reduce
                 layer.sharded.add(node.id)
                 layer.row_outputs.append(node.output_bytes)
