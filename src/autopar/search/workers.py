@@ -133,12 +133,7 @@ def share_out(
                 finished.append(extra)
         finally:
             for pid, fd in children:  # an error or an interrupt here: no worker outlives the search
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-                os.close(fd)
+                _end(pid, fd)
             flag.close()
     for index, result in done:
         results[index] = result
@@ -171,13 +166,18 @@ class Beside:
         if self._child is None:
             return
         (pid, fd), self._child = self._child, None
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _end(pid, fd)
         self._flag.close()
+
+
+def _end(pid: int, fd: int) -> None:
+    """Kill a worker unfinished, reap it and close its pipe."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    os.close(fd)
 
 
 def beside(job: Callable[[], R]) -> Beside:
