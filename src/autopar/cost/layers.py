@@ -194,25 +194,36 @@ def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:
     and a row-parallel contraction (q and k norms per head, as Qwen3 and Gemma 3 have), directly or through ops on
     parameters alone (Gemma's ``1 + weight``): each rank computes their gradient from its own part of the
     activations, so the gradients are summed over tp once a step (`LayerCost.tp_partial`)."""
+    made = computed_from_state(layer.nodes)
     found: set[str] = set()
-    made: dict[int, set[str]] = {}  # node id -> the parameters a value computed from parameters alone holds
     for node in layer.nodes:
-        names: set[str] = set()
-        activation = False
+        if node.id in made or node.id not in layer.sharded or _is_param_contraction(node):
+            continue
         for ref in node.sources:
-            info = graph.state.get(ref.state) if ref.state else None
-            if info is not None:
-                if not info.is_buffer and info.requires_grad:
-                    names.add(ref.state)
-            elif ref.node in made:
-                names |= made[ref.node]
-            elif ref.state is None:  # an activation or a model input
-                activation = True
-        if not activation:
+            for name in ([ref.state] if ref.state else made.get(ref.node, ())):
+                info = graph.state.get(name)
+                if info is not None and not info.is_buffer and info.requires_grad:
+                    found.add(name)
+    return found
+
+
+def computed_from_state(nodes: list[Node]) -> dict[int, set[str]]:
+    """Node id -> the parameters and buffers it is computed from, for the nodes of ``nodes`` computed from model
+    state alone (Gemma's norms scale by ``1 + weight``, a cast of the weight first): such a value carries its
+    parameters' gradients as the parameters themselves do."""
+    found: dict[int, set[str]] = {}
+    for node in nodes:
+        names: set[str] = set()
+        for ref in node.sources:
+            if ref.state is not None:
+                names.add(ref.state)
+            elif ref.node in found:
+                names |= found[ref.node]
+            else:  # an activation or a model input
+                break
+        else:
             if names:
-                made[node.id] = names
-        elif node.id in layer.sharded and not _is_param_contraction(node):
-            found |= names
+                found[node.id] = names
     return found
 
 

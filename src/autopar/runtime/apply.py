@@ -396,8 +396,9 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward
             layers = (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values()
             _fully_shard(part, layers, mesh["dp"], 1)
-        params = dict(part.named_parameters())  # by name, once wrapped (FSDP2 replaces them)
-        heads.extend(params[name] for name in names)
+        if names:  # by name, once wrapped (FSDP2 replaces the parameters)
+            params = dict(part.named_parameters())
+            heads.extend(params[name] for name in names)
         return part
 
     wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,

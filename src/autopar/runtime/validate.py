@@ -40,6 +40,7 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture import Graph
+from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.runtime.apply import (
     check_matches, check_supported, checkpoint_segments, parallelize, recompute, tensor_parallel_placements,
@@ -342,7 +343,7 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
                 f"activations tp {tp} splits ({node.op}), where a head has {_sizes(heads)}: each rank would reduce "
                 "over its own part of them (a norm over all heads at once) and train a different model; plan with "
                 "tp 1 (dp, FSDP or a pipeline)")
-    trained = _trained_parameters(graph, nodes)
+    trained = computed_from_state(nodes)
     applied: dict[str, str] = {}  # parameter -> the first module applying it to split activations
     for node in sorted(inside.values(), key=lambda n: n.id):
         for ref in node.sources:
@@ -423,26 +424,6 @@ def _first_of_each(graph):  # noqa: ANN001, ANN202 - a traced Graph; a predicate
         return True
 
     return first
-
-
-def _trained_parameters(graph, nodes: list) -> dict[int, set[str]]:  # noqa: ANN001 - a traced Graph
-    """Node id -> the parameters it is computed from, for nodes computed from model state alone (Gemma's norms
-    scale by ``1 + weight``, a cast of the weight first): such a value carries its parameters' gradients as the
-    parameters themselves do."""
-    found: dict[int, set[str]] = {}
-    for node in nodes:
-        names: set[str] = set()
-        for ref in node.sources:
-            if ref.state is not None:
-                names.add(ref.state)
-            elif ref.node in found:
-                names |= found[ref.node]
-            else:  # an activation or a model input
-                break
-        else:
-            if names:
-                found[node.id] = names
-    return found
 
 
 def _consumers(nodes: list) -> dict[int, list]:
