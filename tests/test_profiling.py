@@ -44,6 +44,13 @@ def test_a_database_reads_back_what_was_saved(tmp_path) -> None:
     assert again.device == DEVICE and len(again.entries) == 2
     assert again.get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=2, dtype="fp32").forward == 0.5
     assert again.get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=4, dtype="fp32") is None
+    # a ZeRO 1 entry keeps its step's edges; others are written without them, as files before them were
+    db.add(_entry(zero=1, step_forward=0.03, step_backward=0.04))
+    db.save(path)
+    assert '"step_forward": 0.03' in path.read_text() and path.read_text().count("step_forward") == 1
+    edges = ProfileDB.load(path).get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=2, dtype="fp32",
+                                     zero=1)
+    assert (edges.step_forward, edges.step_backward) == (0.03, 0.04)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -56,6 +63,11 @@ def test_a_database_reads_back_what_was_saved(tmp_path) -> None:
     (lambda text: text.replace('"repeats": 3', '"repeats": 3, "extra": 1'), "unknown extra"),
     (lambda text: text.replace('"tp": 1,', ''), "missing tp"),
     (lambda text: text.replace('"recompute": "none"', '"recompute": "half"'), "entries[0].recompute"),
+    # a step's edges are measured under ZeRO 1 only, and are times
+    (lambda text: text.replace('"repeats": 3', '"repeats": 3, "step_forward": 0.1, "step_backward": 0.2'),
+     "belong to ZeRO 1 entries"),
+    (lambda text: text.replace('"zero": 0', '"zero": 1').replace(
+        '"repeats": 3', '"repeats": 3, "step_forward": 0.1, "step_backward": -0.2'), "entries[0].step_backward"),
 ])
 def test_a_corrupt_or_foreign_database_is_refused_naming_the_file(tmp_path, mutate, message) -> None:
     db = ProfileDB(device=DEVICE)
@@ -124,6 +136,27 @@ def test_the_cost_model_prices_measured_layers_by_their_times() -> None:
     gathers = before.iteration_seconds - 2 * 2 * 0.75  # what the units' collectives and the rest cost
     assert after.iteration_seconds == pytest.approx(2 * 2 * 1.5 + gathers, rel=0.2)
     assert after.iteration_seconds < 2 * 2 * 1.5 + gathers  # the units' collectives are not priced again
+    # ZeRO 1: the layers measured between a step's edges leave the once-a-step gathers and reduce-scatters to the
+    # links; measured at the edges too, each layer carries its extra, spread over the micro-batches, and its
+    # unit's collectives cost nothing apart (still counted)
+    zero1 = pipeline_config(profiled, ParallelConfig(tp=1, pp=1, dp=2, mbs=1, recompute="none", zero=1, sp=False,
+                                                     schedule="1f1b", chunks=1))
+    db.add(_entry(layer=key, zero=1, forward=0.25, backward=0.5, ranks=2))
+    between = _model(2, profile=db).estimate(zero1, global_batch=4, simulate=False).estimate
+    db.add(_entry(layer=key, zero=1, forward=0.25, backward=0.5, ranks=2, step_forward=0.35, step_backward=0.75))
+    edges = _model(2, profile=db)
+    view = edges.stage_view(zero1, 0, global_batch=4)
+    assert view.steps_measured
+    price = view.price(row, "none")
+    assert (price.forward, price.backward) == pytest.approx((0.25 + 0.1 / 2, 0.5 + 0.25 / 2))
+    at_edges = edges.estimate(zero1, global_batch=4, simulate=False).estimate
+    assert at_edges.collectives == between.collectives
+    links = between.iteration_seconds - 2 * 2 * 0.75  # the units' collectives priced by the links, and the rest
+    assert at_edges.iteration_seconds - 2 * (0.1 + 0.25) == pytest.approx(2 * 2 * 0.75 + links, rel=0.2)
+    assert at_edges.iteration_seconds < 2 * 2 * 0.75 + 2 * (0.1 + 0.25) + links  # not priced twice
+    # one layer without its edges: none of the stage's are used (all or none)
+    db.add(_entry(layer=key, zero=1, forward=0.25, backward=0.5, ranks=2))
+    assert not _model(2, profile=db).stage_view(zero1, 0, global_batch=4).steps_measured
     # measured on 4 ranks sharing the host: no figure for a 2-rank plan
     db4 = ProfileDB(device=DEVICE)
     db4.add(_entry(layer=key, ranks=4))
@@ -148,7 +181,7 @@ def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path)
 def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) -> None:
     db = tmp_path / "db.json"
     argv = ["profile-segments", *GPT, "--nproc", "2", "--tp", "1", "2", "--samples", "1", "--recompute", "none",
-            "--no-sp", "--zero", "0", "3", "--repeats", "2", "--db", str(db), "--json"]
+            "--no-sp", "--zero", "0", "1", "3", "--repeats", "2", "--db", str(db), "--json"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     data = json.loads(out)
@@ -156,14 +189,18 @@ def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) ->
     assert names == ["drop", "embed", "head", "layers.0", "norm"]  # layers.1 is a copy of layers.0
     plain = [e for e in data["entries"] if e["zero"] == 0]
     assert sorted((e["tp"], e["name"]) for e in plain) == [(tp, n) for tp in (1, 2) for n in names]
-    # under ZeRO 3 (tp 1, dp 2) only the repeated layer runs alone: the rest belong to the root unit
-    assert [(e["tp"], e["name"]) for e in data["entries"] if e["zero"] == 3] == [(1, "layers.0")]
+    # under ZeRO 1 and 3 (tp 1, dp 2) only the repeated layer runs alone: the rest belong to the root unit
+    for zero in (1, 3):
+        assert [(e["tp"], e["name"]) for e in data["entries"] if e["zero"] == zero] == [(1, "layers.0")]
     assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 for e in data["entries"] if e["name"] != "drop")
+    # ZeRO 1 also times the step's first forward (weights gathered) and last backward (gradients reduce-scattered)
+    assert all((e["step_forward_ms"] is not None) == (e["zero"] == 1) for e in data["entries"])
+    assert all(e["step_forward_ms"] > 0 and e["step_backward_ms"] > 0 for e in data["entries"] if e["zero"] == 1)
     saved = ProfileDB.load(db)
-    assert len(saved.entries) == 11
+    assert len(saved.entries) == 12
     code, out, err = run_cli(capsys, *argv)  # measured again: replaced, not added
     assert code == 0, err
-    assert len(ProfileDB.load(db).entries) == 11
+    assert len(ProfileDB.load(db).entries) == 12
     code, out, err = run_cli(capsys, "estimate", *GPT, "--tp", "2", "--gpus", "2", "--batch", "2", "--dtype", "fp32",
                              "--cluster", "cpu", "--profile-db", str(db), "--json")
     assert code == 0, err

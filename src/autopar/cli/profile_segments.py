@@ -161,7 +161,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "profiled_layers": zoo.config.layers,  # of the copy the ranks built (fewer where the kinds allow)
         "entries": [{"name": e.name, "tp": e.tp, "sp": e.sp, "recompute": e.recompute, "zero": e.zero,
                      "samples": e.samples,
-                     "forward_ms": e.forward * 1e3, "backward_ms": e.backward * 1e3} for e in measured],
+                     "forward_ms": e.forward * 1e3, "backward_ms": e.backward * 1e3,
+                     # ZeRO 1: a step's first forward (weights gathered) and last backward (gradients
+                     # reduce-scattered); null elsewhere
+                     "step_forward_ms": None if e.step_forward is None else e.step_forward * 1e3,
+                     "step_backward_ms": None if e.step_backward is None else e.step_backward * 1e3}
+                    for e in measured],
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
     }
@@ -193,10 +198,12 @@ def _shallower(args: argparse.Namespace, zoo: Any, keys: list[str | None], clust
 def render(data: dict[str, Any]) -> str:
     lines = [f"{data['model']}: {data['distinct_layers']} distinct layers of {data['layers']} rows, timed on "
              f"{data['ranks']} ranks of {data['device']} in {data['seconds']:.1f} s; written to {data['db']}", ""]
-    lines.append(table(["layer", "tp", "sp", "recompute", "zero", "samples", "forward", "backward"],
+    lines.append(table(["layer", "tp", "sp", "recompute", "zero", "samples", "forward", "backward", "step edges"],
                        [[e["name"], str(e["tp"]), "yes" if e["sp"] else "no", e["recompute"], str(e["zero"]),
-                         f"{e['samples']:g}",
-                         f"{e['forward_ms']:.2f} ms", f"{e['backward_ms']:.2f} ms"] for e in data["entries"]]))
+                         f"{e['samples']:g}", f"{e['forward_ms']:.2f} ms", f"{e['backward_ms']:.2f} ms",
+                         "" if e["step_forward_ms"] is None
+                         else f"{e['step_forward_ms']:.2f} + {e['step_backward_ms']:.2f} ms"]
+                        for e in data["entries"]]))
     for reason in data["skipped"]:
         lines.append(f"skipped {reason}")
     return "\n".join(lines)

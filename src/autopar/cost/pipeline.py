@@ -298,6 +298,9 @@ class StageView:
     price: Callable[[int, str], LayerPrice]  # (row, recompute level) -> its price on one device
     layouts: dict  # row -> `LayerLayout`, for rows the stage lays out by the intra-op planner
     units_measured: int = 0  # the ZeRO stage the repeated layers were timed under as FSDP units (1, 3), or 0
+    # ZeRO 1: the repeated layers' times hold their share of their units' once-a-step gathers and reduce-scatters
+    # (measured at a step's edges), which `_price_sync` then prices at nothing
+    steps_measured: bool = False
 
 
 @dataclass(slots=True)
@@ -468,11 +471,32 @@ class PipelineModel:
         return self.profile.get(key, tp=tp, sp=sp, recompute=recompute if layer.repeated else "none",
                                 samples=samples, ranks=self._ranks, dtype=self.dtype, zero=zero)
 
+    def _at_edges(self, row: int, price: LayerPrice, *, tp: int, samples: float, recompute: str, sp: bool,
+                  micro_batches: int) -> LayerPrice:
+        """A measured ZeRO 1 ``price`` with its share of the layer's once-a-step work: a step's first forward
+        gathers the unit's weights and its last backward reduce-scatters the gradients, timed by the profile
+        database (`Entry.step_forward`); each of ``micro_batches`` carries 1 / ``micro_batches`` of the extra."""
+        entry = self._entry(row, tp=tp, samples=samples, recompute=recompute, sp=sp, zero=1)
+        forward = max(0.0, entry.step_forward - entry.forward) / micro_batches
+        backward = max(0.0, entry.step_backward - entry.backward) / micro_batches
+        return replace(price, forward=price.forward + forward, backward=price.backward + backward)
+
+    def _steps_measured(self, stage: Stage, samples: float, sp: bool) -> bool:
+        """Whether the profile database timed every repeated layer of ``stage`` at a ZeRO 1 step's edges (all or
+        none, as `_units_measured`)."""
+        for row, _ in self._alike_rows(stage):
+            if self.layers[row].repeated:
+                entry = self._entry(row, tp=stage.tp, samples=samples, recompute=stage.recompute_of(row), sp=sp,
+                                    zero=1)
+                if entry is None or entry.step_forward is None or entry.step_backward is None:
+                    return False
+        return True
+
     def _units_measured(self, stage: Stage, samples: float, sp: bool, zero: int) -> bool:
         """Whether the profile database timed every repeated layer of ``stage`` as its own FSDP unit under ZeRO
         ``zero`` (1 or 3) at its recomputation level: only then are those times used for them (ZeRO 3: their
         units' gathers and reduce-scatters inside; ZeRO 1: FSDP's work per micro-batch, its once-a-step
-        collectives priced apart). All or none: a stage is never priced half one way."""
+        collectives priced apart unless `_steps_measured`). All or none: a stage is never priced half one way."""
         if self.profile is None or stage.dp == 1 or zero not in (1, 3):
             return False
         return all(self._entry(row, tp=stage.tp, samples=samples, recompute=stage.recompute_of(row), sp=sp,
@@ -750,6 +774,7 @@ class PipelineModel:
             layouts = found
 
         units = not layouts and self._units_measured(stage, samples, config.sp, config.zero)
+        steps = units and config.zero == 1 and self._steps_measured(stage, samples, config.sp)
 
         def price(row: int, level: str) -> LayerPrice:
             layout = layouts.get(row)
@@ -759,10 +784,13 @@ class PipelineModel:
             if units and self.layers[row].repeated:
                 found = self._measured(row, found, tp=stage.tp, samples=samples, recompute=level, sp=config.sp,
                                        zero=config.zero)
+                if steps:
+                    found = self._at_edges(row, found, tp=stage.tp, samples=samples, recompute=level,
+                                           sp=config.sp, micro_batches=m)
             return found
 
         return StageView(mesh=mesh, samples=samples, in_flight=in_flight, price=price, layouts=layouts,
-                         units_measured=config.zero if units else 0)
+                         units_measured=config.zero if units else 0, steps_measured=steps)
 
     def _stage_layouts(self, stage: Stage, mesh, samples: float, config: PipelineConfig, m: int,  # noqa: ANN001
                        in_flight: float) -> dict[int, LayerLayout]:
@@ -848,7 +876,8 @@ class PipelineModel:
         layouts = view.layouts if view is not None else {}
         shapes = tuple(sorted((row, layout.prices["none"].params) for row, layout in layouts.items()))
         place = (stage.start, stage.end) if shapes else self.stage_key(stage)  # a layout's shapes are by row
-        measured = view is not None and view.units_measured == 3  # the units' collectives are in their times
+        # the units' collectives are in their times
+        measured = view is not None and (view.units_measured == 3 or view.steps_measured)
         key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes, measured)
         cached = self._syncs.get(key)
         if cached is None:

@@ -13,8 +13,9 @@ one entry with a 10-layer one's of the same width (CFP's depth independence). ``
 once on the host while it was measured: on a CPU they share cores and memory bandwidth, so a figure taken beside
 one peer holds for plans of that many ranks only. ``zero`` is 0, or 1 or 3 where the layer was its own FSDP unit
 over the data-parallel ranks: under 3 its weights' gathers and its gradients' reduce-scatter are inside its
-times; under 1 FSDP's work around a micro-batch that synchronises nothing (the once-a-step collectives are
-priced apart).
+times; under 1 FSDP's work around a micro-batch that synchronises nothing, and (``step_forward``,
+``step_backward``, where measured) the layer's forward in a step's first micro-batch, its weights gathered first, and
+its backward in the step's last, its gradients reduce-scattered: the once-a-step work of its unit.
 
 Files are read with every field checked: a truncated, corrupt or foreign file (another device, another torch,
 another layout version) is refused with one error naming the file and what is wrong, never used in part. Nothing
@@ -86,6 +87,10 @@ class Entry:
     forward: float  # seconds, collectives inside the layer included
     backward: float  # seconds, recomputation and collectives inside the layer included (0: no backward)
     repeats: int
+    # ZeRO 1 only, where measured: the forward that gathers the unit's weights (a step's first micro-batch) and the
+    # backward that reduce-scatters its gradients (the step's last), seconds, FSDP's work around them included
+    step_forward: float | None = None
+    step_backward: float | None = None
 
     @property
     def key(self) -> tuple:
@@ -122,7 +127,7 @@ class ProfileDB:
         entries = sorted(self.entries.values(),
                          key=lambda e: (e.name, e.tp, e.sp, e.recompute, e.zero, e.samples, e.ranks))
         return json.dumps({"autopar_profile": VERSION, "device": self.device, "torch": self.torch,
-                           "entries": [asdict(e) for e in entries]}, indent=1) + "\n"
+                           "entries": [_entry_json(e) for e in entries]}, indent=1) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_atomic(path, self.to_json())
@@ -163,6 +168,18 @@ class ProfileDB:
         return db
 
 
+def _entry_json(entry: Entry) -> dict:
+    """An entry as written: its step times only where it has them (files of earlier versions have none)."""
+    out = asdict(entry)
+    for name in _OPTIONAL:
+        if out[name] is None:
+            del out[name]
+    return out
+
+
+_OPTIONAL = ("step_forward", "step_backward")
+
+
 def _text(shown: str, data: dict, name: str) -> str:
     value = data.get(name)
     if not isinstance(value, str) or not value:
@@ -175,7 +192,7 @@ def _entry(shown: str, i: int, raw: Any) -> Entry:
     if not isinstance(raw, dict):
         raise ProfileError(f"{where} must be an object, got {type(raw).__name__}")
     names = {f for f in Entry.__dataclass_fields__}
-    missing, unknown = names - set(raw), set(raw) - names
+    missing, unknown = names - set(raw) - set(_OPTIONAL), set(raw) - names
     if missing or unknown:
         raise ProfileError(f"{where}: " + "; ".join(
             ([f"missing {', '.join(sorted(missing))}"] if missing else [])
@@ -191,6 +208,14 @@ def _entry(shown: str, i: int, raw: Any) -> Entry:
     for name, ok in checks.items():
         if not ok(raw[name]):
             raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
+    steps = [raw.get(name) for name in _OPTIONAL]
+    if any(v is not None for v in steps):
+        if raw["zero"] != 1:
+            raise ProfileError(f"{where}: step_forward and step_backward belong to ZeRO 1 entries, this one is ZeRO "
+                               f"{raw['zero']}")
+        for name, value in zip(_OPTIONAL, steps):
+            if not _non_negative(value):
+                raise ProfileError(f"{where}.{name}: invalid value {value!r}")
     return Entry(**raw)
 
 

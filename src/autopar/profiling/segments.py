@@ -9,7 +9,9 @@ timed, then its backward from a gradient of ones, every rank starting each run t
 of ``repeats`` runs after a warm-up. The layer's collectives (tensor parallelism, sequence parallelism) and its
 recomputation are inside what is timed; under ZeRO 3 (each repeated layer its own FSDP unit) so are its weights'
 gathers and its gradients' reduce-scatter, with all of FSDP's work around them; under ZeRO 1 FSDP's work around a
-micro-batch that synchronises no gradients (as all but the last of a step do). Other data-parallel
+micro-batch that synchronises no gradients (as all but the last of a step do), and apart from it the layer's
+forward gathering its weights first (a step's first micro-batch) and its backward reduce-scattering its gradients
+(the step's last). Other data-parallel
 synchronisation is not (the cost model prices it from the calibrated links), and neither is the loss, which no
 layer holds. Where a kind of layer has several copies, a copy between two others is timed: the first layer of a
 model may also scatter the stream (sequence parallelism) and the last gather it.
@@ -80,7 +82,7 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
                  on_cuda: bool) -> tuple[list[tuple[int, str, str, float, float]], list[tuple[int, str]]]:
     """One rank of `autopar profile-segments`: for each (plan, {fingerprint: row names}) job, time one row of each
     fingerprint. Returns on rank 0 the times, as (job index, fingerprint, row name, forward seconds, backward
-    seconds), and the jobs the runtime refused to apply, as (job index, why): `parallelize` refuses a plan alike
+    seconds, under ZeRO 1 the (forward, backward) seconds at a step's edges or else None), and the jobs the runtime refused to apply, as (job index, why): `parallelize` refuses a plan alike
     on every rank (it depends on the plan and the model only), so every rank skips that job together."""
     import torch.distributed as dist
 
@@ -121,13 +123,19 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
                 if name is None or name not in captured:
                     continue  # the layer ran in no forward of the step (or its module was not kept)
                 module = model.get_submodule(name)
+                steps = None
                 if plan.zero == 1 and hasattr(module, "set_requires_gradient_sync"):
-                    # as in a micro-batch before a step's last: weights kept gathered (the warm-up run gathers
-                    # them), gradients accumulated whole
+                    # a step's edges: its first forward gathers the unit's weights, its last backward
+                    # reduce-scatters the gradients (and frees the gathered weights)
+                    module.set_reshard_after_backward(True)
+                    module.set_requires_gradient_sync(True)
+                    steps = _time_layer(module, *captured[name], repeats=repeats, sync=sync, before=module.reshard)
+                    # as in a micro-batch between: weights kept gathered (the warm-up run gathers them), gradients
+                    # accumulated whole
                     module.set_reshard_after_backward(False)
                     module.set_requires_gradient_sync(False)
                 forward, backward = _time_layer(module, *captured[name], repeats=repeats, sync=sync)
-                results.append((index, key, name, forward, backward))
+                results.append((index, key, name, forward, backward, steps))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -196,15 +204,18 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
 
 
-def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
-                sync: Callable[[], None]) -> tuple[float, float]:
-    """Median (forward, backward) seconds of ``module`` on the captured inputs, after one warm-up run."""
+def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int, sync: Callable[[], None],
+                before: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median (forward, backward) seconds of ``module`` on the captured inputs, after one warm-up run;
+    ``before`` runs ahead of each run, untimed."""
     import torch.distributed as dist
 
     forward: list[float] = []
     backward: list[float] = []
     for _ in range(repeats + 1):
         a, k = _fresh(args), _fresh(kwargs)
+        if before is not None:
+            before()
         dist.barrier()
         start = time.perf_counter()
         out = module(*a, **k)
@@ -226,18 +237,21 @@ def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int,
     return statistics.median(forward[1:]), statistics.median(backward[1:])
 
 
-def entries(results: Sequence[tuple[int, str, str, float, float]], layouts: Sequence[Layout], *, ranks: int,
+def entries(results: Sequence[tuple[int, str, str, float, float, tuple | None]], layouts: Sequence[Layout], *,
+            ranks: int,
             repeats: int, dtype: str = "fp32", recomputes: Sequence[bool]) -> list[Entry]:
     """Database entries of rank 0's results; ``recomputes[i]``: whether the layer of result i is one the plan
     recomputes and shards as its own FSDP unit (a repeated layer); another row is entered under recomputation
     ``none``, and under ZeRO 3 not at all (it belongs to the root unit, whose gathers no row's run holds)."""
     out = []
-    for (index, key, name, forward, backward), repeated in zip(results, recomputes):
+    for (index, key, name, forward, backward, steps), repeated in zip(results, recomputes):
         layout = layouts[index]
         if layout.zero and not repeated:
             continue
+        step_forward, step_backward = steps if steps is not None and layout.zero == 1 else (None, None)
         out.append(Entry(layer=key, name=name, tp=layout.tp, sp=layout.sp,
                          recompute=layout.recompute if repeated else "none", zero=layout.zero,
                          samples=layout.samples, ranks=ranks,
-                         dtype=dtype, forward=max(forward, 1e-9), backward=max(backward, 0.0), repeats=repeats))
+                         dtype=dtype, forward=max(forward, 1e-9), backward=max(backward, 0.0), repeats=repeats,
+                         step_forward=step_forward, step_backward=step_backward))
     return out
