@@ -67,6 +67,15 @@ def test_console_script_runs() -> None:
     assert json.loads(proc.stdout)["config"]["layers"] == 2
 
 
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """``autopar ... | head``: the reader has gone before the output is written (``true`` reads nothing); the
+    command ends quietly."""
+    command = (f"{sys.executable} -m autopar.cli.main estimate gpt3-125m --layers 2 --hidden 64 --heads 4 --vocab 128 "
+               "--seq 16 --gpus 2 --dp 2 --batch 4 | true")
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=False, timeout=120)
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
 def test_estimate_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(
         capsys, "estimate", "gpt3-125m", "--layers", "2", "--seq", "256", "--cluster", "a100-80g-sxm",

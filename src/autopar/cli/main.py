@@ -152,6 +152,8 @@ def entry() -> None:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # let go after a closed pipe (`main`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (`| head`) or stream: nothing more can be said on it
