@@ -12,7 +12,7 @@ import torch
 from autopar.capture import trace
 from autopar.cluster import load_cluster
 from autopar.cost.pipeline import PipelineModel
-from autopar.profiling import Entry, ProfileDB, ProfileError
+from autopar.profiling import Entry, ProfileDB, ProfileError, UnitEntry, unit_fingerprint
 from autopar.profiling.segments import row_fingerprints
 from autopar.zoo import load
 from tests.test_cli import run_cli
@@ -25,6 +25,11 @@ def _entry(**kw) -> Entry:  # noqa: ANN003
     base = dict(layer="abc", name="layers.0", tp=1, sp=False, recompute="none", zero=0, samples=1, ranks=2,
                 dtype="fp32", forward=0.01, backward=0.02, repeats=3)
     return Entry(**{**base, **kw})
+
+
+def _unit(**kw) -> UnitEntry:  # noqa: ANN003
+    base = dict(unit="abc", name="root", dp=2, ranks=2, dtype="fp32", gather=0.004, reduce_scatter=0.006, repeats=3)
+    return UnitEntry(**{**base, **kw})
 
 
 def _model(layers: int, *, batch: int = 1, profile: ProfileDB | None = None, devices: int = 2) -> PipelineModel:
@@ -51,6 +56,15 @@ def test_a_database_reads_back_what_was_saved(tmp_path) -> None:
     edges = ProfileDB.load(path).get("abc", tp=1, sp=False, recompute="none", samples=1, ranks=2, dtype="fp32",
                                      zero=1)
     assert (edges.step_forward, edges.step_backward) == (0.03, 0.04)
+    # FSDP units measured apart (a model's root unit), keyed by their parameters' shapes in any order
+    assert "units" not in json.loads(path.read_text())
+    key = unit_fingerprint([(8, 4), (4,)])
+    assert key == unit_fingerprint([(4,), (8, 4)]) != unit_fingerprint([(8, 4), (8,)])
+    db.add_unit(_unit(unit=key))
+    db.save(path)
+    unit = ProfileDB.load(path).unit(key, dp=2, ranks=2, dtype="fp32")
+    assert (unit.gather, unit.reduce_scatter) == (0.004, 0.006)
+    assert ProfileDB.load(path).unit(key, dp=2, ranks=4, dtype="fp32") is None
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -66,12 +80,17 @@ def test_a_database_reads_back_what_was_saved(tmp_path) -> None:
     # a step's edges are measured under ZeRO 1 only, and are times
     (lambda text: text.replace('"repeats": 3', '"repeats": 3, "step_forward": 0.1, "step_backward": 0.2'),
      "belong to ZeRO 1 entries"),
+    (lambda text: text.replace('"reduce_scatter": 0.006', '"reduce_scatter": -1'), "units[0].reduce_scatter"),
+    (lambda text: text.replace('"dp": 2', '"dp": 1'), "units[0].dp"),
+    (lambda text: text.replace('"gather": 0.004,', ''), "units[0]: missing gather"),
+    (lambda text: text.replace('"units": [', '"units": {"a": ').replace(']\n}', '}\n}'), "units must be a list"),
     (lambda text: text.replace('"zero": 0', '"zero": 1').replace(
         '"repeats": 3', '"repeats": 3, "step_forward": 0.1, "step_backward": -0.2'), "entries[0].step_backward"),
 ])
 def test_a_corrupt_or_foreign_database_is_refused_naming_the_file(tmp_path, mutate, message) -> None:
     db = ProfileDB(device=DEVICE)
     db.add(_entry())
+    db.add_unit(_unit())
     path = tmp_path / "db.json"
     path.write_text(mutate(db.to_json()))
     with pytest.raises(ProfileError, match=re.escape(message)) as info:
@@ -154,6 +173,19 @@ def test_the_cost_model_prices_measured_layers_by_their_times() -> None:
     links = between.iteration_seconds - 2 * 2 * 0.75  # the units' collectives priced by the links, and the rest
     assert at_edges.iteration_seconds - 2 * (0.1 + 0.25) == pytest.approx(2 * 2 * 0.75 + links, rel=0.2)
     assert at_edges.iteration_seconds < 2 * 2 * 0.75 + 2 * (0.1 + 0.25) + links  # not priced twice
+    # the root unit (embedding, final norm, head) measured apart: its gathers and reduce-scatters are its times
+    shapes = [info.tensor.shape for row, layer in enumerate(edges.layers) if not layer.repeated
+              for info in edges._row_params[row]]
+    assert edges.root_units_measured(zero1) == 0
+    db.add_unit(_unit(unit=unit_fingerprint(shapes), gather=0.5, reduce_scatter=1.0))
+    rooted = _model(2, profile=db)
+    assert rooted.root_units_measured(zero1) == 1
+    assert rooted.root_units_measured(config) == 0  # ZeRO 0: DDP's buckets, no units
+    with_root = rooted.estimate(zero1, global_batch=4, simulate=False).estimate
+    assert with_root.collectives == at_edges.collectives
+    assert with_root.iteration_seconds == pytest.approx(at_edges.iteration_seconds + 1.5, abs=0.05)
+    zero3_root = rooted.estimate(zero3, global_batch=4, simulate=False).estimate
+    assert zero3_root.iteration_seconds > after.iteration_seconds + 2 * 1.5 - 0.05  # gathered and reduced each of 2
     # one layer without its edges: none of the stage's are used (all or none)
     db.add(_entry(layer=key, zero=1, forward=0.25, backward=0.5, ranks=2))
     assert not _model(2, profile=db).stage_view(zero1, 0, global_batch=4).steps_measured
@@ -196,8 +228,11 @@ def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) ->
     # ZeRO 1 also times the step's first forward (weights gathered) and last backward (gradients reduce-scattered)
     assert all((e["step_forward_ms"] is not None) == (e["zero"] == 1) for e in data["entries"])
     assert all(e["step_forward_ms"] > 0 and e["step_backward_ms"] > 0 for e in data["entries"] if e["zero"] == 1)
+    # and the root unit (embedding, norm, head) apart, once: its gathers and reduce-scatters are no layer's
+    assert [(u["name"], u["dp"]) for u in data["units"]] == [("root", 2)]
+    assert data["units"][0]["gather_ms"] > 0 and data["units"][0]["reduce_scatter_ms"] > 0
     saved = ProfileDB.load(db)
-    assert len(saved.entries) == 12
+    assert len(saved.entries) == 12 and len(saved.units) == 1
     code, out, err = run_cli(capsys, *argv)  # measured again: replaced, not added
     assert code == 0, err
     assert len(ProfileDB.load(db).entries) == 12
@@ -205,6 +240,10 @@ def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) ->
                              "--cluster", "cpu", "--profile-db", str(db), "--json")
     assert code == 0, err
     assert json.loads(out)["profile"]["measured_share"] > 0.9
+    code, out, err = run_cli(capsys, "estimate", *GPT, "--dp", "2", "--zero", "3", "--gpus", "2", "--batch", "2",
+                             "--dtype", "fp32", "--cluster", "cpu", "--profile-db", str(db), "--json")
+    assert code == 0, err
+    assert json.loads(out)["profile"]["root_units_measured"] == 1
 
 
 @pytest.mark.parametrize("model, layers, shallow", [

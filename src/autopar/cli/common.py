@@ -131,11 +131,14 @@ def load_profile(args: argparse.Namespace, cluster: Any) -> Any:
     return db
 
 
-def profile_data(db: Any, share: float) -> dict[str, Any] | None:
-    """What the output says of --profile-db: the file, its device, and the measured share of the layer time."""
+def profile_data(db: Any, model: Any, config: Any, *, global_batch: int) -> dict[str, Any] | None:
+    """What the output says of --profile-db: the file, its device, the measured share of ``config``'s layer time
+    (`PipelineModel.measured_share`) and how many of its stages' root FSDP units were measured."""
     if db is None:
         return None
-    return {"db": db.path, "device": db.device, "measured_share": share}
+    return {"db": db.path, "device": db.device,
+            "measured_share": model.measured_share(config, global_batch=global_batch),
+            "root_units_measured": model.root_units_measured(config)}
 
 
 def check_out(args: argparse.Namespace) -> None:

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         "fits": fits,
     }
     if profile is not None:
-        data["profile"] = profile_data(profile, model.measured_share(pipeline, global_batch=global_batch))
+        data["profile"] = profile_data(profile, model, pipeline, global_batch=global_batch)
     if args.timeline:
         write_timeline(priced.simulation, args.timeline, title=_head(data))
     if args.report:

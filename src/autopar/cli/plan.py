@@ -281,8 +281,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                            config={**zoo.config.summary(), "seq": zoo.seq, "batch": args.batch})
     data["timeline"] = timeline_data(searched.chosen.result.simulation)
     if profile is not None:
-        data["profile"] = profile_data(profile, searched.model.measured_share(searched.chosen.config,
-                                                                              global_batch=args.batch))
+        data["profile"] = profile_data(profile, searched.model, searched.chosen.config, global_batch=args.batch)
     if args.timeline:
         write_timeline(searched.chosen.result.simulation, args.timeline, title=title(data))
     if args.report:

@@ -15,7 +15,7 @@ from autopar.cli.common import MODEL_OVERRIDES, add_model_arguments, load_and_tr
 from autopar.cli.render import table
 from autopar.files import check_writable
 from autopar.profiling.db import ProfileDB, this_device
-from autopar.profiling.segments import Layout, entries, profile_rank, row_fingerprints
+from autopar.profiling.segments import Layout, entries, profile_rank, row_fingerprints, unit_entries
 
 RECOMPUTE = ("none", "selective", "full")
 SHALLOW = 3  # layers of the copy a deeper model is profiled on: a copy between two others, as in the model
@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             groups.append(group)
     started = time.perf_counter()
     measured = []
+    roots: dict = {}  # the root unit's collectives, by key (launches of one sharding measure it alike)
     with sigterm_raises():
         for group in groups:
             layouts = [layout for layout, _ in group]
@@ -141,12 +142,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             # forward only: they cannot run alone, and are priced as under ZeRO 0
             jobs = [(plan, {key: names for key, names in rows.items() if repeated[key] or not layout.zero})
                     for layout, plan in group]
-            results, refused = run_ranks(profile_rank, args.nproc, args=(jobs, args.repeats, on_cuda))[0]
+            results, refused, units = run_ranks(profile_rank, args.nproc, args=(jobs, args.repeats, on_cuda))[0]
             skipped += [f"{layouts[index]}: {why}" for index, why in refused]
             new = entries(results, layouts, ranks=args.nproc, repeats=args.repeats,
                           recomputes=[repeated[key] for _, key, *_ in results])
             for entry in new:
                 db.add(entry)
+            for unit in unit_entries(units, layouts, ranks=args.nproc, repeats=args.repeats):
+                db.add_unit(unit)
+                roots[unit.key] = unit
             db.save(args.db)  # after each launch: an interrupt keeps what was measured
             measured += new
             say(f"  {len(new)} time{'s' if len(new) != 1 else ''} in {time.perf_counter() - begin:.1f} s, saved to "
@@ -167,6 +171,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
                      "step_forward_ms": None if e.step_forward is None else e.step_forward * 1e3,
                      "step_backward_ms": None if e.step_backward is None else e.step_backward * 1e3}
                     for e in measured],
+        # under ZeRO 1 and 3 without tp: one all-gather and one reduce-scatter of the root unit (embeddings, final
+        # norm, head), with FSDP's copies around them
+        "units": [{"name": u.name, "dp": u.dp, "gather_ms": u.gather * 1e3, "reduce_scatter_ms": u.reduce_scatter * 1e3}
+                  for u in roots.values()],
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
     }
@@ -204,6 +212,9 @@ def render(data: dict[str, Any]) -> str:
                          "" if e["step_forward_ms"] is None
                          else f"{e['step_forward_ms']:.2f} + {e['step_backward_ms']:.2f} ms"]
                         for e in data["entries"]]))
+    for unit in data["units"]:
+        lines.append(f"{unit['name']} unit sharded over {unit['dp']} ranks: all-gather {unit['gather_ms']:.2f} ms, "
+                     f"reduce-scatter {unit['reduce_scatter_ms']:.2f} ms")
     for reason in data["skipped"]:
         lines.append(f"skipped {reason}")
     return "\n".join(lines)

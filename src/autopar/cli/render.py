@@ -87,5 +87,7 @@ def profile_line(data: dict[str, Any]) -> list[str]:
     profile = data.get("profile")
     if not profile:
         return []
+    units = profile.get("root_units_measured", 0)
+    roots = "; the root FSDP unit's gathers and reduce-scatters measured too" if units else ""
     return [f"measured: {profile['measured_share']:.1%} of the layers' time from {profile['db']} "
-            f"({profile['device']}); the rest priced by the roofline"]
+            f"({profile['device']}){roots}; the rest priced by the roofline"]

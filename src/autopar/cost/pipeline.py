@@ -66,6 +66,7 @@ from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
+from autopar.profiling.db import UnitEntry, unit_fingerprint
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
@@ -388,15 +389,41 @@ class PipelineModel:
                       for owner, size in layer.tied if owner in index]
 
     @cached_property
-    def _ddp_gradients(self) -> tuple[int, ...]:
-        """Elements of each trainable parameter in the order its gradient becomes ready in the backward, the
-        order DDP rebuilds its buckets in after the first step: rows last to first, and in a row its parameters
-        last read first (a tied weight once, in the row that owns it, whose read comes first)."""
+    def _row_params(self) -> list[list[StateInfo]]:
+        """Each row's trainable parameters (a parameter of no row's module: the last row's)."""
         index = {layer.name: row for row, layer in enumerate(self.layers)}
         rows: list[list[StateInfo]] = [[] for _ in self.layers]
         for info in self.graph.state.values():
             if not info.is_buffer and info.requires_grad:
                 rows[index.get(self.graph.layer_of(info.fqn.rpartition(".")[0]), len(self.layers) - 1)].append(info)
+        return rows
+
+    def _root_unit(self, stage: Stage, zero: int) -> UnitEntry | None:
+        """The profile database's measurement of ``stage``'s root FSDP unit (its rows outside the repeated layers)
+        under ZeRO 1-3 without tensor parallelism, if it has one: measured by its parameters' shapes, which a weight
+        both pipeline ends hold would change (then none)."""
+        if self.profile is None or zero == 0 or stage.tp > 1 or stage.dp == 1:
+            return None
+        inside = range(stage.start, stage.end)
+        if any((row in inside) != (owner in inside) for row, owner, _ in self._tied):
+            return None
+        shapes = [info.tensor.shape for row in range(stage.start, stage.end) if not self.layers[row].repeated
+                  for info in self._row_params[row]]
+        if not shapes:
+            return None
+        return self.profile.unit(unit_fingerprint(shapes), dp=stage.dp, ranks=self._ranks, dtype=self.dtype)
+
+    def root_units_measured(self, config: PipelineConfig) -> int:
+        """How many of ``config``'s stages have their root unit's gathers and reduce-scatters from the profile
+        database (the rest from the links)."""
+        return sum(self._root_unit(stage, config.zero) is not None for stage in config.stages)
+
+    @cached_property
+    def _ddp_gradients(self) -> tuple[int, ...]:
+        """Elements of each trainable parameter in the order its gradient becomes ready in the backward, the
+        order DDP rebuilds its buckets in after the first step: rows last to first, and in a row its parameters
+        last read first (a tied weight once, in the row that owns it, whose read comes first)."""
+        rows = self._row_params
         order: list[int] = []
         for row in reversed(range(len(self.layers))):
             read: dict[str, int] = {}
@@ -912,9 +939,15 @@ class PipelineModel:
         axis = mesh.axis("dp")
         total = 0.0
         calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit
+        unit = self._root_unit(stage, zero)
+        timed = {} if unit is None else {Collective.ALL_GATHER: unit.gather,
+                                         Collective.REDUCE_SCATTER: unit.reduce_scatter}
         for (nbytes, root), same in Counter(units).items():  # repeated layers are alike: price each size once
             for kind, count in gradient_sync(zero, m, root=root):
-                seconds = 0.0 if measured and not root else collective_seconds(kind, nbytes, axis, self.cluster)
+                if root and kind in timed:  # the root unit's calls as the profile database timed them
+                    seconds = timed[kind]
+                else:
+                    seconds = 0.0 if measured and not root else collective_seconds(kind, nbytes, axis, self.cluster)
                 calls.setdefault((nbytes, root), {})[kind] = seconds
                 total += same * count * seconds
                 uses.append(CommCall(kind=kind, axis="dp", bytes=nbytes, phase=Phase.SYNC, calls=same * count))

@@ -1,5 +1,5 @@
 """Measured costs: the profile database and segment profiling (`autopar profile-segments`)."""
 
-from autopar.profiling.db import Entry, ProfileDB, ProfileError, fingerprint, this_device
+from autopar.profiling.db import Entry, ProfileDB, ProfileError, UnitEntry, fingerprint, this_device, unit_fingerprint
 
-__all__ = ["Entry", "ProfileDB", "ProfileError", "fingerprint", "this_device"]
+__all__ = ["Entry", "ProfileDB", "ProfileError", "UnitEntry", "fingerprint", "this_device", "unit_fingerprint"]

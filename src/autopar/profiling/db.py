@@ -17,6 +17,17 @@ times; under 1 FSDP's work around a micro-batch that synchronises nothing, and (
 ``step_backward``, where measured) the layer's forward in a step's first micro-batch, its weights gathered first, and
 its backward in the step's last, its gradients reduce-scattered: the once-a-step work of its unit.
 
+Beside the layers, ``units`` holds FSDP units measured apart: under ZeRO 1 and 3 the root unit (the parameters
+outside the repeated layers: embeddings, final norm, head) is gathered and reduce-scattered by FSDP2 around the
+whole model, so no layer's run holds its collectives. A unit is keyed by `unit_fingerprint` of its parameters'
+shapes, the data-parallel ranks it is sharded over, the ranks on the host and the dtype:
+
+    {"unit": "<fingerprint>", "name": "root", "dp": 2, "ranks": 2, "dtype": "fp32", "gather": 0.004,
+     "reduce_scatter": 0.006, "repeats": 5}
+
+``gather`` is one all-gather of the unit's weights and ``reduce_scatter`` one reduce-scatter of its gradients, each
+with FSDP's copies around it (seconds).
+
 Files are read with every field checked: a truncated, corrupt or foreign file (another device, another torch,
 another layout version) is refused with one error naming the file and what is wrong, never used in part. Nothing
 is pickled.
@@ -97,12 +108,35 @@ class Entry:
         return (self.layer, self.tp, self.sp, self.recompute, self.zero, float(self.samples), self.ranks, self.dtype)
 
 
+def unit_fingerprint(shapes: Iterable[tuple[int, ...]]) -> str:
+    """An FSDP unit's identity as the database keys it: its parameters' shapes, in any order."""
+    text = json.dumps(sorted(list(shape) for shape in shapes))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitEntry:
+    unit: str  # `unit_fingerprint` of its parameters' shapes
+    name: str  # which unit it was measured as (for people reading the file): "root"
+    dp: int  # ranks it is sharded over
+    ranks: int  # ranks running at once on the host while measured
+    dtype: str
+    gather: float  # seconds of one all-gather of its weights, FSDP's copies included
+    reduce_scatter: float  # seconds of one reduce-scatter of its gradients, FSDP's copies included
+    repeats: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.unit, self.dp, self.ranks, self.dtype)
+
+
 @dataclass(slots=True)
 class ProfileDB:
     device: str
     torch: str = field(default_factory=lambda: torch.__version__)
     entries: dict[tuple, Entry] = field(default_factory=dict)
     path: str | None = None
+    units: dict[tuple, UnitEntry] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -123,11 +157,25 @@ class ProfileDB:
                          None)
         return found
 
+    def add_unit(self, entry: UnitEntry) -> None:
+        self.units[entry.key] = entry
+
+    def unit(self, unit: str, *, dp: int, ranks: int, dtype: str) -> UnitEntry | None:
+        """The measurement of the FSDP unit ``unit`` sharded over ``dp`` ranks, if there is one (on a GPU, measured
+        with any number of ranks on the host)."""
+        found = self.units.get((unit, dp, ranks, dtype))
+        if found is None and self.kind == "cuda":
+            found = next((e for e in self.units.values() if (e.unit, e.dp, e.dtype) == (unit, dp, dtype)), None)
+        return found
+
     def to_json(self) -> str:
         entries = sorted(self.entries.values(),
                          key=lambda e: (e.name, e.tp, e.sp, e.recompute, e.zero, e.samples, e.ranks))
-        return json.dumps({"autopar_profile": VERSION, "device": self.device, "torch": self.torch,
-                           "entries": [_entry_json(e) for e in entries]}, indent=1) + "\n"
+        data = {"autopar_profile": VERSION, "device": self.device, "torch": self.torch,
+                "entries": [_entry_json(e) for e in entries]}
+        if self.units:  # files before unit measurements have none
+            data["units"] = [asdict(u) for u in sorted(self.units.values(), key=lambda u: (u.name, u.dp, u.ranks))]
+        return json.dumps(data, indent=1) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_atomic(path, self.to_json())
@@ -165,6 +213,11 @@ class ProfileDB:
             raise ProfileError(f"{shown}: entries must be a list")
         for i, raw in enumerate(entries):
             db.add(_entry(shown, i, raw))
+        units = data.get("units", [])
+        if not isinstance(units, list):
+            raise ProfileError(f"{shown}: units must be a list")
+        for i, raw in enumerate(units):
+            db.add_unit(_unit(shown, i, raw))
         return db
 
 
@@ -189,14 +242,7 @@ def _text(shown: str, data: dict, name: str) -> str:
 
 def _entry(shown: str, i: int, raw: Any) -> Entry:
     where = f"{shown}: entries[{i}]"
-    if not isinstance(raw, dict):
-        raise ProfileError(f"{where} must be an object, got {type(raw).__name__}")
-    names = {f for f in Entry.__dataclass_fields__}
-    missing, unknown = names - set(raw) - set(_OPTIONAL), set(raw) - names
-    if missing or unknown:
-        raise ProfileError(f"{where}: " + "; ".join(
-            ([f"missing {', '.join(sorted(missing))}"] if missing else [])
-            + ([f"unknown {', '.join(sorted(unknown))}"] if unknown else [])))
+    _fields(where, raw, set(Entry.__dataclass_fields__), optional=set(_OPTIONAL))
     checks = {
         "layer": lambda v: isinstance(v, str) and v != "", "name": lambda v: isinstance(v, str),
         "tp": _positive_int, "ranks": _positive_int, "repeats": _positive_int,
@@ -217,6 +263,32 @@ def _entry(shown: str, i: int, raw: Any) -> Entry:
             if not _non_negative(value):
                 raise ProfileError(f"{where}.{name}: invalid value {value!r}")
     return Entry(**raw)
+
+
+def _fields(where: str, raw: Any, names: set[str], *, optional: set[str] = frozenset()) -> None:
+    """Refuse ``raw`` unless it is an object with exactly the fields ``names`` (those in ``optional`` may be
+    absent)."""
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be an object, got {type(raw).__name__}")
+    missing, unknown = names - set(raw) - optional, set(raw) - names
+    if missing or unknown:
+        raise ProfileError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(sorted(missing))}"] if missing else [])
+            + ([f"unknown {', '.join(sorted(unknown))}"] if unknown else [])))
+
+
+def _unit(shown: str, i: int, raw: Any) -> UnitEntry:
+    where = f"{shown}: units[{i}]"
+    _fields(where, raw, set(UnitEntry.__dataclass_fields__))
+    checks = {
+        "unit": lambda v: isinstance(v, str) and v != "", "name": lambda v: isinstance(v, str),
+        "dp": lambda v: _positive_int(v) and v > 1, "ranks": _positive_int, "repeats": _positive_int,
+        "dtype": lambda v: v in ("fp32", "bf16", "fp16"), "gather": _non_negative, "reduce_scatter": _non_negative,
+    }
+    for name, ok in checks.items():
+        if not ok(raw[name]):
+            raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
+    return UnitEntry(**raw)
 
 
 def _positive_int(value: Any) -> bool:

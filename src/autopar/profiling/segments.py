@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autopar.plan import Plan
-from autopar.profiling.db import Entry, fingerprint
+from autopar.profiling.db import Entry, UnitEntry, fingerprint, unit_fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +79,14 @@ def _prefixes(name: str) -> list[str]:
 
 
 def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str, list[str]]]], repeats: int,
-                 on_cuda: bool) -> tuple[list[tuple[int, str, str, float, float]], list[tuple[int, str]]]:
+                 on_cuda: bool) -> tuple[list[tuple], list[tuple[int, str]], list[tuple]]:
     """One rank of `autopar profile-segments`: for each (plan, {fingerprint: row names}) job, time one row of each
     fingerprint. Returns on rank 0 the times, as (job index, fingerprint, row name, forward seconds, backward
-    seconds, under ZeRO 1 the (forward, backward) seconds at a step's edges or else None), and the jobs the runtime refused to apply, as (job index, why): `parallelize` refuses a plan alike
-    on every rank (it depends on the plan and the model only), so every rank skips that job together."""
+    seconds, under ZeRO 1 the (forward, backward) seconds at a step's edges or else None); the jobs the runtime
+    refused to apply, as (job index, why): `parallelize` refuses a plan alike on every rank (it depends on the
+    plan and the model only), so every rank skips that job together; and under ZeRO 1 and 3 without tensor
+    parallelism the root unit's collectives (`time_unit`), as (job index, unit fingerprint, gather seconds,
+    reduce-scatter seconds), once per launch."""
     import torch.distributed as dist
 
     from autopar.runtime.apply import parallelize
@@ -95,6 +98,7 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     results = []
     refused: list[tuple[int, str]] = []
+    units: list[tuple[int, str, float, float]] = []
     try:
         pristine = None  # the thinned model before any plan was applied: each job parallelises a copy of it
         for index, (plan, rows) in enumerate(jobs):
@@ -119,6 +123,11 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
                 module = model.get_submodule(name)
                 module.register_forward_pre_hook(_capture(captured, name), prepend=True, with_kwargs=True)
             parallel.forward_backward(global_batch(work, 0))
+            if plan.zero in (1, 3) and plan.grid[1] == 1 and not units:  # one launch's jobs share their root unit
+                shapes = root_unit_shapes(model)
+                if shapes:
+                    gather, reduce = time_unit(shapes, plan.devices, repeats=repeats, sync=sync, on_cuda=on_cuda)
+                    units.append((index, unit_fingerprint(shapes), gather, reduce))
             for key, name in chosen.items():
                 if name is None or name not in captured:
                     continue  # the layer ran in no forward of the step (or its module was not kept)
@@ -139,7 +148,66 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return (results, refused) if rank == 0 else ([], [])
+    return (results, refused, units) if rank == 0 else ([], [], [])
+
+
+def root_unit_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+    """The shapes of the parameters FSDP2 shards in ``model``'s root unit: those no inner FSDP unit holds (the
+    embeddings, final norm and head of a model whose repeated layers are units)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner: set[int] = set()
+    for module in model.modules():
+        if module is not model and isinstance(module, FSDPModule):
+            inner.update(id(p) for p in module.parameters())
+    return [tuple(p.shape) for p in model.parameters() if id(p) not in inner]
+
+
+class _Unit(nn.Module):
+    """Parameters of given shapes and a forward that reads each once: an FSDP unit with next to no compute."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(shape, device=device)) for shape in shapes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(w.view(-1)[:1].sum() for w in self.weights)
+
+
+def time_unit(shapes: Sequence[tuple[int, ...]], world: int, *, repeats: int, sync: Callable[[], None],
+              on_cuda: bool) -> tuple[float, float]:
+    """Median seconds of one all-gather and one reduce-scatter of an FSDP2 unit holding parameters of ``shapes``
+    sharded over all ``world`` ranks, with FSDP's copies around them, as the root unit of a model runs them (kept
+    gathered from its forward to its backward): the unit's forward and backward, each less the same work on a
+    copy that is not sharded (its forward reads one element of each weight; its backward writes each whole
+    gradient)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    plain = _Unit(shapes, device)
+    sharded = _Unit(shapes, device)
+    fully_shard(sharded, mesh=init_device_mesh(device.type, (world,)), reshard_after_forward=False)
+    times: dict[str, list[float]] = {"plain": [], "sharded": []}
+    for _ in range(repeats + 1):
+        for label, unit in (("plain", plain), ("sharded", sharded)):
+            x = torch.zeros((), device=device, requires_grad=True)
+            dist.barrier()
+            start = time.perf_counter()
+            out = unit(x)
+            sync()
+            middle = time.perf_counter()
+            dist.barrier()
+            begin = time.perf_counter()
+            out.backward()
+            sync()
+            end = time.perf_counter()
+            times[label].append((middle - start, end - begin))
+            unit.zero_grad(set_to_none=True)
+    (plain_f, plain_b), (sharded_f, sharded_b) = (
+        tuple(statistics.median(t[i] for t in times[label][1:]) for i in (0, 1)) for label in ("plain", "sharded"))
+    return max(0.0, sharded_f - plain_f), max(0.0, sharded_b - plain_b)
 
 
 def _capture(captured: dict, name: str) -> Callable:
@@ -237,9 +305,16 @@ def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int, s
     return statistics.median(forward[1:]), statistics.median(backward[1:])
 
 
+def unit_entries(units: Sequence[tuple[int, str, float, float]], layouts: Sequence[Layout], *, ranks: int,
+                 repeats: int, dtype: str = "fp32") -> list[UnitEntry]:
+    """Database entries of rank 0's root-unit times (`time_unit`)."""
+    return [UnitEntry(unit=key, name="root", dp=ranks // layouts[index].tp, ranks=ranks, dtype=dtype,
+                      gather=gather, reduce_scatter=reduce, repeats=repeats)
+            for index, key, gather, reduce in units]
+
+
 def entries(results: Sequence[tuple[int, str, str, float, float, tuple | None]], layouts: Sequence[Layout], *,
-            ranks: int,
-            repeats: int, dtype: str = "fp32", recomputes: Sequence[bool]) -> list[Entry]:
+            ranks: int, repeats: int, dtype: str = "fp32", recomputes: Sequence[bool]) -> list[Entry]:
     """Database entries of rank 0's results; ``recomputes[i]``: whether the layer of result i is one the plan
     recomputes and shards as its own FSDP unit (a repeated layer); another row is entered under recomputation
     ``none``, and under ZeRO 3 not at all (it belongs to the root unit, whose gathers no row's run holds)."""
