@@ -66,10 +66,10 @@ from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
 from autopar.cost.stage_memory import StageMemoryModel
-from autopar.profiling.db import UnitEntry, unit_fingerprint
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
 from autopar.cost.vocab import split_vocabulary
+from autopar.profiling.db import UnitEntry, unit_fingerprint
 
 
 @dataclass(frozen=True, slots=True)

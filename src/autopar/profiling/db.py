@@ -242,18 +242,14 @@ def _text(shown: str, data: dict, name: str) -> str:
 
 def _entry(shown: str, i: int, raw: Any) -> Entry:
     where = f"{shown}: entries[{i}]"
-    _fields(where, raw, set(Entry.__dataclass_fields__), optional=set(_OPTIONAL))
-    checks = {
+    _fields(where, raw, set(Entry.__dataclass_fields__), optional=set(_OPTIONAL), checks={
         "layer": lambda v: isinstance(v, str) and v != "", "name": lambda v: isinstance(v, str),
         "tp": _positive_int, "ranks": _positive_int, "repeats": _positive_int,
         "sp": lambda v: isinstance(v, bool), "recompute": lambda v: v in RECOMPUTE_LEVELS,
         "zero": lambda v: v in (0, 1, 3) and not isinstance(v, bool),
         "dtype": lambda v: v in ("fp32", "bf16", "fp16"),
         "samples": _positive, "forward": _positive, "backward": _non_negative,
-    }
-    for name, ok in checks.items():
-        if not ok(raw[name]):
-            raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
+    })
     steps = [raw.get(name) for name in _OPTIONAL]
     if any(v is not None for v in steps):
         if raw["zero"] != 1:
@@ -265,9 +261,10 @@ def _entry(shown: str, i: int, raw: Any) -> Entry:
     return Entry(**raw)
 
 
-def _fields(where: str, raw: Any, names: set[str], *, optional: set[str] = frozenset()) -> None:
+def _fields(where: str, raw: Any, names: set[str], *, checks: dict[str, Any],
+            optional: set[str] = frozenset()) -> None:
     """Refuse ``raw`` unless it is an object with exactly the fields ``names`` (those in ``optional`` may be
-    absent)."""
+    absent), each value passing its check in ``checks``."""
     if not isinstance(raw, dict):
         raise ProfileError(f"{where} must be an object, got {type(raw).__name__}")
     missing, unknown = names - set(raw) - optional, set(raw) - names
@@ -275,19 +272,18 @@ def _fields(where: str, raw: Any, names: set[str], *, optional: set[str] = froze
         raise ProfileError(f"{where}: " + "; ".join(
             ([f"missing {', '.join(sorted(missing))}"] if missing else [])
             + ([f"unknown {', '.join(sorted(unknown))}"] if unknown else [])))
+    for name, ok in checks.items():
+        if not ok(raw[name]):
+            raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
 
 
 def _unit(shown: str, i: int, raw: Any) -> UnitEntry:
     where = f"{shown}: units[{i}]"
-    _fields(where, raw, set(UnitEntry.__dataclass_fields__))
-    checks = {
+    _fields(where, raw, set(UnitEntry.__dataclass_fields__), checks={
         "unit": lambda v: isinstance(v, str) and v != "", "name": lambda v: isinstance(v, str),
         "dp": lambda v: _positive_int(v) and v > 1, "ranks": _positive_int, "repeats": _positive_int,
         "dtype": lambda v: v in ("fp32", "bf16", "fp16"), "gather": _non_negative, "reduce_scatter": _non_negative,
-    }
-    for name, ok in checks.items():
-        if not ok(raw[name]):
-            raise ProfileError(f"{where}.{name}: invalid value {raw[name]!r}")
+    })
     return UnitEntry(**raw)
 
 
