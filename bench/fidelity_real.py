@@ -1,17 +1,20 @@
 """Predicted against measured step times of plans run on this machine's gloo ranks: is the cost model's order of
 plans the order they really run in?
 
-Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--db FILE] [--steps 5] [--only NAME ...].
-Without cluster files, `autopar calibrate --nproc N --out ...` measures this machine first (links and compute, on
-2 and on 4 ranks). Without --db, `autopar profile-segments MODEL --nproc N --tp 1 2` times each model's layers
-under the layouts the configurations use into a profile database (on 2 and on 4 ranks). Each configuration of two
-small models (a GPT and a grouped-query LLaMA, fp32, as `autopar run` trains) is priced twice by `autopar estimate
-... --cluster FILE`: by the calibrated roofline alone, and with `--profile-db`; then the plan is run with `autopar
-run --steps S --json`: its measured step time is the median of the steps after the first (every rank waits for
-the others around a step, `autopar.runtime.train`). Prints per configuration both predictions, the measurement
-and their ratios; then for each way of pricing, per rank count and over all, the mean absolute percentage error
-(MAPE), Spearman's rank correlation of predicted against measured, and whether the plan predicted fastest is the
-one measured fastest.
+Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--db FILE] [--steps 5] [--passes 2]
+[--only NAME ...] [--keep FOLDER].
+Without cluster files, `autopar calibrate --nproc N --out ...` measures this machine first (links and compute, on 2
+and on 4 ranks). Without --db, `autopar profile-segments MODEL --nproc N --tp 1 2` times each model's layers under
+the layouts the configurations use into a profile database (on 2 and on 4 ranks). Each configuration of two small
+models (a GPT and a grouped-query LLaMA, fp32, as `autopar run` trains) is priced twice by `autopar estimate ...
+--cluster FILE`: by the calibrated roofline alone, and with `--profile-db`; then the plan is run with `autopar run
+--steps S --json`: a run's step time is the median of the steps after the first (every rank waits for the others
+around a step, `autopar.runtime.train`). Every plan runs once in each of P passes over all of them, the passes in
+alternating order, and its measured time is its fastest pass: a slow spell of this shared machine (the same plan has
+run 1.6x slower in one run than in the next) then has to last a whole pass to count. Prints per configuration both
+predictions, each pass, the measurement and their ratios, and how far apart a plan's passes were; then for each way
+of pricing, per rank count and over all, the mean absolute percentage error (MAPE), Spearman's rank correlation of
+predicted against measured, and whether the plan predicted fastest is the one measured fastest.
 
 The intra-op layouts of `--search ilp` are not in the set: `autopar run` cannot run them yet.
 """
@@ -121,12 +124,16 @@ def main() -> None:
     parser.add_argument("--cluster4", help="cluster file for 4 ranks (default: calibrate now)")
     parser.add_argument("--db", help="profile database of both models on 2 and 4 ranks (default: profile now)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=2, help="runs of each plan; its measured time is the fastest")
     parser.add_argument("--only", nargs="+", help="configurations whose names contain one of these")
+    parser.add_argument("--keep", metavar="FOLDER", help="write the cluster files, profile database and plans here "
+                        "(default: a temporary folder, removed at the end)")
     args = parser.parse_args()
     configs = [c for c in CONFIGS if not args.only or any(word in c[0] for word in args.only)]
     results: list[tuple[int, str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         clusters = {2: args.cluster2, 4: args.cluster4}
         for ranks in sorted({c[1] for c in configs}):
             clusters[ranks] = clusters[ranks] or calibrated(ranks, folder)
@@ -135,33 +142,52 @@ def main() -> None:
             if (ranks, model) not in pairs:
                 pairs.append((ranks, model))
         db = args.db or profiled(pairs, folder)
-        print(f"{'configuration':<22} {'ranks':>5} {'roofline':>9} {'profiled':>9} {'measured':>9} "
-              f"{'ratios':>11}", flush=True)
+        priced: list[tuple[str, int, Path, float, float, float]] = []
         for name, ranks, model, flags in configs:
             plan = folder / f"{name.replace(' ', '_')}.json"
             common = [*model, *flags, "--cluster", clusters[ranks], "--gpus", str(ranks), "--batch", "8",
                       "--dtype", "fp32", "--json"]
             done = autopar("estimate", *common, "--out", str(plan))
             if done.returncode != 0:
-                print(f"{name:<22} {ranks:>5} refused: {done.stderr.strip().splitlines()[-1]}", flush=True)
+                print(f"{name}: refused: {done.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
             with_db = autopar("estimate", *common, "--profile-db", db)
             if with_db.returncode != 0:
-                print(f"{name:<22} {ranks:>5} --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}")
+                print(f"{name}: --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
             estimate = json.loads(with_db.stdout)
-            profiled_seconds = estimate["estimate"]["iteration_seconds"]
-            share = estimate["profile"]["measured_share"]
-            ran = autopar("run", str(plan), "--nproc", str(ranks), "--steps", str(args.steps), "--json")
-            if ran.returncode != 0:
-                print(f"{name:<22} {ranks:>5} run failed: {ran.stderr.strip().splitlines()[-1]}", flush=True)
+            roofline = json.loads(done.stdout)["estimate"]["iteration_seconds"]
+            priced.append((name, ranks, plan, roofline, estimate["estimate"]["iteration_seconds"],
+                           estimate["profile"]["measured_share"]))
+        # Each plan runs once per pass; passes alternate the order, so a slow spell of the machine lands on
+        # different plans in each, and a plan's measured time is its faster pass.
+        runs: dict[str, list[float]] = {name: [] for name, *_ in priced}
+        for number in range(args.passes):
+            ordered = priced if number % 2 == 0 else priced[::-1]
+            for name, ranks, plan, *_ in ordered:
+                ran = autopar("run", str(plan), "--nproc", str(ranks), "--steps", str(args.steps), "--json")
+                if ran.returncode != 0:
+                    print(f"{name}: run failed: {ran.stderr.strip().splitlines()[-1]}", flush=True)
+                    continue
+                runs[name].append(json.loads(ran.stdout)["timing"]["measured_seconds"])
+                print(f"pass {number + 1}/{args.passes}: {name} ran in {runs[name][-1]:.3f} s per step", flush=True)
+        passes = " ".join(f"{'pass ' + str(n + 1):>7}" for n in range(args.passes))
+        print(f"\n{'configuration':<20} {'ranks':>5} {'roofline':>9} {'profiled':>9} {passes} {'measured':>9} "
+              f"{'ratios':>11}")
+        spreads = []
+        for name, ranks, _, roofline, profiled_seconds, share in priced:
+            if not runs[name]:
                 continue
-            timing = json.loads(ran.stdout)["timing"]
-            predicted, measured = timing["predicted_seconds"], timing["measured_seconds"]
-            results.append((ranks, name, predicted, profiled_seconds, measured))
-            print(f"{name:<22} {ranks:>5} {predicted:8.3f}s {profiled_seconds:8.3f}s {measured:8.3f}s "
-                  f"{measured / predicted:5.2f} {measured / profiled_seconds:5.2f}  ({share:.0%} of layer time "
-                  "measured)", flush=True)
+            measured = min(runs[name])
+            spreads.append(max(runs[name]) / measured - 1)
+            results.append((ranks, name, roofline, profiled_seconds, measured))
+            times = " ".join(f"{t:6.3f}s" for t in runs[name]) + " " * 8 * (args.passes - len(runs[name]))
+            print(f"{name:<20} {ranks:>5} {roofline:8.3f}s {profiled_seconds:8.3f}s {times} {measured:8.3f}s "
+                  f"{measured / roofline:5.2f} {measured / profiled_seconds:5.2f}  ({share:.0%} of layer time "
+                  "measured)")
+        if args.passes > 1 and spreads:
+            print(f"a plan's slower pass took {statistics.fmean(spreads):.0%} longer than its faster one on average "
+                  f"(at most {max(spreads):.0%}): the machine's own noise between runs of one plan")
     for label, column in (("calibrated roofline", 2), ("with the profile database", 3)):
         print(f"\n{label}:")
         for ranks in sorted({r for r, *_ in results}):
