@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 import yaml
 
 from autopar.cluster import (
@@ -179,3 +180,19 @@ def test_measured_compute_becomes_the_device_the_cost_model_reads(tmp_path) -> N
     path = tmp_path / "measured.yaml"
     path.write_text(yaml.safe_dump(cluster_to_dict(cluster)))
     assert load_cluster(str(path)).device == device
+
+
+def test_every_compute_figure_is_measured_with_the_peers_at_the_same_point(monkeypatch) -> None:
+    """`calibrate` passes its barrier as ``together``: it runs before each timed figure (every GEMM shape, the
+    bandwidth, the attention core, a small op forward and with its backward), so that ranks sharing cores are
+    timed beside peers doing the same work rather than while they wait."""
+    from autopar.cluster import compute
+
+    monkeypatch.setattr(compute, "GEMM_SHAPES", ((8, 8, 8), (16, 16, 16), (32, 32, 32)))
+    monkeypatch.setattr(compute, "BANDWIDTH_FLOATS", 1024)
+    monkeypatch.setattr(compute, "ATTENTION_SHAPE", (1, 2, 8, 4))
+    monkeypatch.setattr(compute, "MIN_SECONDS", 0.0)
+    meetings = []
+    profile = compute.measure_compute(torch.device("cpu"), together=lambda: meetings.append(len(meetings)))
+    assert len(meetings) == 3 + 4
+    assert len(profile.gemm) == 3 and profile.peak > 0

@@ -1,9 +1,10 @@
 """Measure one device's compute as the cost model reads it (`autopar.cost.compute`): GEMM throughput over a grid
 of shapes (peak and the efficiency curve), memory bandwidth, the attention core, and the fixed cost of one op.
 
-Run on every rank at once inside `autopar calibrate` (`autopar.cluster.detect`), with the thread count the runtime
-gives each rank (one on CPU), so that the figures are those of a rank training beside its peers: on a CPU the
-ranks share cores, caches and memory bandwidth. On a GPU every kernel is timed with the device synchronised.
+Run on every rank at once inside `autopar calibrate` (`autopar.cluster.detect`), each figure started together, with
+the thread count the runtime gives each rank (one on CPU), so that the figures are those of a rank training beside
+its peers: on a CPU the ranks share cores, caches and memory bandwidth. On a GPU every kernel is timed with the
+device synchronised.
 
 The runtime trains in fp32 (`autopar run` builds the model in fp32), so fp32 is what is measured; a cluster file
 from `calibrate` has an fp32 peak only, and bf16 or fp16 estimates on it fall back to it (`Device.peak`).
@@ -26,7 +27,7 @@ GEMM_SHAPES = tuple((m, k, n) for m in (64, 256, 1024, 4096) for k, n in ((64, 6
                                                                           (1024, 256), (1024, 1024)))
 ATTENTION_SHAPE = (4, 8, 256, 32)  # batch, heads, sequence, head dim
 BANDWIDTH_FLOATS = 1 << 22  # 16 MiB per tensor: past the caches of a CPU core
-MIN_SECONDS = 0.05  # each figure is the median of repeats that take at least this long together
+MIN_SECONDS = 0.2  # each figure is the mean of repeats that take at least this long together
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,29 +84,39 @@ class ComputeProfile:
         }
 
 
-def measure_compute(device: torch.device) -> ComputeProfile:
-    """Time this process's compute on ``device`` (see the module's docstring)."""
+def measure_compute(device: torch.device, *, together: Callable[[], None] = lambda: None) -> ComputeProfile:
+    """Time this process's compute on ``device`` (see the module's docstring). ``together`` runs before each figure
+    is measured: the process group's barrier, so that every rank measures the same thing at the same time and none
+    is timed while its peers wait or do lighter work (4 CPU ranks on 2 cores, unaligned: rank 0 reported 84-91
+    GFLOP/s in three calibrations of four, 2 ranks' figure, where beside busy peers it gets about 46)."""
     start = time.perf_counter()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gemm = []
     for m, k, n in GEMM_SHAPES:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        seconds = _timed(lambda: torch.mm(a, b), sync)
+        seconds = _timed(lambda: torch.mm(a, b), sync, together)
         gemm.append((m, k, n, 2.0 * m * k * n / seconds))
     x, y = torch.randn(BANDWIDTH_FLOATS, device=device), torch.randn(BANDWIDTH_FLOATS, device=device)
     out = torch.empty_like(x)
-    bandwidth = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, y, out=out), sync)
+    bandwidth = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, y, out=out), sync, together)
     b, h, s, d = ATTENTION_SHAPE
     q, k, v = (torch.randn(b, h, s, d, device=device) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    attention = 4.0 * b * h * s * s * d / _timed(lambda: sdpa(q, k, v), sync)
-    op_forward, op_backward = _op_seconds(device, sync)
+    attention = 4.0 * b * h * s * s * d / _timed(lambda: sdpa(q, k, v), sync, together)
+    op_forward, op_backward = _op_seconds(device, sync, together)
     return ComputeProfile(gemm=tuple(gemm), bandwidth=bandwidth, attention=attention, op_forward=op_forward,
                           op_backward=op_backward, seconds=time.perf_counter() - start)
 
 
-def _timed(work: Callable[[], object], sync: Callable[[], None]) -> float:
-    """Median seconds of ``work`` over repeats taking `MIN_SECONDS` together (at least 3), after one warm-up."""
+def _timed(work: Callable[[], object], sync: Callable[[], None], together: Callable[[], None]) -> float:
+    """Mean seconds of ``work`` over repeats taking `MIN_SECONDS` together (at least 3), after ``together`` and
+    one warm-up.
+
+    The mean, not the median: where ranks share cores, a kernel shorter than the scheduler's time slice mostly
+    runs without being interrupted, so the median reports a core of its own (85-90 GFLOP/s per rank on 4 ranks
+    and 2 cores, against about 40 for GEMMs longer than a slice); over a window several slices long, the mean
+    counts the time a rank waits for its core, as its training steps do."""
+    together()
     work()
     sync()
     times: list[float] = []
@@ -114,10 +125,11 @@ def _timed(work: Callable[[], object], sync: Callable[[], None]) -> float:
         work()
         sync()
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
-def _op_seconds(device: torch.device, sync: Callable[[], None], ops: int = 200) -> tuple[float, float]:
+def _op_seconds(device: torch.device, sync: Callable[[], None], together: Callable[[], None],
+                ops: int = 200) -> tuple[float, float]:
     """Seconds per small op forward (recorded by autograd, as in training) and per op in its backward: a chain
     of ``ops`` elementwise ops on 64 floats, whose data costs nothing beside the op's own overhead."""
     leaf = torch.randn(64, device=device, requires_grad=True)
@@ -128,6 +140,6 @@ def _op_seconds(device: torch.device, sync: Callable[[], None], ops: int = 200) 
             x = x * 1.0001
         return x.sum()
 
-    forward_seconds = _timed(forward, sync) / ops
-    total = _timed(lambda: forward().backward(), sync) / ops
+    forward_seconds = _timed(forward, sync, together) / ops
+    total = _timed(lambda: forward().backward(), sync, together) / ops
     return forward_seconds, max(total - forward_seconds, 0.0)

@@ -54,7 +54,7 @@ def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...], compute: 
     try:
         results = _time_all_reduce(sizes, device)
         dist.barrier()
-        profile = measure_compute(device) if compute else None  # every rank at once, as they train
+        profile = measure_compute(device, together=dist.barrier) if compute else None  # as they train
         dist.barrier()  # no rank tears the group down while a peer still finishes its last collective
     finally:
         dist.destroy_process_group()
