@@ -4,17 +4,17 @@ of a plan on the live process group, forward and backward timed.
 For one layout (tensor-parallel size, sequence parallelism, recomputation level) and one micro-batch size, every
 rank builds the model, keeps one layer of each kind (`autopar.runtime.thin`: the cost does not grow with depth),
 applies the plan with `autopar.parallelize` exactly as `autopar run` does, and trains one micro-batch to capture
-what each profiled layer is given. Then each profiled layer is run again on those inputs, alone: its forward timed,
-then its backward from a gradient of ones, every rank starting each run together. Each time is the median of
-``repeats`` runs after a warm-up, each run as the slowest rank took it (`_slowest`). The layer's collectives (tensor
-parallelism, sequence parallelism) and its recomputation are inside what is timed; under ZeRO 3 (each repeated layer
-its own FSDP unit) so are its weights' gathers and its gradients' reduce-scatter, with all of FSDP's work around
-them; under ZeRO 1 FSDP's work around a micro-batch that synchronises no gradients (as all but the last of a step
-do), and apart from it the layer's forward gathering its weights first (a step's first micro-batch) and its backward
-reduce-scattering its gradients (the step's last). Other data-parallel synchronisation is not (the cost model prices
-it from the calibrated links), and neither is the loss, which no layer holds. Where a kind of layer has several
-copies, a copy between two others is timed: the first layer of a model may also scatter the stream (sequence
-parallelism) and the last gather it.
+what each profiled layer is given. Then each profiled layer is run again on those inputs, alone: its forward
+timed, then its backward from a gradient of ones, every rank starting each run together. Each time is the median
+of ``repeats`` runs after a warm-up. The layer's collectives (tensor parallelism, sequence parallelism) and its
+recomputation are inside what is timed; under ZeRO 3 (each repeated layer its own FSDP unit) so are its weights'
+gathers and its gradients' reduce-scatter, with all of FSDP's work around them; under ZeRO 1 FSDP's work around a
+micro-batch that synchronises no gradients (as all but the last of a step do), and apart from it the layer's
+forward gathering its weights first (a step's first micro-batch) and its backward reduce-scattering its gradients
+(the step's last). Other data-parallel
+synchronisation is not (the cost model prices it from the calibrated links), and neither is the loss, which no
+layer holds. Where a kind of layer has several copies, a copy between two others is timed: the first layer of a
+model may also scatter the stream (sequence parallelism) and the last gather it.
 
 All ``nproc`` ranks run at once, in ``nproc / tp`` tensor-parallel groups, so that on a CPU the figures are those
 of a rank with as many busy peers as a plan of ``nproc`` ranks has.
@@ -138,13 +138,12 @@ def profile_rank(rank: int, rendezvous: Any, jobs: Sequence[tuple[Plan, dict[str
                     # reduce-scatters the gradients (and frees the gathered weights)
                     module.set_reshard_after_backward(True)
                     module.set_requires_gradient_sync(True)
-                    steps = _time_layer(module, *captured[name], repeats=repeats, sync=sync, on_cuda=on_cuda,
-                                        before=module.reshard)
+                    steps = _time_layer(module, *captured[name], repeats=repeats, sync=sync, before=module.reshard)
                     # as in a micro-batch between: weights kept gathered (the warm-up run gathers them), gradients
                     # accumulated whole
                     module.set_reshard_after_backward(False)
                     module.set_requires_gradient_sync(False)
-                forward, backward = _time_layer(module, *captured[name], repeats=repeats, sync=sync, on_cuda=on_cuda)
+                forward, backward = _time_layer(module, *captured[name], repeats=repeats, sync=sync)
                 results.append((index, key, name, forward, backward, steps))
         dist.barrier()
     finally:
@@ -206,7 +205,6 @@ def time_unit(shapes: Sequence[tuple[int, ...]], world: int, *, repeats: int, sy
             end = time.perf_counter()
             times[label].append((middle - start, end - begin))
             unit.zero_grad(set_to_none=True)
-    times = {label: _slowest(runs, on_cuda) for label, runs in times.items()}
     (plain_f, plain_b), (sharded_f, sharded_b) = (
         tuple(statistics.median(t[i] for t in times[label][1:]) for i in (0, 1)) for label in ("plain", "sharded"))
     return max(0.0, sharded_f - plain_f), max(0.0, sharded_b - plain_b)
@@ -275,9 +273,9 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 
 
 def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int, sync: Callable[[], None],
-                on_cuda: bool, before: Callable[[], None] | None = None) -> tuple[float, float]:
-    """Median (forward, backward) seconds of ``module`` on the captured inputs as the slowest rank took them
-    (`_slowest`), after one warm-up run; ``before`` runs ahead of each run, untimed."""
+                before: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median (forward, backward) seconds of ``module`` on the captured inputs, after one warm-up run;
+    ``before`` runs ahead of each run, untimed."""
     import torch.distributed as dist
 
     forward: list[float] = []
@@ -304,22 +302,7 @@ def _time_layer(module: nn.Module, args: tuple, kwargs: dict, *, repeats: int, s
         _settle([t.grad for t in _leaves((a, k))])
         sync()
         backward.append(time.perf_counter() - begin)
-    runs = _slowest(list(zip(forward, backward)), on_cuda)[1:]
-    return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
-
-
-def _slowest(runs: list[tuple[float, float]], on_cuda: bool) -> list[tuple[float, float]]:
-    """Each run's (forward, backward) seconds as the slowest rank took them: one all-reduce of every figure, after
-    the runs. A step waits for its slowest rank; and where ranks share cores (more ranks than cores, on a CPU) the
-    one rank's own clock misleads: after a barrier the scheduler runs some ranks first, and a rank run first
-    finishes a short layer at a whole core's speed while its peers wait for theirs."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    flat = torch.tensor([t for run in runs for t in run], dtype=torch.float64, device=device)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    values = flat.tolist()
-    return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return statistics.median(forward[1:]), statistics.median(backward[1:])
 
 
 def unit_entries(units: Sequence[tuple[int, str, float, float]], layouts: Sequence[Layout], *, ranks: int,
