@@ -87,8 +87,9 @@ class ComputeProfile:
 def measure_compute(device: torch.device, *, together: Callable[[], None] = lambda: None) -> ComputeProfile:
     """Time this process's compute on ``device`` (see the module's docstring). ``together`` runs before each figure
     is measured: the process group's barrier, so that every rank measures the same thing at the same time and none
-    is timed while its peers wait or do lighter work (4 CPU ranks on 2 cores, unaligned: rank 0 reported 84-91
-    GFLOP/s in three calibrations of four, 2 ranks' figure, where beside busy peers it gets about 46)."""
+    is timed while its peers wait or do lighter work. On 4 CPU ranks sharing 2 cores, unaligned figures gave a GEMM
+    peak of 84-91 GFLOP/s per rank in three calibrations of four (a core of its own, what 2 ranks get); aligned,
+    44-49."""
     start = time.perf_counter()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gemm = []
