@@ -133,6 +133,11 @@ def main() -> None:
     configs = [c for c in CONFIGS if not args.only or any(word in c[0] for word in args.only)]
     results: list[tuple[int, str, float, float, float]] = []
     failures: list[str] = []  # plans refused, priced without the database or failed on the ranks (in any pass)
+
+    def fail(message: str) -> None:
+        failures.append(message)
+        print(message, flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -151,13 +156,11 @@ def main() -> None:
                       "--dtype", "fp32", "--json"]
             done = autopar("estimate", *common, "--out", str(plan))
             if done.returncode != 0:
-                failures.append(f"{name}: refused: {done.stderr.strip().splitlines()[-1]}")
-                print(failures[-1], flush=True)
+                fail(f"{name}: refused: {done.stderr.strip().splitlines()[-1]}")
                 continue
             with_db = autopar("estimate", *common, "--profile-db", db)
             if with_db.returncode != 0:
-                failures.append(f"{name}: --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}")
-                print(failures[-1], flush=True)
+                fail(f"{name}: --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}")
                 continue
             estimate = json.loads(with_db.stdout)
             roofline = json.loads(done.stdout)["estimate"]["iteration_seconds"]
@@ -171,9 +174,7 @@ def main() -> None:
             for name, ranks, plan, *_ in ordered:
                 ran = autopar("run", str(plan), "--nproc", str(ranks), "--steps", str(args.steps), "--json")
                 if ran.returncode != 0:
-                    failures.append(f"pass {number + 1}: {name}: run failed: "
-                                    f"{ran.stderr.strip().splitlines()[-1]}")
-                    print(failures[-1], flush=True)
+                    fail(f"pass {number + 1}: {name}: run failed: {ran.stderr.strip().splitlines()[-1]}")
                     continue
                 runs[name].append(json.loads(ran.stdout)["timing"]["measured_seconds"])
                 print(f"pass {number + 1}/{args.passes}: {name} ran in {runs[name][-1]:.3f} s per step", flush=True)
@@ -192,7 +193,7 @@ def main() -> None:
             print(f"{name:<20} {ranks:>5} {roofline:8.3f}s {profiled_seconds:8.3f}s {times} {measured:8.3f}s "
                   f"{measured / roofline:5.2f} {measured / profiled_seconds:5.2f}  ({share:.0%} of layer time "
                   "measured)")
-        if args.passes > 1 and spreads:
+        if spreads:  # only plans that ran in more than one pass
             print(f"a plan's slower pass took {statistics.fmean(spreads):.0%} longer than its faster one on average "
                   f"(at most {max(spreads):.0%}): the machine's own noise between runs of one plan")
     for label, column in (("calibrated roofline", 2), ("with the profile database", 3)):

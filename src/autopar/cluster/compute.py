@@ -89,7 +89,7 @@ def measure_compute(device: torch.device, *, together: Callable[[], None] = lamb
     is measured: the process group's barrier, so that every rank measures the same thing at the same time and none
     is timed while its peers wait or do lighter work. On 4 CPU ranks sharing 2 cores, unaligned figures gave a GEMM
     peak of 84-91 GFLOP/s per rank in three calibrations of four (a core of its own, what 2 ranks get); aligned,
-    44-49."""
+    43-60 in six."""
     start = time.perf_counter()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gemm = []
