@@ -232,6 +232,34 @@ def test_the_rank_that_raised_is_named_not_the_peer_left_waiting() -> None:
     assert time.monotonic() - start < 60
 
 
+def _abort_at_finalization(rank: int, rendezvous) -> int:
+    import atexit
+
+    atexit.register(os.abort)  # as torch's worker threads can, when Python finalizes under them
+    return rank * 10
+
+
+def _abort_in_work(rank: int, rendezvous) -> None:
+    if rank == 1:
+        os.abort()
+
+
+def test_a_rank_that_finished_its_work_ends_without_python_finalization() -> None:
+    from autopar.cluster.ranks import run_ranks
+
+    assert run_ranks(_abort_at_finalization, 2) == [0, 10]
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_prints_where_it_was(capfd) -> None:
+    from autopar.cluster.ranks import RankError, run_ranks
+
+    with pytest.raises(RankError) as caught:
+        run_ranks(_abort_in_work, 2)
+    assert str(caught.value) == "rank 1 was killed by SIGABRT"
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_in_work" in err
+
+
 def test_the_first_failure_is_named_when_ranks_end_together() -> None:
     from types import SimpleNamespace
 

@@ -15,6 +15,7 @@ the launcher's before it spends seconds importing torch.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -220,6 +221,7 @@ class _Ranks:
 
 def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
     _die_with_launcher(launcher)
+    faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
     try:
         target, rendezvous, args = pipe.recv()
         value = target(rank, rendezvous, *args)
@@ -227,11 +229,21 @@ def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
         with suppress(OSError):
             pipe.send(("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
             pipe.close()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(1)  # no interpreter teardown: a process group torn down mid-collective aborts noisily
+        _exit(1)  # a process group torn down mid-collective aborts noisily
     pipe.send(("ok", value))
     pipe.close()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the rank without Python's finalization. torch's worker threads (autograd's, gloo's) still hold Python
+    objects at exit, and finalizing the interpreter under them can abort the process (pytorch/pytorch#190489): a
+    rank that had finished its work would be reported killed by SIGABRT."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _die_with_launcher(launcher: int) -> None:
