@@ -4,7 +4,6 @@ no rank left running and no temporary folder left behind. The slow tests drive t
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess

@@ -15,7 +15,7 @@ import torch
 from autopar.capture import CaptureError, Graph, trace
 from autopar.files import check_writable
 from autopar.plan import Plan, load_plan
-from autopar.plan.records import KERNELS, MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
+from autopar.plan.records import KERNELS, MAX_BATCH, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
 
 log = logging.getLogger(__name__)

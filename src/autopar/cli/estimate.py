@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from autopar.cli.common import (
-    MAX_BATCH, MAX_CHUNKS, MAX_DEVICES, add_kernels_argument, add_model_arguments, add_profile_argument,
+    MAX_BATCH, MAX_DEVICES, add_kernels_argument, add_model_arguments, add_profile_argument,
     bounded_int, check_out, load_and_trace, load_profile, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
@@ -18,6 +18,7 @@ from autopar.cost import ParallelConfig
 from autopar.cost.megatron import pipeline_config
 from autopar.cost.pipeline import PipelineModel
 from autopar.cost.types import RECOMPUTE, SCHEDULES
+from autopar.plan.records import MAX_CHUNKS
 from autopar.search.pipeline import Found, pipeline_plan
 
 

@@ -7,7 +7,7 @@ refusing unknown fields, and (where the plan writes it) a ``to_dict``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Placement, Shard
@@ -26,7 +26,7 @@ from autopar.plan.checks import (
     text,
     unknown_fields,
 )
-from autopar.plan.estimate import Estimate, MemoryBreakdown
+from autopar.plan.estimate import MemoryBreakdown
 from autopar.sharding import parse, short
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")

@@ -14,7 +14,6 @@ import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
