@@ -221,7 +221,8 @@ class _Ranks:
 
 def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
     _die_with_launcher(launcher)
-    faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
+    with suppress(RuntimeError, ValueError, OSError):  # no usable stderr: nowhere to print it
+        faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
     try:
         target, rendezvous, args = pipe.recv()
         value = target(rank, rendezvous, *args)
