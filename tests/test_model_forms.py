@@ -384,6 +384,91 @@ def test_one_norm_for_q_and_k_under_tp_is_refused(tmp_path: Path, capsys: pytest
     assert code == 0, err
 
 
+NORMED_BLOCKS = textwrap.dedent("""
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Attention(nn.Module):
+        def __init__(self, dim, heads, pre):
+            super().__init__()
+            self.hd, self.pre = dim // heads, pre
+            self.norm = nn.LayerNorm(dim)
+            self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+        def forward(self, x):
+            y = self.norm(x) if self.pre else x
+            b, s, _ = y.shape  # y's: under SP, x holds a rank's share of the sequence
+            q, k, v = (p(y).view(b, s, -1, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+            a = self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+            return x + a if self.pre else self.norm(x + a)
+
+    class MLP(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.norm = nn.RMSNorm(dim)
+            self.gate, self.up = nn.Linear(dim, 2 * dim), nn.Linear(dim, 2 * dim)
+            self.down = nn.Linear(2 * dim, dim)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Net(nn.Module):
+        def __init__(self, pre):
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.layers = nn.ModuleList(nn.Sequential(Attention(32, 4, pre), MLP(32)) for _ in range(2))
+            self.head = nn.Linear(32, 64)
+
+        def forward(self, input_ids, labels):
+            x = self.emb(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+    def _inputs(batch):
+        ids = torch.randint(0, 64, (batch, 16))
+        return {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+    def pre(batch=2):
+        return Net(True), _inputs(batch)
+
+    def post(batch=2):
+        return Net(False), _inputs(batch)
+""")
+TP2 = ["--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2"]
+
+
+@pytest.mark.slow
+def test_blocks_that_normalise_their_own_input_run_under_tp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pre-norm written inside the attention and MLP modules, residual add included: q, k and v (and the MLP's
+    gate and up) read the norm's output, not the module's input. Such plans used to fail their rehearsal ("mixed
+    torch.Tensor and DTensor"); now they train what one process trains, with the predicted collectives, under TP
+    and TP + SP (where the norm runs on sequence shards and its output is gathered)."""
+    path = tmp_path / "normed.py"
+    path.write_text(NORMED_BLOCKS)
+    for extra in ([], ["--sp"]):
+        out = tmp_path / "tp.json"
+        code, _, err = run_cli(capsys, "estimate", f"{path}:pre", *TP2, *extra, "--out", str(out))
+        assert code == 0, err
+        code, text, err = run_cli(capsys, "run", str(out), "--nproc", "2", "--steps", "3", "--check", "--check-comm")
+        assert code == 0, (extra, err)
+        assert "check: losses and gradients match" in text and "check-comm: every rank's collectives match" in text
+
+
+def test_a_norm_in_a_block_that_its_projections_do_not_read_is_refused_under_tp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The runtime reads a block's one norm over its input features as a norm of the block's input; where the
+    model applies it to the block's output instead, the traced model says so and the plan is refused."""
+    path = tmp_path / "normed.py"
+    path.write_text(NORMED_BLOCKS)
+    code, _, err = run_cli(capsys, "estimate", f"{path}:post", *TP2, "--out", str(tmp_path / "post.json"))
+    assert code == 2 and "the runtime takes 'layers.0.0.norm', the only norm in block 'layers.0.0'" in err
+    assert "the model feeds 'layers.0.0.q' from aten.embedding.default in 'emb'" in err
+    assert not (tmp_path / "post.json").exists()
+
+
 def test_attention_that_forms_heads_from_the_full_head_count_is_refused_under_tp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """OPT's attention shapes q with view(bsz, -1, num_heads, head_dim): under tp each rank's half of the

@@ -452,8 +452,9 @@ def _tensor_parallel(
 
     A column-parallel linear whose block (its parent) also holds a row-parallel one feeds it shards; one with no
     row partner (an LM head) gathers its output. Where a block has several column linears reading one input
-    (q, k and v; gate and up) the block's input becomes one replicated DTensor first, so its gradient is reduced
-    once, as the cost model prices it. Works for the zoo's models and for Hugging Face ones alike."""
+    (q, k and v; gate and up) the block's input (or the output of the norm the block applies to it first,
+    `_norm_before`) becomes one replicated DTensor first, so its gradient is reduced once, as the cost model
+    prices it. Works for the zoo's models and for Hugging Face ones alike."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -464,18 +465,14 @@ def _tensor_parallel(
     tp = mesh.size()
     placements = tensor_parallel_placements(module, plan, model=model)
     modules = dict(module.named_modules())
-    blocks = {fqn.rpartition(".")[0] for fqn, placement in placements.items() if placement == "S(1)"}
-    columns: dict[str, list[str]] = {}
-    for fqn, placement in placements.items():
-        if placement == "S(0)" and fqn.rpartition(".")[0] in blocks:
-            columns.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    columns = column_groups(placements)
     styles: dict[str, Any] = {}
     permutations: dict[str, torch.Tensor] = {}
     for fqn, placement in placements.items():
         parent_name = fqn.rpartition(".")[0]
         if placement == "S(1)":
             styles[fqn] = RowwiseParallel(output_layouts=stream)
-        elif parent_name in blocks:  # a row-parallel linear of the same block consumes the shards
+        elif parent_name in columns:  # a row-parallel linear of the same block consumes the shards
             # its input arrives as a replicated DTensor (hook below) where several columns read it, and under SP,
             # where the norms before it hand on local sequence shards
             shared = len(columns[parent_name]) > 1 or sp
@@ -493,14 +490,56 @@ def _tensor_parallel(
             permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if linear.bias is not None else {})})
             parent.heads //= tp
             parent.kv_heads //= tp
-    for block, names in columns.items():
-        if len(names) > 1 or sp:
-            _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
     heads = tp_partial_names(module, plan)
+    norms = norms_before_columns(module, columns, sp=sp, summed=heads)
+    for block, names in columns.items():
+        if (len(names) > 1 or sp) and block not in norms:
+            _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
     if sp:  # norms inside a block see its heads, not sequence shards
         _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
     parallelize_module(module, mesh, styles)
+    for norm in norms.values():  # after the styles' hooks: under SP the norm hands on its local sequence shard first
+        _relayout_output(modules[norm], mesh, stream, Replicate())
     return permutations, heads
+
+
+def column_groups(placements: Mapping[str, str]) -> dict[str, list[str]]:
+    """Block (the parent module) -> its column-parallel linears, for the blocks that also hold a row-parallel one
+    (attention, MLP): those columns hand their shards on to the row, with no gather between."""
+    blocks = {fqn.rpartition(".")[0] for fqn, placement in placements.items() if placement == "S(1)"}
+    columns: dict[str, list[str]] = {}
+    for fqn, placement in placements.items():
+        if placement == "S(0)" and fqn.rpartition(".")[0] in blocks:
+            columns.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    return columns
+
+
+def norms_before_columns(
+    module: nn.Module, columns: Mapping[str, list[str]], *, sp: bool, summed: Iterable[str]
+) -> dict[str, str]:
+    """Block -> the norm it applies to its own input before its column linears read it (a pre-norm written inside
+    the attention or MLP module), for the blocks whose columns share one replicated input (several columns, or
+    any under SP). The norm is a direct child whose type is a LayerNorm or RMSNorm, over the columns' input
+    features, not a per-head norm (q and k norms, whose weights tp sums), and the block's only such child. The
+    columns then read the norm's output, not the block's input, so that output becomes the DTensor they share.
+    This is read from the module tree; `check_runnable` checks it against the traced model, so a plan whose
+    columns read something else is refused when planned."""
+    modules = dict(module.named_modules())
+    summed = list(summed)
+    found: dict[str, str] = {}
+    for block, names in columns.items():
+        if len(names) == 1 and not sp:
+            continue
+        features = {getattr(modules[name], "in_features", None) for name in names}
+        norms = [
+            f"{block}.{name}" for name, child in modules[block].named_children()
+            if type(child).__name__.endswith(("LayerNorm", "RMSNorm"))
+            and not any(p.startswith(f"{block}.{name}.") for p in summed)
+            and {p.shape[-1] for p in child.parameters()} <= features
+        ]
+        if len(norms) == 1:
+            found[block] = norms[0]
+    return found
 
 
 def tp_partial_names(module: nn.Module, plan: Plan) -> list[str]:
@@ -570,6 +609,21 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
         return args, {**kwargs, key: convert(kwargs[key])}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any) -> None:
+    """After ``module`` runs, read its output as a local tensor laid out as ``source`` on ``mesh`` and hand it on
+    redistributed to ``target``, as a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            return output
+        if not isinstance(output, DTensor):
+            output = DTensor.from_local(output, mesh, [source], run_check=False)
+        return output.redistribute(mesh, [target])
+
+    module.register_forward_hook(hook)
 
 
 def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> None:

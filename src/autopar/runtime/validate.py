@@ -17,6 +17,8 @@ the model it was made for: `autopar.runtime.source`):
   replicated parameter applied to the activations tp splits (q and k norms per head), directly or through ops on
   the parameter alone (Gemma's ``1 + weight``), whose gradient the runtime does not sum over tp
   (`_check_replicated_inside`);
+- where a block normalises its own input before its column linears, those columns read that norm's output, which
+  the runtime hands them as their one replicated input (`_check_shared_inputs`);
 - no BatchNorm under data parallelism or micro-batching: its statistics would be taken over a rank's slice of a
   micro-batch instead of the whole batch, which is not what one process trains;
 - recomputation and checkpointed runs apply, and pipeline stages cut where the runtime can cut the model;
@@ -43,7 +45,8 @@ from autopar.capture import Graph
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.runtime.apply import (
-    check_matches, check_supported, checkpoint_segments, parallelize, recompute, tensor_parallel_placements,
+    check_matches, check_supported, checkpoint_segments, column_groups, norms_before_columns, parallelize, recompute,
+    tensor_parallel_placements, tp_partial_names,
 )
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin, thins
@@ -71,6 +74,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_chain(plan, graph)
     _check_divisible(model, plan)
     _check_split_outputs(graph, plan, model)
+    _check_shared_inputs(graph, plan, model)
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
@@ -314,6 +318,47 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     if found:
         raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
     _check_replicated_inside(graph, split, columns, tp=tp, model=model, plan=plan)
+
+
+def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
+    """Where a block normalises its own input before its column linears read it, the runtime hands them that norm's
+    output as the one replicated input they share (`norms_before_columns`, read from the module tree). Each of
+    those columns must read the norm's output in the traced model (through views only); a column fed from
+    elsewhere would have its input's gradient reduced apart, which is not what the plan prices, so the plan is
+    refused, naming the column and what it reads."""
+    tp = plan.grid[1] if plan.is_pipeline else 1
+    if tp == 1:
+        return
+    columns = column_groups(tensor_parallel_placements(model, plan))
+    norms = norms_before_columns(model, columns, sp=plan.sp, summed=tp_partial_names(model, plan))
+    owner = {column: block for block in norms for column in columns[block]}
+    if not owner:
+        return
+    for node in _first_instances(graph):
+        block = owner.get(node.module)
+        if block is None or node.is_view or f"{node.module}.weight" not in node.params:
+            continue
+        source = _activation_source(graph, node, node.module)
+        norm = norms[block]
+        if source is None or not (source.module == norm or source.module.startswith(f"{norm}.")):
+            read = f"{source.op} in {source.module or '<root>'!r}" if source is not None else "a model input"
+            raise ValueError(
+                f"under tp {tp} the runtime takes {norm!r}, the only norm in block {block!r} over its projections' "
+                f"input features, for a norm of the block's input and hands its output to module {node.module!r} "
+                f"as the replicated input the block's projections share, but the model feeds {node.module!r} from "
+                f"{read}; plan with tp 1 (--runnable finds one), or move that norm out of the block")
+
+
+def _activation_source(graph, node, module: str):  # noqa: ANN001, ANN202 - traced Graph and Nodes
+    """The node that computes the activation ``node`` (an op of ``module``) reads, looking through views and
+    through ``module``'s own ops (a linear's reshapes), or None for a model input."""
+    while True:
+        refs = [ref for ref in node.sources if ref.node >= 0 and ref.state is None]
+        if not refs:
+            return None
+        node = graph.node(refs[0].node)
+        if not (node.is_view or node.module == module):
+            return node
 
 
 def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int,  # noqa: ANN001
