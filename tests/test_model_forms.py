@@ -411,7 +411,8 @@ NORMED_BLOCKS = textwrap.dedent("""
             self.down = nn.Linear(2 * dim, dim)
 
         def forward(self, x):
-            y = self.norm(x)
+            y = self.norm(x) * 0.5
+            y = y * torch.sigmoid(y)  # the block's own ops between the norm and the projections
             return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
     class Net(nn.Module):

@@ -338,10 +338,11 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
         block = owner.get(node.module)
         if block is None or node.is_view or f"{node.module}.weight" not in node.params:
             continue
-        source = _activation_source(graph, node, node.module)
         norm = norms[block]
-        if source is None or not (source.module == norm or source.module.startswith(f"{norm}.")):
-            read = f"{source.op} in {source.module or '<root>'!r}" if source is not None else "a model input"
+        other = next((n for n in _activation_sources(graph, node, block)
+                      if not (n.module == norm or n.module.startswith(f"{norm}."))), None)
+        if other is not None:
+            read = f"{other.op} in {other.module or '<root>'!r}" if other.id >= 0 else "a model input"
             raise ValueError(
                 f"under tp {tp} the runtime takes {norm!r}, the only norm in block {block!r} over its projections' "
                 f"input features, for a norm of the block's input and hands its output to module {node.module!r} "
@@ -349,16 +350,27 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
                 f"{read}; plan with tp 1 (--runnable finds one), or move that norm out of the block")
 
 
-def _activation_source(graph, node, module: str):  # noqa: ANN001, ANN202 - traced Graph and Nodes
-    """The node that computes the activation ``node`` (an op of ``module``) reads, looking through views and
-    through ``module``'s own ops (a linear's reshapes), or None for a model input."""
-    while True:
-        refs = [ref for ref in node.sources if ref.node >= 0 and ref.state is None]
-        if not refs:
-            return None
-        node = graph.node(refs[0].node)
-        if not (node.is_view or node.module == module):
-            return node
+def _activation_sources(graph, node, block: str) -> list:  # noqa: ANN001 - a traced Graph and its Nodes
+    """What the activations ``node`` (a projection's op) reads are computed from, looking through views and the
+    ops of ``block`` and of the projection itself (a dropout or a scale between a norm and the projections runs on
+    the shared input as well): the first nodes outside them, and a placeholder with id -1 for a model input."""
+    inside = (block, node.module)
+    found, seen, frontier = [], set(), [node]
+    while frontier:
+        current = frontier.pop()
+        for ref in current.sources:
+            if ref.state is not None or ref.node in seen:
+                continue
+            seen.add(ref.node)
+            if ref.node < 0:
+                found.append(dataclasses.replace(current, id=-1))
+                continue
+            source = graph.node(ref.node)
+            if source.is_view or source.module in inside:
+                frontier.append(source)
+            else:
+                found.append(source)
+    return found
 
 
 def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int,  # noqa: ANN001
