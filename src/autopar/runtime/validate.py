@@ -323,9 +323,9 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
 def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
     """Where a block normalises its own input before its column linears read it, the runtime hands them that norm's
     output as the one replicated input they share (`norms_before_columns`, read from the module tree). Each of
-    those columns must read the norm's output in the traced model (through views only); a column fed from
-    elsewhere would have its input's gradient reduced apart, which is not what the plan prices, so the plan is
-    refused, naming the column and what it reads."""
+    those columns must read what the norm computes in the traced model (through views and the block's own ops,
+    `_activation_sources`); a column fed from elsewhere would have its input's gradient reduced apart, which is not
+    what the plan prices, so the plan is refused, naming the column and what it reads."""
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
@@ -339,10 +339,10 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
         if block is None or node.is_view or f"{node.module}.weight" not in node.params:
             continue
         norm = norms[block]
-        other = next((n for n in _activation_sources(graph, node, block)
-                      if not (n.module == norm or n.module.startswith(f"{norm}."))), None)
-        if other is not None:
-            read = f"{other.op} in {other.module or '<root>'!r}" if other.id >= 0 else "a model input"
+        outside = [n for n in _activation_sources(graph, node, block)
+                   if n is None or not (n.module == norm or n.module.startswith(f"{norm}."))]
+        if outside:
+            read = "a model input" if outside[0] is None else f"{outside[0].op} in {outside[0].module or '<root>'!r}"
             raise ValueError(
                 f"under tp {tp} the runtime takes {norm!r}, the only norm in block {block!r} over its projections' "
                 f"input features, for a norm of the block's input and hands its output to module {node.module!r} "
@@ -353,7 +353,7 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
 def _activation_sources(graph, node, block: str) -> list:  # noqa: ANN001 - a traced Graph and its Nodes
     """What the activations ``node`` (a projection's op) reads are computed from, looking through views and the
     ops of ``block`` and of the projection itself (a dropout or a scale between a norm and the projections runs on
-    the shared input as well): the first nodes outside them, and a placeholder with id -1 for a model input."""
+    the shared input as well): the first nodes outside them, and None for a model input."""
     inside = (block, node.module)
     found, seen, frontier = [], set(), [node]
     while frontier:
@@ -363,7 +363,7 @@ def _activation_sources(graph, node, block: str) -> list:  # noqa: ANN001 - a tr
                 continue
             seen.add(ref.node)
             if ref.node < 0:
-                found.append(dataclasses.replace(current, id=-1))
+                found.append(None)
                 continue
             source = graph.node(ref.node)
             if source.is_view or source.module in inside:
