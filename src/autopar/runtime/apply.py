@@ -453,7 +453,7 @@ def _tensor_parallel(
     A column-parallel linear whose block (its parent) also holds a row-parallel one feeds it shards; one with no
     row partner (an LM head) gathers its output. Where a block has several column linears reading one input
     (q, k and v; gate and up) the block's input (or the output of the norm the block applies to it first,
-    `_norm_before`) becomes one replicated DTensor first, so its gradient is reduced once, as the cost model
+    `norms_before_columns`) becomes one replicated DTensor first, so its gradient is reduced once, as the cost model
     prices it. Works for the zoo's models and for Hugging Face ones alike."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -68,13 +68,14 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     # the model as the runtime trains it, and (its chain of layers) as the planner traced it
     model = source.meta()
     check_matches(model, plan)
+    placements = {}
     if any(stage.tp > 1 for stage in plan.stages):  # every stage's, before any rank builds its own
-        tensor_parallel_placements(model, plan)
+        placements = tensor_parallel_placements(model, plan)
     graph = source.chain()
     _check_chain(plan, graph)
     _check_divisible(model, plan)
     _check_split_outputs(graph, plan, model)
-    _check_shared_inputs(graph, plan, model)
+    _check_shared_inputs(graph, plan, model, placements)
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
@@ -320,16 +321,18 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     _check_replicated_inside(graph, split, columns, tp=tp, model=model, plan=plan)
 
 
-def _check_shared_inputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: ANN001 - a traced Graph
+def _check_shared_inputs(graph, plan: Plan, model: nn.Module,  # noqa: ANN001 - a traced Graph
+                         placements: dict[str, str]) -> None:
     """Where a block normalises its own input before its column linears read it, the runtime hands them that norm's
-    output as the one replicated input they share (`norms_before_columns`, read from the module tree). Each of
-    those columns must read what the norm computes in the traced model (through views and the block's own ops,
-    `_activation_sources`); a column fed from elsewhere would have its input's gradient reduced apart, which is not
-    what the plan prices, so the plan is refused, naming the column and what it reads."""
+    output as the one replicated input they share (`norms_before_columns`, read from the module tree;
+    ``placements`` from `tensor_parallel_placements`). Each of those columns must read what the norm computes in
+    the traced model (through views and the block's own ops, `_activation_sources`); a column fed from elsewhere
+    would have its input's gradient reduced apart, which is not what the plan prices, so the plan is refused,
+    naming the column and what it reads."""
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
-    columns = column_groups(tensor_parallel_placements(model, plan))
+    columns = column_groups(placements)
     norms = norms_before_columns(model, columns, sp=plan.sp, summed=tp_partial_names(model, plan))
     owner = {column: block for block in norms for column in columns[block]}
     if not owner:
