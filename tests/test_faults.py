@@ -36,12 +36,14 @@ class Command:
         self.process = subprocess.Popen([sys.executable, "-m", "autopar.cli.main", *argv], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.ranks: list[int] = []
+        self.servers: list[int] = []  # the fork server the ranks start from, where they do
 
     def wait_for_ranks(self, count: int, timeout: float = 120.0) -> list[int]:
-        """The launcher's spawned ranks, once ``count`` of them run (pids rise with the rank: spawned in order)."""
+        """The launcher's ranks, once ``count`` of them run (pids rise with the rank: started in order)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.process.poll() is None:
-            self.ranks = sorted(c for c in _children(self.process.pid) if b"spawn_main" in _cmdline(c))
+            self.ranks = _ranks_of(self.process.pid)
+            self.servers = [c for c in _children(self.process.pid) if b"forkserver" in _cmdline(c)]
             if len(self.ranks) >= count:
                 return self.ranks
             time.sleep(0.05)
@@ -59,7 +61,7 @@ class Command:
 
     def assert_clean(self) -> None:
         time.sleep(0.2)
-        left = [r for r in self.ranks if _running(r)]
+        left = [r for r in self.ranks + self.servers if _running(r)]
         self.kill()
         assert left == [], "ranks outlived the launcher"
         assert list(self.tmp_path.glob("autopar-run-*")) == [], "the run's temporary folder was left behind"
@@ -94,6 +96,18 @@ def _children(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             found += [int(c) for c in (task / "children").read_text().split()]
     return found
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The launcher's ranks: spawned children, or children of the fork server it started."""
+    found = []
+    for child in _children(launcher):
+        line = _cmdline(child)
+        if b"spawn_main" in line:
+            found.append(child)
+        elif b"forkserver" in line:
+            found += _children(child)
+    return sorted(found)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -257,6 +271,45 @@ def test_a_rank_killed_by_a_signal_is_named_and_prints_where_it_was(capfd) -> No
     assert str(caught.value) == "rank 1 was killed by SIGABRT"
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "_abort_in_work" in err
+
+
+def _say(rank: int, rendezvous) -> str | None:
+    print(f"rank {rank} says out", flush=True)
+    print(f"rank {rank} says err", file=sys.stderr, flush=True)
+    return os.environ.get("AUTOPAR_TEST_MARK")
+
+
+@pytest.mark.parametrize("start", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_ranks_take_the_launchers_environment_and_output_as_they_are_when_they_start(
+        start, monkeypatch, tmp_path) -> None:
+    """A fork server started for earlier ranks holds the environment and output it had then; ranks started later
+    must still see the launcher's own."""
+    from autopar.cluster.ranks import run_ranks
+
+    monkeypatch.setenv("AUTOPAR_RANK_START", start)
+    monkeypatch.delenv("AUTOPAR_TEST_MARK", raising=False)
+    assert run_ranks(_say, 2) == [None, None]  # the server (where ranks start from one) runs from here on
+    monkeypatch.setenv("AUTOPAR_TEST_MARK", "set since")
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd, name in ((1, "out"), (2, "err")):
+            with open(tmp_path / name, "w") as file:
+                os.dup2(file.fileno(), fd)
+        assert run_ranks(_say, 2) == ["set since", "set since"]
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+    for name in ("out", "err"):
+        assert sorted((tmp_path / name).read_text().splitlines()) == [f"rank 0 says {name}", f"rank 1 says {name}"]
+
+
+def test_a_bad_rank_start_method_is_named(monkeypatch) -> None:
+    from autopar.cluster.ranks import run_ranks
+
+    monkeypatch.setenv("AUTOPAR_RANK_START", "fork")
+    with pytest.raises(ValueError, match="AUTOPAR_RANK_START must be forkserver or spawn, got 'fork'"):
+        run_ranks(_say, 2)
 
 
 def test_the_first_failure_is_named_when_ranks_end_together() -> None:

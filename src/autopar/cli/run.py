@@ -11,6 +11,7 @@ import torch
 
 from autopar.cli.common import load_runnable
 from autopar.cli.render import binary_bytes, table
+from autopar.cluster.ranks import prestart
 from autopar.runtime import Workload, reference, run_plan
 from autopar.runtime.comm import check_ranks
 
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.check_comm and args.steps < 3:
         raise ValueError(f"--check-comm counts the last step and needs --steps 3 or more (got {args.steps}): "
                          "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
+    prestart()  # what the ranks import, imported beside the plan's checks
     plan = load_runnable(args.plan)
     log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm,
                    checked=True)

@@ -1,4 +1,4 @@
-"""Local ranks: spawn N processes, meet on a loopback rendezvous, and supervise them until every one has ended.
+"""Local ranks: start N processes, meet on a loopback rendezvous, and supervise them until every one has ended.
 
 The launcher opens the rendezvous itself (a TCP store on a socket bound to 127.0.0.1 before any rank starts: no
 port to pick, so no race) and each rank's gloo sockets bind to the loopback interface unless GLOO_SOCKET_IFNAME
@@ -8,8 +8,12 @@ is logged at INFO. Ranks start with SIGINT ignored, so Ctrl-C in a terminal reac
 exception in the launcher (KeyboardInterrupt included) stops the ranks (SIGTERM, then SIGKILL after a grace period),
 and on Linux a rank dies with its launcher.
 
-torch is imported inside the functions that use it: a spawned rank imports this module first, and ties its life to
-the launcher's before it spends seconds importing torch.
+Ranks start from a fork server (`multiprocessing`'s forkserver) that has imported torch and autopar's runtime once,
+so a rank begins its work at once rather than after seconds of imports; the server starts when a launcher first
+needs it (`prestart` starts it early, beside the launcher's own checks) and lives as long as the launcher. A rank
+takes the launcher's standard output and error and its environment as they are when the rank starts, as a spawned
+process would. ``AUTOPAR_RANK_START=spawn`` spawns every rank afresh instead. torch is imported inside the
+functions that use it: a rank ties its life to the launcher's before anything else.
 """
 
 from __future__ import annotations
@@ -133,11 +137,69 @@ def _rendezvous(host: str, world: int) -> Iterator[Rendezvous]:
         del store
 
 
+# what every rank imports before its work: the fork server imports it once (an import that fails is left to ranks)
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+            "autopar.runtime.launch"]
+
+
+def _start_method() -> str:
+    """``forkserver`` where this platform has it, unless ``AUTOPAR_RANK_START`` says ``spawn``."""
+    chosen = os.environ.get("AUTOPAR_RANK_START", "").strip() or "forkserver"
+    if chosen not in ("forkserver", "spawn"):
+        raise ValueError(f"AUTOPAR_RANK_START must be forkserver or spawn, got {chosen!r}")
+    return chosen if chosen in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _context() -> Any:
+    context = multiprocessing.get_context(_start_method())
+    if context.get_start_method() == "forkserver":
+        context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def prestart() -> None:
+    """Start the fork server ranks start from, if it is not running: its imports then overlap with what the
+    launcher does before it starts ranks (checking the plan). SIGINT is ignored in it and so in the ranks it
+    starts: Ctrl-C in a terminal reaches the launcher alone."""
+    if _context().get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with _sigint_ignored():
+        forkserver.ensure_running()
+
+
+class _Stdio:
+    """The launcher's standard output and error, handed to a rank as it starts (a fork server's own are those of
+    the launcher that started it, which may since have redirected them)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled as the rank starts: its file descriptors go with it
+        from multiprocessing.reduction import DupFd
+
+        return _Stdio._adopt, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+    @staticmethod
+    def _adopt(out: Any, err: Any) -> None:
+        for fd, passed in ((1, out), (2, err)):
+            given = passed.detach() if passed is not None else fd
+            if given != fd:  # a spawned rank inherits the launcher's as they are
+                os.dup2(given, fd)
+                os.close(given)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 class _Ranks:
-    """Spawned rank processes, each with a pipe that carries its result or its error to the launcher."""
+    """Rank processes, each with a pipe that carries its result or its error to the launcher."""
 
     def __init__(self) -> None:
-        self.context = multiprocessing.get_context("spawn")
+        self.context = _context()
         self.processes: list[Any] = []
         self.pipes: list[Connection] = []
         self.messages: dict[int, tuple[Any, ...]] = {}
@@ -153,7 +215,7 @@ class _Ranks:
         with _sigint_ignored():  # inherited: Ctrl-C in a terminal reaches the launcher alone, which stops the ranks
             for rank in range(rendezvous.world):
                 mine, theirs = self.context.Pipe()
-                process = self.context.Process(target=_rank_entry, args=(rank, theirs, os.getpid()),
+                process = self.context.Process(target=_rank_entry, args=(rank, theirs, os.getpid(), _Stdio()),
                                                name=f"autopar-rank-{rank}")
                 self.processes.append(process)
                 self.pipes.append(mine)
@@ -163,7 +225,7 @@ class _Ranks:
         # has read it, seconds into the rank's imports
         for pipe in self.pipes:
             with suppress(BrokenPipeError, ConnectionResetError):  # a rank already gone: wait() names it
-                pipe.send((target, rendezvous, args))
+                pipe.send((target, rendezvous, args, dict(os.environ)))
 
     def wait(self) -> list[Any]:
         live = dict(enumerate(self.processes))
@@ -219,12 +281,18 @@ class _Ranks:
             pipe.close()
 
 
-def _rank_entry(rank: int, pipe: Connection, launcher: int) -> None:
+def _rank_entry(rank: int, pipe: Connection, launcher: int, stdio: None = None) -> None:
+    """``stdio``: unpickling `_Stdio` has already made the launcher's standard output and error this rank's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the launcher starts ranks; a fork server's may differ
     _die_with_launcher(launcher)
     with suppress(RuntimeError, ValueError, OSError):  # no usable stderr: nowhere to print it
         faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
     try:
-        target, rendezvous, args = pipe.recv()
+        target, rendezvous, args, environment = pipe.recv()
+        threading.Thread(target=_end_with_launcher, args=(pipe,), name="autopar-launcher-watch", daemon=True).start()
+        if os.environ != environment:  # a fork server's is the launcher's when the server started
+            os.environ.clear()
+            os.environ.update(environment)
         value = target(rank, rendezvous, *args)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, in one line
         with suppress(OSError):
@@ -247,14 +315,38 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _end_with_launcher(pipe: Connection) -> None:
+    """Kill this rank once the launcher's end of ``pipe`` has closed: the launcher is gone, or stopped the ranks.
+    A rank started by a fork server is not the launcher's child, and the server outlives a killed launcher while
+    its children hold the server's lifeline (every child inherits it), so the parent-death signal cannot end it."""
+    with suppress(OSError, EOFError):
+        pipe.poll(None)  # the launcher sends nothing after the work: this returns at end of file
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _die_with_launcher(launcher: int) -> None:
+    """Die with the parent: the launcher, or the fork server, which ends when its launcher does."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             log.debug("prctl(PR_SET_PDEATHSIG) unavailable; a rank may outlive a killed launcher")
-    if os.getppid() != launcher:  # the launcher died while this rank started
+    # the launcher died while this rank started (the signal covers a parent that dies from now on): this rank's
+    # parent is no longer the launcher, nor the fork server the launcher started
+    parent = os.getppid()
+    if parent != launcher and _parent_of(parent) not in (launcher, -1):
         os._exit(1)
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of process ``pid``; -1 where this system cannot tell (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:  # "pid (name) state ppid ...", the name may hold spaces
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except FileNotFoundError:
+        return -1 if not os.path.isdir("/proc/self") else 0
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _one_line(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.cluster.ranks import Rendezvous, run_ranks, sigterm_raises
+from autopar.cluster.ranks import Rendezvous, prestart, run_ranks, sigterm_raises
 from autopar.plan import Plan
 from autopar.runtime.apply import parallelize
 from autopar.runtime.comm import CollectiveCounter
@@ -51,6 +51,7 @@ def run_plan(
 
     A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
     them too, and the temporary folder of the ranks' results is removed in every case."""
+    prestart()  # the ranks' imports, beside the checks
     if not checked:
         check_runnable(plan)
     devices = plan.devices
