@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     from autopar.cluster import load_cluster
-    from autopar.cluster.ranks import run_ranks, sigterm_raises
+    from autopar.cluster.ranks import prestart, run_ranks, sigterm_raises
     from autopar.cost import ParallelConfig
     from autopar.cost.megatron import pipeline_config
     from autopar.cost.pipeline import PipelineModel
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--dtype {args.dtype}: layers are profiled in fp32, as autopar run trains them; leave "
                          "--dtype out")
     cluster = load_cluster("cpu").with_devices(args.nproc)
+    prestart()  # what the ranks import, imported while the model is traced
     traced = load_and_trace(args, batch=1)
     zoo = traced.zoo
     model = PipelineModel(traced.graph, cluster, traced_batch=1, dtype="fp32")

@@ -139,7 +139,7 @@ def _rendezvous(host: str, world: int) -> Iterator[Rendezvous]:
 
 # what every rank imports before its work: the fork server imports it once (an import that fails is left to ranks)
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-            "autopar.runtime.launch"]
+            "autopar.runtime.launch", "autopar.profiling.segments", "autopar.cluster.detect"]
 
 
 def _start_method() -> str:
