@@ -23,6 +23,7 @@ import faulthandler
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -225,7 +226,8 @@ class _Ranks:
         # has read it, seconds into the rank's imports
         for pipe in self.pipes:
             with suppress(BrokenPipeError, ConnectionResetError):  # a rank already gone: wait() names it
-                pipe.send((target, rendezvous, args, dict(os.environ)))
+                pipe.send(dict(os.environ))  # first: the work's own modules may read it as they are imported
+                pipe.send((target, rendezvous, args))
 
     def wait(self) -> list[Any]:
         live = dict(enumerate(self.processes))
@@ -288,17 +290,20 @@ def _rank_entry(rank: int, pipe: Connection, launcher: int, stdio: None = None) 
     with suppress(RuntimeError, ValueError, OSError):  # no usable stderr: nowhere to print it
         faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
     try:
-        target, rendezvous, args, environment = pipe.recv()
-        threading.Thread(target=_end_with_launcher, args=(pipe,), name="autopar-launcher-watch", daemon=True).start()
+        environment = pipe.recv()
         if os.environ != environment:  # a fork server's is the launcher's when the server started
             os.environ.clear()
             os.environ.update(environment)
+        target, rendezvous, args = pipe.recv()
+        _watch_launcher(pipe)
         value = target(rank, rendezvous, *args)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, in one line
+        _FINISHING.set()
         with suppress(OSError):
             pipe.send(("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
             pipe.close()
         _exit(1)  # a process group torn down mid-collective aborts noisily
+    _FINISHING.set()
     pipe.send(("ok", value))
     pipe.close()
     _exit(0)
@@ -315,13 +320,23 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _end_with_launcher(pipe: Connection) -> None:
-    """Kill this rank once the launcher's end of ``pipe`` has closed: the launcher is gone, or stopped the ranks.
-    A rank started by a fork server is not the launcher's child, and the server outlives a killed launcher while
-    its children hold the server's lifeline (every child inherits it), so the parent-death signal cannot end it."""
-    with suppress(OSError, EOFError):
-        pipe.poll(None)  # the launcher sends nothing after the work: this returns at end of file
-    os.kill(os.getpid(), signal.SIGKILL)
+_FINISHING = threading.Event()  # set once this rank reports its result: the launcher may close its pipe from then on
+
+
+def _watch_launcher(pipe: Connection) -> None:
+    """Kill this rank once the launcher's end of ``pipe`` closes before the rank has reported: the launcher is gone,
+    or stopped the ranks. A rank started by a fork server is not the launcher's child, and the server outlives a
+    killed launcher while its children hold the server's lifeline (every child inherits it), so the parent-death
+    signal cannot end such a rank. The watch reads a copy of the pipe's descriptor, which closing ``pipe`` leaves."""
+    watched = os.dup(pipe.fileno())
+
+    def watch() -> None:
+        with suppress(OSError, ValueError):
+            select.select([watched], [], [])  # the launcher sends nothing after the work: readable at end of file
+        if not _FINISHING.is_set():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="autopar-launcher-watch", daemon=True).start()
 
 
 def _die_with_launcher(launcher: int) -> None:
