@@ -444,3 +444,52 @@ def test_hugging_face_models_match_one_process_and_the_predicted_collectives(tmp
     """Cases `autopar run --check --check-comm` failed on (or that were refused) before: predicted collectives that
     the runtime does not issue, dropout left on, replicated weights on split heads."""
     _run(_pipeline_plan(tmp_path, name, {"layers": 2, "hidden": 64, "heads": 4}, **grid), grid["tp"] * grid["dp"])
+
+
+def _dropout_rank(rank: int, rendezvous, plan_path: str) -> dict:
+    """Three SGD steps of the tiny GPT with dropout on, through the Python API, on a rank seeded apart from its peers
+    after the model is built (as a training script seeding its data order per rank does); the 1-D weights."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.zoo.catalog import load
+
+    torch.set_num_threads(1)
+    rendezvous.join(rank, backend="gloo")
+    try:
+        torch.manual_seed(0)
+        zoo = load("gpt3-125m", batch=4, seq=32, dtype=torch.float32, device="cpu", layers=2, hidden=64, heads=4,
+                   vocab=128, dropout=0.1)
+        torch.manual_seed(1234 + rank)
+        parallel = autopar.parallelize(zoo.module, load_plan(plan_path))
+        optimizer = parallel.make_optimizer(torch.optim.SGD, lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(step))
+            parallel.step({"input_ids": ids, "labels": ids})
+            optimizer.step()
+            torch.rand(rank + 1)  # ranks draw apart between steps too
+        return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().tolist()
+                for name, p in zoo.module.named_parameters() if p.dim() == 1}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "ranks"), [(["--tp", "2", "--dp", "1", "--mbs", "2"], 2),
+                                               (["--tp", "2", "--dp", "2", "--zero", "3", "--mbs", "2"], 4)])
+def test_tensor_parallel_ranks_draw_the_same_dropout_whatever_their_seeds(tmp_path, capsys, layout, ranks) -> None:
+    """Tensor-parallel ranks hold the same replicated activations; dropout masks drawn apart on them would make
+    the replicated weights (norms, row-parallel biases) drift apart without an error."""
+    from autopar.cluster.ranks import run_ranks
+
+    path = tmp_path / "plan.json"
+    assert main(["estimate", *TINY, "--cluster", "cpu", "--batch", "4", "--pp", "1", *layout, "--out", str(path)]) == 0
+    capsys.readouterr()
+    weights = run_ranks(_dropout_rank, ranks, args=(str(path),))
+    # replicated over tp: the norms and the row-parallel projections' biases (column-parallel ones are split)
+    replicated = [name for name in weights[0]
+                  if name.rpartition(".")[0].endswith(("ln1", "ln2", "norm", "proj", "fc2"))]
+    assert len(replicated) == 14
+    for first, second in zip(weights[::2], weights[1::2]):  # tp innermost: ranks 2k and 2k + 1 form a tp group
+        assert {name: first[name] for name in replicated} == {name: second[name] for name in replicated}

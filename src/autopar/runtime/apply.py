@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,9 @@ class ParallelModel:
     tp_group: Any = None
     plan: Plan | None = None  # the plan `parallelize` applied: which rows of a batch this rank trains
     rank: int = 0  # this process's rank in the plan's mesh
+    # under tp, the random state the model's forward and backward draw from, the same on every rank of this rank's
+    # tp group (`_tp_random`): (the CPU generator's state, the current CUDA device's or None)
+    random: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def step(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> float:
         """One step's forward and backward (`forward_backward`); returns the loss one process training the whole
@@ -83,18 +86,41 @@ class ParallelModel:
         0 on pipeline stages other than the last. A ``LocalBatch`` is taken as this rank's rows as they are."""
         local = batch if isinstance(batch, LocalBatch) else self._local(batch)
         m = len(local.micro_batches)
-        if self.pipeline is not None:
-            total = self._schedule(local)
-        else:
-            losses = []
-            for k, inputs in enumerate(local.micro_batches):
-                with self.micro_batch(k, m):
-                    loss = loss_of(self.module(**inputs)) / m
-                    loss.backward()
-                losses.append(loss.detach())
-            total = torch.stack(losses).sum()
+        with self._model_random():
+            if self.pipeline is not None:
+                total = self._schedule(local)
+            else:
+                losses = []
+                for k, inputs in enumerate(local.micro_batches):
+                    with self.micro_batch(k, m):
+                        loss = loss_of(self.module(**inputs)) / m
+                        loss.backward()
+                    losses.append(loss.detach())
+                total = torch.stack(losses).sum()
         self.finish_backward()
         return total
+
+    @contextlib.contextmanager
+    def _model_random(self) -> Iterator[None]:
+        """Inside, random ops (dropout) draw from `random`, the state this rank's tp group shares; the caller's own
+        state is put back after. Tensor-parallel ranks hold the same replicated activations: a dropout mask drawn
+        differently on each (ranks seeded apart, or drawing apart between steps) would make them differ, and the
+        replicated weights would drift apart without an error."""
+        if self.random is None:
+            yield
+            return
+        cpu, cuda = self.random
+        theirs = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda is not None else None)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        try:
+            yield
+        finally:
+            self.random = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda is not None else None)
+            torch.set_rng_state(theirs[0])
+            if theirs[1] is not None:
+                torch.cuda.set_rng_state(theirs[1])
 
     def average_loss(self, local: torch.Tensor) -> float:
         """A rank's loss (`forward_backward`) averaged over the data-parallel ranks: the sum over all ranks divided
@@ -326,7 +352,27 @@ def parallelize(
     parallel = _pipelined(model, plan, mesh, axes) if pp > 1 else _one_stage(model, plan, mesh, axes, units=units,
                                                                                ddp=ddp)
     parallel.plan, parallel.rank = plan, dist.get_rank()
+    if tp > 1:
+        parallel.random = _tp_random(mesh, device)
     return parallel
+
+
+def _tp_random(mesh: Any, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's random state (the CPU generator's, and the current CUDA device's where there is one) as the
+    first rank of its tp group holds it: one broadcast per state, once."""
+    import torch.distributed as dist
+
+    group = mesh.get_group("tp")
+    source = dist.get_global_rank(group, 0)
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if device == "cuda" else None]
+    shared = []
+    for state in states:
+        if state is not None:
+            moved = state.to(device)  # NCCL moves CUDA tensors only
+            dist.broadcast(moved, src=source, group=group)
+            state = moved.cpu()
+        shared.append(state)
+    return shared[0], shared[1]
 
 
 def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *, units: Iterable[nn.Module],
