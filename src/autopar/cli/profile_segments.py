@@ -25,14 +25,14 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "profile-segments",
         help="time each distinct layer under each layout on live ranks into a profile database",
-        description="Spawn N ranks (gloo on CPU, NCCL on GPUs). For each layout (tensor-parallel size, sequence "
+        description="Start N ranks (gloo on CPU, NCCL on GPUs). For each layout (tensor-parallel size, sequence "
         "parallelism, recomputation, samples per device) apply the plan with the runtime as `autopar run` does, "
         "to a model keeping one layer of each kind, and time each distinct layer's forward and backward there, "
         "its collectives and recomputation included. Times are added to --db (created if absent; entries measured "
         "again are replaced) for estimate/plan/analyze --profile-db. Measured in fp32, as autopar run trains.",
     )
     add_model_arguments(parser)
-    parser.add_argument("--nproc", type=int, required=True, help="ranks to spawn (the plans' device count)")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start (the plans' device count)")
     parser.add_argument("--db", required=True, metavar="FILE", help="profile database to create or extend (JSON)")
     parser.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (default: every divisor of --nproc "
                         "the model's heads and widths allow)")

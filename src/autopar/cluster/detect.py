@@ -1,6 +1,6 @@
 """Cluster detector (MAP section 4.2): measure a live process group and fit its link model.
 
-Ranks are spawned on this machine with gloo (NCCL where GPUs are present), meet on a loopback rendezvous, time
+Ranks are started on this machine with gloo (NCCL where GPUs are present), meet on a loopback rendezvous, time
 all-reduce over message sizes from 1 KiB to 64 MiB, and rank 0 reports the median of each size; a rank that dies
 ends the measurement at once (`autopar.cluster.ranks`). The fit is the line t = a + f * M / B of the ring
 model (f = 2(n-1)/n) by least squares in relative error over messages of 4 MiB and more, where the bandwidth term
@@ -82,7 +82,7 @@ def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float
 
 def measure(nproc: int, sizes: tuple[int, ...] = SIZES, *, compute: bool = False,
             ) -> tuple[list[float], ComputeProfile | None]:
-    """Median all-reduce seconds per size on ``nproc`` freshly spawned ranks (rank 0's timings), and with
+    """Median all-reduce seconds per size on ``nproc`` new ranks (rank 0's timings), and with
     ``compute`` rank 0's `ComputeProfile`, measured while every rank measures its own.
 
     A rank that dies or raises stops the others and raises `RankError` naming it, within a second."""

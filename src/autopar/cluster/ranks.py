@@ -89,9 +89,9 @@ def loopback_interface() -> str | None:
 
 
 def run_ranks(target: Callable[..., Any], world: int, *, args: Sequence[Any] = (), host: str = LOOPBACK) -> list[Any]:
-    """Run ``target(rank, rendezvous, *args)`` on ``world`` spawned ranks; each rank's return value, in rank order.
+    """Run ``target(rank, rendezvous, *args)`` on ``world`` new ranks; each rank's return value, in rank order.
 
-    ``target`` must be importable by name (spawned ranks unpickle it). Raises `RankError` for the first rank that
+    ``target`` must be importable by name (ranks unpickle it). Raises `RankError` for the first rank that
     dies or raises, after every rank has been stopped."""
     with _rendezvous(host, world) as rendezvous, _Ranks() as ranks:
         ranks.start(target, rendezvous, tuple(args))
@@ -378,8 +378,9 @@ def _signal_name(number: int) -> str:
 
 @contextmanager
 def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while ranks are spawned: an ignored signal stays ignored across exec, and Python installs no
-    KeyboardInterrupt handler where it finds SIGINT ignored. (A Ctrl-C in these few milliseconds is lost.)"""
+    """SIGINT ignored while ranks (or their fork server) start: an ignored signal stays ignored across exec, and
+    Python installs no KeyboardInterrupt handler where it finds SIGINT ignored. (A Ctrl-C in these few milliseconds
+    is lost.)"""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return

@@ -46,7 +46,7 @@ def _rank_main(
 def run_plan(
     plan: Plan, *, nproc: int, steps: int, check: bool = False, check_comm: bool = False, checked: bool = False
 ) -> StepLog:
-    """Train ``steps`` steps of ``plan`` on ``nproc`` spawned ranks; rank 0's log (gradients with ``check``, every
+    """Train ``steps`` steps of ``plan`` on ``nproc`` new ranks; rank 0's log (gradients with ``check``, every
     rank's collectives in the last step with ``check_comm``; ``checked``: `check_runnable` has passed already).
 
     A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
