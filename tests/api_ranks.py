@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_api.py's multi-process tests (spawned ranks import it by name), and the
+"""What each rank runs in tests/test_api.py's multi-process tests (ranks import it by name), and the
 model and batches they share with examples/train_llama.py."""
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "calibrate",
         help="measure the live process group and fit the link model",
-        description="Spawn N ranks (gloo on CPU, NCCL on GPUs), time all-reduce from 1 KiB to 64 MiB and fit latency "
+        description="Start N ranks (gloo on CPU, NCCL on GPUs), time all-reduce from 1 KiB to 64 MiB and fit latency "
         "and bus bandwidth; then, on every rank at once, time GEMMs over a grid of shapes, memory bandwidth, the "
         "attention core and one op's fixed cost (fp32, one thread per rank on CPU, as `autopar run` trains); write "
         "a cluster file usable as --cluster.",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="ranks to spawn (2 or more)")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start (2 or more)")
     parser.add_argument("--out", help="write the fitted cluster here (YAML); checked before measuring")
     parser.add_argument("--links-only", action="store_true",
                         help="measure the links only; the device keeps the cpu preset's guessed compute")
