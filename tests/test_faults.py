@@ -305,6 +305,35 @@ def test_ranks_take_the_launchers_environment_and_output_as_they_are_when_they_s
         assert sorted((tmp_path / name).read_text().splitlines()) == [f"rank 0 says {name}", f"rank 1 says {name}"]
 
 
+def _tensor(rank: int, rendezvous):
+    import torch
+
+    return {"weights": torch.full((3,), float(rank))}
+
+
+def _unpicklable(rank: int, rendezvous):
+    return lambda: rank
+
+
+def test_a_rank_returns_tensors_by_value() -> None:
+    """multiprocessing's own pickler would send a tensor as a handle to the rank's shared memory, gone once the rank
+    has exited: the launcher got None back."""
+    import torch
+
+    from autopar.cluster.ranks import run_ranks
+
+    results = run_ranks(_tensor, 2)
+    assert [r["weights"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+    assert isinstance(results[0]["weights"], torch.Tensor)
+
+
+def test_a_result_that_cannot_be_sent_is_an_error_naming_the_rank() -> None:
+    from autopar.cluster.ranks import RankError, run_ranks
+
+    with pytest.raises(RankError, match=r"^rank [01] failed: .*(Pickl|pickle|local object)"):
+        run_ranks(_unpicklable, 2)
+
+
 def test_a_bad_rank_start_method_is_named(monkeypatch) -> None:
     from autopar.cluster.ranks import run_ranks
 

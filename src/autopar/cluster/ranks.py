@@ -23,6 +23,7 @@ import faulthandler
 import logging
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import socket
@@ -244,13 +245,21 @@ class _Ranks:
             failed = [rank for rank in ended if self.processes[rank].exitcode != 0]
             if failed:
                 raise self._error(failed)
-        return [self.messages.get(rank, ("ok", None))[1] for rank in range(len(self.processes))]
+        silent = [rank for rank in range(len(self.processes)) if rank not in self.messages]
+        if silent:
+            raise RankError(silent[0], "ended without reporting its result")
+        return [self.messages[rank][1] for rank in range(len(self.processes))]
 
     def _receive(self, rank: int, pipes: dict[int, Connection]) -> None:
         try:
-            self.messages[rank] = pipes[rank].recv()
+            data = pipes[rank].recv_bytes()
         except (EOFError, OSError):
             del pipes[rank]
+            return
+        try:
+            self.messages[rank] = pickle.loads(data)  # `_report`
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raised: the result cannot be had here
+            raise RankError(rank, f"sent a result this process cannot read: {_one_line(exc)}") from None
 
     def _error(self, failed: list[int]) -> RankError:
         """The cause among ranks that ended together: a signal first, then the error raised earliest (a peer of a
@@ -297,16 +306,22 @@ def _rank_entry(rank: int, pipe: Connection, launcher: int, stdio: None = None) 
         target, rendezvous, args = pipe.recv()
         _watch_launcher(pipe)
         value = target(rank, rendezvous, *args)
+        _FINISHING.set()
+        _report(pipe, ("ok", value))  # a value that cannot be pickled is an error, reported below
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, in one line
         _FINISHING.set()
         with suppress(OSError):
-            pipe.send(("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
+            _report(pipe, ("error", _one_line(exc), traceback.format_exc(), time.monotonic()))  # one clock machine-wide
             pipe.close()
         _exit(1)  # a process group torn down mid-collective aborts noisily
-    _FINISHING.set()
-    pipe.send(("ok", value))
     pipe.close()
     _exit(0)
+
+
+def _report(pipe: Connection, message: tuple[Any, ...]) -> None:
+    """Send ``message`` by value. multiprocessing's own pickler sends a tensor as a handle to this process's shared
+    memory, which is gone once the rank has exited: the launcher would get nothing back."""
+    pipe.send_bytes(pickle.dumps(message))
 
 
 def _exit(code: int) -> None:
