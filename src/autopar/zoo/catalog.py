@@ -80,9 +80,9 @@ def _catalog() -> dict[str, ModelConfig]:
         family="bert", name="bert-large", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522, seq=512,
         dropout=0.1,
     )
-    for name, (l, h, a, d, f) in _T5.items():
+    for name, (l, h, a, d, f) in _T5.items():  # as many decoder layers as encoder ones, --layers setting both
         cat[name] = ModelConfig(
-            family="t5", name=name, layers=l, decoder_layers=l, hidden=h, heads=a, head_dim=d, ffn=f, vocab=32128,
+            family="t5", name=name, layers=l, hidden=h, heads=a, head_dim=d, ffn=f, vocab=32128,
             seq=512, dropout=0.1,
         )
     for name in (*_MOE_DEFAULTS, *_WRN_DEFAULTS):

@@ -127,6 +127,8 @@ def get_config(name: str) -> ModelConfig:
     if kind == "gpt2":
         mapped["ffn"] = 4 * mapped["hidden"]
     mapped.pop("seq", None)  # the position table's size, not the planning default
+    if mapped.get("decoder_layers") == mapped["layers"]:
+        mapped["decoder_layers"] = 0  # as many as the encoder, so that --layers sets both stacks
     return ModelConfig(family="hf", name=name, hf_type=kind, seq=128 if tiny else spec.seq, dropout=spec.dropout,
                        **mapped)
 
@@ -144,7 +146,7 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
     kind, spec, tiny = _split(cfg.name)
     values = dict(spec.tiny if tiny else spec.full)
     for ours, theirs in spec.keys.items():
-        value = getattr(cfg, ours)
+        value = cfg.decoder_layers or cfg.layers if ours == "decoder_layers" else getattr(cfg, ours)
         if value:
             values[theirs] = value
     if "max_position_embeddings" in values or "n_positions" in values:
