@@ -53,6 +53,19 @@ def test_encoder_decoder_options_set_both_stacks() -> None:
     assert (config.encoder_attention_heads, config.decoder_attention_heads) == (4, 4)
 
 
+@pytest.mark.parametrize("name", ["hf:t5", "t5-base"])
+def test_layers_set_both_t5_stacks_unless_the_decoder_is_given(name: str) -> None:
+    """``--layers 2`` on T5 used to leave its decoder at 12 layers: a model of 2 + 12 layers planned as asked."""
+    def stacks(**options: int) -> tuple[int, int]:
+        module = load(name, batch=1, seq=8, device="meta", **options).module
+        encoder, decoder = (getattr(stack, "block", None) or stack.layers for stack in (module.encoder, module.decoder))
+        return len(encoder), len(decoder)
+
+    assert stacks(layers=2) == (2, 2)
+    assert stacks(layers=2, decoder_layers=3) == (2, 3)
+    assert stacks() == (12, 12)
+
+
 def test_seq_is_an_image_classifier_s_image_side() -> None:
     zoo = load("hf:vit", batch=1, seq=64, **SMALL)
     assert zoo.module.config.image_size == 64 and zoo.inputs["pixel_values"].shape == (1, 3, 64, 64)
@@ -574,3 +587,87 @@ def test_a_pipeline_stage_tp_cannot_split_is_refused_when_planned(tmp_path: Path
     assert code == 2
     assert "module 'model.layers.0.mlp.gate' (MixtralTopKRouter) cannot be split by tensor parallelism yet" in err
     assert not (tmp_path / "mixtral.json").exists()
+
+
+# ---- a model that draws random numbers in its own code, and --check -----------------------------------------------
+
+NOISY = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.up = nn.Linear(16, 32)
+            self.down = nn.Linear(32, 16)
+            self.out = nn.Linear(16, 50)
+
+        def forward(self, ids, labels):
+            x = self.embed(ids)
+            x = x + self.down(F.dropout(F.gelu(self.up(x)), p=0.1, training=self.training))
+            x = x + 0.01 * torch.randn_like(x)
+            return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+    def build(batch):
+        ids = torch.randint(0, 50, (batch, 8))
+        return Net(), {"ids": ids, "labels": ids}
+""")
+
+
+def test_check_refuses_a_model_that_draws_random_numbers_naming_where(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout the model's own code applies (``F.dropout``) and noise it adds cannot be turned off by `autopar run`,
+    and ranks draw them for their own rows: the check used to fail on it with a bare loss mismatch ("step 0: loss
+    5.08459044, one process 5.08347178"), which reads as a plan bug. It is refused before any rank starts, naming
+    each draw's line; a run without --check still trains."""
+    import autopar.cli.run as run_command
+
+    path = tmp_path / "noisy.py"
+    path.write_text(NOISY)
+    out = tmp_path / "dp.json"
+    code, _, err = run_cli(capsys, "estimate", f"{path}:build", "--cluster", "cpu", "--gpus", "2", "--batch", "4",
+                           "--out", str(out))
+    assert code == 0, err
+    started = []
+    monkeypatch.setattr(run_command, "run_plan", lambda *a, **k: started.append(1))
+    code, _, err = run_cli(capsys, "run", str(out), "--nproc", "2", "--steps", "1", "--check")
+    assert code == 2 and not started
+    assert "--check cannot compare this model with one process" in err
+    lines = NOISY.splitlines()
+    dropout, noise = (1 + next(i for i, line in enumerate(lines) if key in line) for key in ("F.dropout", "randn_like"))
+    assert f"bernoulli_ at noisy.py:{dropout} in forward, module Net" in err
+    assert f"randn_like at noisy.py:{noise} in forward, module Net" in err
+
+
+def test_random_draws_are_noted_only_where_they_draw() -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autopar.runtime.train import RandomDraws
+
+    x = torch.randn(2, 4, 8, 16)
+    quiet = [
+        lambda: nn.Dropout(0.0).train()(x),
+        lambda: nn.Dropout(0.5).eval()(x),
+        lambda: F.dropout(x, 0.3, training=False),
+        lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.0),
+        lambda: F.alpha_dropout(x, 0.0, training=True),
+    ]
+    for k, work in enumerate(quiet):
+        with RandomDraws() as seen:
+            work()
+        assert seen.places == [], k
+    loud = [
+        (lambda: nn.Dropout(0.5).train()(x), "bernoulli_"),
+        (lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.2), "bernoulli_"),  # the math path drops out itself
+        (lambda: torch.rand_like(x), "rand_like"),
+        (lambda: torch.randperm(5), "randperm"),
+    ]
+    for work, op in loud:
+        with RandomDraws() as seen:
+            work()
+        assert len(seen.places) == 1 and seen.places[0].startswith(op), seen.places
+        assert "test_model_forms.py:" in seen.places[0]

@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
                          "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
     prestart()  # what the ranks import, imported beside the plan's checks
     plan = load_runnable(args.plan)
+    ref = reference(Workload.of(plan), steps=args.steps) if args.check else None
+    if ref is not None and ref.random_draws:  # refused before any rank starts: the comparison could not hold
+        raise ValueError(random_refusal(ref.random_draws))
     log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm,
                    checked=True)
     data: dict[str, Any] = {
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     }
     data["timing"] = timing(plan, log.seconds)
     if args.check:
-        data["check"] = compare(log, reference(Workload.of(plan), steps=args.steps))
+        data["check"] = compare(log, ref)
     if args.check_comm:
         data["check_comm"] = check_ranks(plan, log.collectives)
     failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
@@ -71,6 +74,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             print(json.dumps(_finite(data), indent=2, allow_nan=False))
         raise RuntimeError("; ".join(failed))
     return data if args.json else render(data)
+
+
+def random_refusal(places: list[str]) -> str:
+    shown = "; ".join(places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")
+    return (f"--check cannot compare this model with one process: it draws random numbers in training ({shown}), "
+            "and ranks draw theirs for their own rows, stages and shards, so losses would differ by the draws "
+            "alone. autopar run sets every nn.Dropout module to 0, but cannot reach dropout or noise the model's own "
+            "code applies: run without --check, or apply dropout through nn.Dropout modules")
 
 
 def timing(plan: Any, seconds: list[float]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class StepLog:
     peak_bytes: list[int] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     collectives: list[list[dict]] = field(default_factory=list)  # per rank: calls and bytes per (kind, axis)
+    random_draws: list[str] = field(default_factory=list)  # the reference's: where its first step drew random numbers
 
 
 def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
@@ -74,6 +75,7 @@ def train(
     parallel: ParallelModel, optimizer: torch.optim.Optimizer, work: Workload, *, steps: int,
     gradients=None,  # noqa: ANN001 - callable returning the whole gradients after backward
     counter: CollectiveCounter | None = None,  # counts the collectives of the last step
+    watch_random: bool = False,  # note where the first step draws random numbers (`StepLog.random_draws`)
 ) -> StepLog:
     """``steps`` steps on the workload's synthetic batches; losses as one process sees them
     (`ParallelModel.average_loss`). A model `parallelize` made takes its own rows of each batch; any other (the
@@ -88,8 +90,12 @@ def train(
         counting = counter if counter is not None and step == steps - 1 else contextlib.nullcontext()
         _together(parallel)
         start = time.perf_counter()
+        watching = RandomDraws() if watch_random and step == 0 else contextlib.nullcontext()
         with counting:
-            loss = parallel.forward_backward(batch)
+            with watching:
+                loss = parallel.forward_backward(batch)
+            if isinstance(watching, RandomDraws):
+                log.random_draws = watching.places
             checking = time.perf_counter()
             if gradients is not None:
                 _paused(counter, lambda: log.grads.append(gradients()))
@@ -134,4 +140,78 @@ def reference(work: Workload, *, steps: int, seed: int = 0) -> StepLog:
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
     plain = ParallelModel(module, 0, lambda cls, **kw: cls(module.parameters(), **kw))
-    return train(plain, optimizer, work, steps=steps, gradients=grads)
+    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True)
+
+
+class RandomDraws:
+    """Inside, notes each place the model draws random numbers (an aten op tagged ``nondeterministic_seeded`` that
+    really draws: dropout at p 0, or attention at ``dropout_p`` 0, draws nothing), as ``op at file:line in function
+    (module)``, the frame being the innermost outside torch and autopar, once per place.
+
+    A one-process check cannot compare such a model with its ranks: ranks draw for their own rows, stages and
+    shards from their own generators, so losses differ by the draws alone, which a loss mismatch would not say.
+    `autopar run` sets every ``nn.Dropout`` to 0, but not ``F.dropout(x, p, training=self.training)``, noise
+    added with ``torch.randn`` or random masking in the model's own code."""
+
+    def __init__(self) -> None:
+        self.places: list[str] = []
+        self._modes: list = []
+
+    def __enter__(self) -> RandomDraws:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.module_tracker import ModuleTracker
+
+        tracker = ModuleTracker()
+        places = self.places
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                kwargs = kwargs or {}
+                if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+                    place = f"{func.overloadpacket.__name__} at {_user_frame()}{_innermost(tracker.parents)}"
+                    if place not in places:
+                        places.append(place)
+                return func(*args, **kwargs)
+
+        self._modes = [tracker, Watch()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:  # noqa: ANN001
+    """Whether a seeded op draws at these arguments: dropout at p 0 or not training, and attention at dropout_p 0,
+    return without drawing."""
+    schema = func._schema.arguments
+    value = {a.name: a.default_value for a in schema if a.has_default_value()}
+    value |= dict(zip((a.name for a in schema), args)) | kwargs
+    if "dropout_p" in value:
+        return bool(value["dropout_p"])
+    if "dropout" in func.overloadpacket.__name__:
+        return bool(value.get("p", 1.0)) and value.get("train", True) is not False
+    return True
+
+
+def _user_frame() -> str:
+    """``file:line in function`` of the innermost frame outside torch, autopar and the standard library (a
+    Hugging Face model's own modelling file counts: it is where the draw is written)."""
+    import os
+    import sysconfig
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep,
+            sysconfig.get_paths()["stdlib"] + os.sep)
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(skip) or "site-packages" in frame.filename and \
+                not frame.filename.startswith(skip[:2]):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return "an unknown place"
+
+
+def _innermost(parents: set[str]) -> str:
+    names = [name for name in parents if name != "Global"]
+    return f", module {max(names, key=lambda n: (n.count('.'), len(n)))}" if names else ""
