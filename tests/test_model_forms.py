@@ -555,6 +555,22 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
         assert "would train a different model" in err and "plan without pipeline parallelism" in err
 
 
+@pytest.mark.parametrize("model", ["hf:gpt2", "hf:gpt_bigcode"])
+def test_gpt2_style_models_plan_pipelines(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str) -> None:
+    """GPT-2's chain (``transformer``: token and position embeddings, dropout, ``h``, ``ln_f``; a tied head) is cut
+    into stages, checked on a small copy against the model's own forward; such plans used to be refused ("pipeline
+    stages of a GPT2LMHeadModel cannot be run yet"). `test_runtime` runs them against one process."""
+    from autopar.runtime.pipeline import check_stage_forward, stage_layers
+
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", model, *_flags({"layers": 4, "hidden": 64, "heads": 4}), "--cluster",
+                           "cpu", "--gpus", "2", "--pp", "2", "--mbs", "2", "--batch", "4", "--out", str(out))
+    assert code == 0 and out.exists(), err
+    module = load(model, batch=1, seq=16, layers=4, hidden=64, heads=4).module
+    check_stage_forward(module, seq=16)
+    assert stage_layers(module, load_plan(out)) == [[0, 1], [2, 3]]
+
+
 def test_a_moe_model_traces_in_fp32_as_in_bf16(capfd):
     """Hugging Face MoE experts run a grouped matmul whose fake kernel takes bf16 only on CPU; traced in fp32 the
     model runs the same grouped matmuls with the same flops as in bf16, at fp32 sizes, and no traceback is

@@ -141,6 +141,7 @@ def test_the_check_names_the_first_mismatch() -> None:
 GPT4 = dict(GPT, layers=4)
 LLAMA4 = dict(LLAMA, layers=4)
 HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers
+HF_GPT2 = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 128}
 
 
 NESTED = [["layers.0", "layers.3"], ["layers.0", "layers.1"]]  # a run inside a run; layer 3 replays last
@@ -181,6 +182,8 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("gpt3-125m", GPT4, 2, 1, 2, "gpipe", None),  # PP x DP
         ("gpt3-125m", GPT4, 2, 1, 1, "interleaved", None),  # 2 chunks per device, the tied head on the last
         ("llama-7b", LLAMA4, 2, 1, 2, "interleaved", {"layers.2": "full"}),  # interleaved x DP, chunks synced apart
+        ("hf:gpt2", HF_GPT2, 2, 1, 2, "1f1b", {"transformer.h.1": "full"}),  # GPT-2's chain, its head tied
+        ("hf:gpt_bigcode", HF_GPT2, 2, 1, 1, "interleaved", None),  # GPT-2-style, multi-query attention
     ],
 )
 def test_pipelines_match_one_process_and_the_predicted_collectives(

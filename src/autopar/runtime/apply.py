@@ -440,7 +440,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward
-            layers = (part.layers if hasattr(part, "layers") else part.model.layers)._modules.values()
+            layers = pipeline.stage_stack(part)._modules.values()
             _fully_shard(part, layers, mesh["dp"], 1)
         if names:  # by name, once wrapped (FSDP2 replaces the parameters)
             params = dict(part.named_parameters())

@@ -10,9 +10,11 @@ A weight tied across stages (GPT's head reads the embedding) is held by the firs
 backward their gradients are summed over the pair of ranks, as Megatron-LM does, and the cost model prices that
 all-reduce on the pp axis.
 
-The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models and Hugging
-Face's LLaMA-style causal LMs are supported (embedding, the repeated layers, final norm and head; the last stage
-returns logits and the schedule's loss function computes the loss).
+The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models, Hugging
+Face's LLaMA-style causal LMs and its GPT-2-style ones (``transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and
+``ln_f``) are supported (embedding, the repeated layers, final norm and head; the last stage returns logits and the
+schedule's loss function computes the loss). A Hugging Face model's stages are checked against its own forward on
+a small copy before a plan is offered (`check_stage_forward`).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from autopar.zoo.layers import lm_loss
 class StageModule(nn.Module):
     """The modules of one pipeline stage of a language model, under their names in the whole model.
 
-    Knows the zoo's GPT-style and LLaMA-style models and Hugging Face's LLaMA-style causal LMs (``model.model``
-    holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``)."""
+    Knows the zoo's GPT-style and LLaMA-style models, Hugging Face's LLaMA-style causal LMs (``model.model``
+    holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``) and its GPT-2-style ones
+    (``model.transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and ``ln_f``, and ``lm_head``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -59,6 +62,18 @@ class StageModule(nn.Module):
             if last:
                 self.lm_head = model.lm_head
             return
+        if self.kind == "gpt2":
+            inner = nn.Module()  # `transformer.` prefix kept, so parameter names match the whole model's
+            inner.h = chosen
+            self.config, self.logit_scale = model.config, None
+            if first:
+                inner.wte, inner.wpe, inner.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
+            if last:
+                inner.ln_f = model.transformer.ln_f
+            self.transformer = inner
+            if last:
+                self.lm_head = model.lm_head
+            return
         if first:
             self.embed = model.embed
             if self.kind == "gpt":
@@ -72,6 +87,8 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "hf":
             return self._forward_hf(x)
+        if self.kind == "gpt2":
+            return self._forward_gpt2(x)
         if self.first:
             ids = x
             x = self.embed(ids)
@@ -107,6 +124,20 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
         if self.last:
             return self._logits(self.lm_head(inner.norm(x)))
+        return x
+
+    def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of a GPT-2-style forward: token and position embeddings summed and dropped out, the
+        layers under the causal mask the whole model builds, the final norm and the head."""
+        inner = self.transformer
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if self.first:
+            x = inner.drop(inner.wte(x) + inner.wpe(positions))
+        mask = _attention_mask(self.config, "full_attention", x, positions)
+        for layer in inner.h.values():
+            x = layer(x, attention_mask=mask, position_ids=positions)
+        if self.last:
+            return self._logits(self.lm_head(inner.ln_f(x)))
         return x
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -160,9 +191,12 @@ def chain_kind(model: nn.Module) -> str:
     inner = getattr(model, "model", None)
     if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "hf"
+    inner = getattr(model, "transformer", None)
+    if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("wte", "wpe", "drop", "h", "ln_f")):
+        return "gpt2"
     raise NotImplementedError(
-        f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models and Hugging Face "
-        "LLaMA-style causal LMs can)"
+        f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
+        "LLaMA-style and GPT-2-style causal LMs can)"
     )
 
 
@@ -179,7 +213,7 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     hidden 64, 4 heads, vocabulary 128, random weights; a sliding window shorter than the real ``seq`` stays
     shorter than the check's tokens, one as long or longer stays so) computes its logits whole and through two
     stages, which must agree."""
-    if chain_kind(model) != "hf":
+    if chain_kind(model) not in HF_KINDS:
         return
     name = type(model).__name__
 
@@ -222,7 +256,7 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
     from autopar.zoo.hf_fields import field_names
 
     config = copy.deepcopy(model.config)
-    layers = config.num_hidden_layers
+    layers = len(_layers(model))
     small = min(layers, 4)
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 128, "layers": small}
     if getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None):
@@ -244,8 +278,17 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
     return built.float().eval()
 
 
+HF_KINDS = ("hf", "gpt2")  # the Hugging Face chains: stages checked on a small copy, loss shifted by one token
+
+
 def _layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers if chain_kind(model) == "hf" else model.layers
+    kind = chain_kind(model)
+    return model.model.layers if kind == "hf" else model.transformer.h if kind == "gpt2" else model.layers
+
+
+def stage_stack(part: StageModule) -> nn.ModuleDict:
+    """The repeated layers a stage holds, by their index in the whole model."""
+    return part.model.layers if part.kind == "hf" else part.transformer.h if part.kind == "gpt2" else part.layers
 
 
 def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -257,7 +300,7 @@ def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]]:
     """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
     the first or the last stage; a plan that puts one elsewhere is refused by name."""
     stages = plan.stages
-    prefix = "model.layers" if chain_kind(model) == "hf" else "layers"
+    prefix = {"hf": "model.layers", "gpt2": "transformer.h"}.get(chain_kind(model), "layers")
     count = len(_layers(model))
     result = []
     for number, stage in enumerate(stages):
@@ -338,7 +381,7 @@ def build(
         tied += [(params[name], tied_group) for name in twins if name in params]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     stages = [PipelineStage(w, v, virtual, device, group=mesh.get_group("pp")) for w, v in zip(wrapped, mine)]
-    loss = shifted_lm_loss if parts[0].kind == "hf" else lm_loss
+    loss = shifted_lm_loss if parts[0].kind in HF_KINDS else lm_loss
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     else:
