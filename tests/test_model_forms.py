@@ -492,6 +492,7 @@ def test_attention_that_forms_heads_from_the_full_head_count_is_refused_under_tp
     code, _, err = run_cli(capsys, "estimate", "hf:opt", *_flags(SMALL), *common, "--out", str(tmp_path / "opt.json"))
     assert code == 2, err
     assert "the attention in module 'model.decoder.layers.0.self_attn' runs on 4 heads x 16 positions" in err
+    assert "where a rank's share of the model's (4 heads x 32 positions x 16) is 2 heads x 32 positions x 16" in err
     assert not (tmp_path / "opt.json").exists()
     code, _, err = run_cli(capsys, "estimate", "hf:gpt_neox", *_flags(SMALL), *common, "--out",
                            str(tmp_path / "neox.json"))
@@ -687,3 +688,17 @@ def test_random_draws_are_noted_only_where_they_draw() -> None:
             work()
         assert len(seen.places) == 1 and seen.places[0].startswith(op), seen.places
         assert "test_model_forms.py:" in seen.places[0]
+
+
+def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CodeGen cuts its fused q/k/v after a reshape, with a split whose size assumes the whole width: under tp 2 its
+    unpacking raises ValueError. That error used to be given as the whole reason ("not enough values to unpack
+    (expected 3, got 2)"), naming no module, as if it were autopar's own refusal."""
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", "hf:codegen", *_flags({"layers": 2, "hidden": 64, "heads": 4}),
+                           "--seq", "64", "--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4",
+                           "--mbs", "2", "--out", str(out))
+    assert code == 2 and not out.exists()
+    assert "the plan fails in module 'transformer.h.0.attn' when applied on a fake process group of 2 ranks: " \
+           "ValueError: not enough values to unpack" in err

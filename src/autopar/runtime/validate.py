@@ -221,16 +221,34 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
                     local = dataclasses.replace(local, micro_batches=ends)
                 parallel.forward_backward(local)
                 optimizer.step()  # as rank 0
-    except (ValueError, NotImplementedError):
-        raise
+    except (ValueError, NotImplementedError) as exc:
+        if _raised_by_autopar(exc):  # a refusal that says why already
+            raise
+        failed = exc  # the model's own code or PyTorch's (a ValueError unpacking a split): as below
     except Exception as exc:  # noqa: BLE001 - whatever PyTorch raised: the plan does not apply to this model
-        text = str(exc).strip().splitlines()
-        inside = f" in module {where[-1]!r}" if "where" in locals() and where else ""
-        raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
-                         f"{type(exc).__name__}: {text[0] if text else ''}") from None
+        failed = exc
+    else:
+        failed = None
     finally:
         dist.destroy_process_group()
+    if failed is not None:
+        text = str(failed).strip().splitlines()
+        inside = f" in module {where[-1]!r}" if "where" in locals() and where else ""
+        raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
+                         f"{type(failed).__name__}: {text[0] if text else ''}") from None
     return counter.summary() if count else None
+
+
+def _raised_by_autopar(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in autopar's own code (a refusal naming its reason), not in the model's or
+    PyTorch's code that autopar called."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
 
 
 def attention_shapes(graph: Graph) -> frozenset[tuple[int, int, int]]:
@@ -257,13 +275,14 @@ class _AttentionShapes(TorchDispatchMode):
             if isinstance(query, torch.Tensor) and query.dim() == 4 and tuple(query.shape[1:]) not in self.expected:
                 heads, seq, size = query.shape[1:]
                 whole = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.traced))
+                share = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.expected))
                 module = self.where[-1] if self.where else "<root>"
                 raise ValueError(
                     f"under tp {self.tp} the attention in module {module!r} runs on {heads} heads x {seq} positions "
-                    f"x {size} per rank, which is not a rank's share of the model's ({whole}): its code forms heads "
-                    "from the model's full head count (as view(bsz, -1, num_heads, head_dim) does), so each rank "
-                    "would fold its share of the features into the sequence and train a different model; plan with "
-                    "tp 1 (--runnable finds one)")
+                    f"x {size} per rank, where a rank's share of the model's ({whole}) is {share or 'whole heads'}: "
+                    "its code forms heads from the model's full head count (as view(bsz, -1, num_heads, head_dim) "
+                    "does), so each rank would attend over the wrong features and train a different model; plan "
+                    "with tp 1 (--runnable finds one)")
         return func(*args, **(kwargs or {}))
 
 
