@@ -184,7 +184,8 @@ def test_a_tensor_parallel_size_that_splits_heads_unevenly_is_refused(capsys) ->
     code, out, err = run_cli(capsys, "estimate", *SMALL, "--tp", "5", "--batch", "8")
     assert (code, out) == (2, "")
     assert err == ("autopar estimate: error: --tp 5 does not divide the model's attention heads and column-parallel "
-                   "widths [12, 2304, 3072] (here 12): choose a --tp that divides them all\n")
+                   "widths [12, 2304, 3072] (here 12, of module 'layers.0.attn' (its attention heads)): choose a --tp "
+                   "that divides them all\n")
 
 
 def test_a_bad_flag_prints_no_usage_block_from_the_console(tmp_path) -> None:

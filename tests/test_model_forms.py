@@ -702,3 +702,12 @@ def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
     assert code == 2 and not out.exists()
     assert "the plan fails in module 'transformer.h.0.attn' when applied on a fake process group of 2 ranks: " \
            "ValueError: not enough values to unpack" in err
+
+
+def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2-MoE's shared-expert gate projects to one feature; the refusal used to say only "(here 1)"."""
+    code, _, err = run_cli(capsys, "estimate", "hf:qwen2_moe", *_flags({**SMALL, "kv_heads": 2, "experts": 4}),
+                           "--seq", "32", "--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4",
+                           "--mbs", "2")
+    assert code == 2
+    assert "(here 1, of module 'model.layers.0.mlp.shared_expert_gate' (Linear, its output features))" in err

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     uneven = sorted(w for w in model.split_widths if w % config.tp)
     if uneven:  # Megatron splits heads and column outputs evenly; pricing a ragged split would be silently wrong
         raise ValueError(f"--tp {config.tp} does not divide the model's attention heads and column-parallel widths "
-                         f"{sorted(model.split_widths)} (here {uneven[0]}): choose a --tp that divides them all")
+                         f"{sorted(model.split_widths)} (here {uneven[0]}, of {model.split_width_where(uneven[0])}): "
+                         "choose a --tp that divides them all")
     if global_batch % (config.dp * config.mbs):
         raise ValueError(f"--batch {global_batch} is not a multiple of dp x mbs = {config.dp} x {config.mbs}")
     pipeline = pipeline_config(model, config)

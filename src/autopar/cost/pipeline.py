@@ -451,6 +451,18 @@ class PipelineModel:
                     widths.update(t.shape[1] for t in node.inputs[:3] if len(t.shape) == 4)
         return frozenset(widths)
 
+    def split_width_where(self, width: int) -> str:
+        """What in the repeated layers has ``width`` (`split_widths`): the first module whose column output or
+        attention heads have it, as ``module 'name' (its output features)`` or ``module 'name' (its heads)``."""
+        for layer in self.layers:
+            for node in layer.nodes if layer.repeated else ():
+                if node.id in layer.columns and node.outputs and node.outputs[0].shape[-1] == width:
+                    return f"module {node.module!r} ({node.module_type}, its output features)"
+                if "scaled_dot_product" in node.op and any(len(t.shape) == 4 and t.shape[1] == width
+                                                           for t in node.inputs[:3]):
+                    return f"module {node.module!r} (its attention heads)"
+        return "the model"
+
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
