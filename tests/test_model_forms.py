@@ -704,6 +704,18 @@ def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
            "ValueError: not enough values to unpack" in err
 
 
+def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bloom reshapes its fused q/k/v with view(b, s, num_heads, 3, head_dim): under tp 2 the rehearsal fails with
+    a bare shape error, which now says what it means."""
+    code, _, err = run_cli(capsys, "estimate", "hf:bloom", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
+                           "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out",
+                           str(tmp_path / "plan.json"))
+    assert code == 2 and not (tmp_path / "plan.json").exists()
+    assert "the plan fails in module 'transformer.h.0.self_attention'" in err and "is invalid for input of size" in err
+    assert "reshapes them by the model's whole head count or width fails so: plan with tp 1" in err
+
+
 def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen2-MoE's shared-expert gate projects to one feature; the refusal used to say only "(here 1)"."""
     code, _, err = run_cli(capsys, "estimate", "hf:qwen2_moe", *_flags({**SMALL, "kv_heads": 2, "experts": 4}),

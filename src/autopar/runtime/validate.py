@@ -235,8 +235,18 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         text = str(failed).strip().splitlines()
         inside = f" in module {where[-1]!r}" if "where" in locals() and where else ""
         raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
-                         f"{type(failed).__name__}: {text[0] if text else ''}") from None
+                         f"{type(failed).__name__}: {text[0] if text else ''}{_reshape_hint(failed, plan)}") from None
     return counter.summary() if count else None
+
+
+def _reshape_hint(exc: BaseException, plan: Plan) -> str:
+    """Why a reshape fails under tp, where it does: the model's code reshapes a tensor tp splits by the model's
+    whole width or head count (``view(b, s, num_heads, 3, head_dim)``), which a rank's share does not have."""
+    if plan.grid[1] == 1 or not isinstance(exc, RuntimeError) or "is invalid for input of size" not in str(exc):
+        return ""
+    return (f"; under tp {plan.grid[1]} a rank holds 1/{plan.grid[1]} of the features a split projection makes, "
+            "and code that reshapes them by the model's whole head count or width fails so: plan with tp 1 "
+            "(--runnable finds one)")
 
 
 def _raised_by_autopar(exc: BaseException) -> bool:
