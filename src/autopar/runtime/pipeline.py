@@ -30,6 +30,30 @@ from autopar.plan import Plan
 from autopar.zoo.layers import lm_loss
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Where a Hugging Face causal LM keeps its chain: the module under ``outer`` holds the repeated layers as
+    ``stack``, the modules ``first`` of them (on the first stage), those after them (``last``, on the last stage)
+    and ``every`` stage's own (rotary tables); ``lm_head`` is the model's."""
+
+    outer: str
+    stack: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    every: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.stack, *self.first, *self.last, *self.every)
+
+
+# the Hugging Face chains: stages are checked on a small copy (`check_stage_forward`), the loss shifted by one token
+HF_CHAINS = {
+    "hf": Chain("model", "layers", first=("embed_tokens",), last=("norm",), every=("rotary_emb",)),  # LLaMA-style
+    "gpt2": Chain("transformer", "h", first=("wte", "wpe", "drop"), last=("ln_f",)),  # GPT-2-style
+}
+
+
 class StageModule(nn.Module):
     """The modules of one pipeline stage of a language model, under their names in the whole model.
 
@@ -47,30 +71,17 @@ class StageModule(nn.Module):
             from autopar.runtime.apply import segment_layers
 
             segment_layers(chosen, stack._autopar_spans)
-        if self.kind == "hf":
-            inner = nn.Module()  # `model.` prefix kept, so parameter names match the whole model's
-            inner.layers = chosen
-            inner.rotary_emb = model.model.rotary_emb
+        if self.kind in HF_CHAINS:
+            chain = HF_CHAINS[self.kind]
+            whole = getattr(model, chain.outer)
+            inner = nn.Module()  # the outer module's name kept, so parameter names match the whole model's
+            setattr(inner, chain.stack, chosen)
+            for name in chain.every + (chain.first if first else ()) + (chain.last if last else ()):
+                setattr(inner, name, getattr(whole, name))
+            setattr(self, chain.outer, inner)
             self.config = model.config  # not a module: its masks are made per forward from it
             scale = getattr(model, "logit_scale", None)  # a number (Cohere), not a parameter
             self.logit_scale = scale if isinstance(scale, (int, float)) else None
-            if first:
-                inner.embed_tokens = model.model.embed_tokens
-            if last:
-                inner.norm = model.model.norm
-            self.model = inner
-            if last:
-                self.lm_head = model.lm_head
-            return
-        if self.kind == "gpt2":
-            inner = nn.Module()  # `transformer.` prefix kept, so parameter names match the whole model's
-            inner.h = chosen
-            self.config, self.logit_scale = model.config, None
-            if first:
-                inner.wte, inner.wpe, inner.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
-            if last:
-                inner.ln_f = model.transformer.ln_f
-            self.transformer = inner
             if last:
                 self.lm_head = model.lm_head
             return
@@ -188,12 +199,10 @@ def chain_kind(model: nn.Module) -> str:
         return "gpt"
     if isinstance(model, Llama):
         return "llama"
-    inner = getattr(model, "model", None)
-    if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "hf"
-    inner = getattr(model, "transformer", None)
-    if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in ("wte", "wpe", "drop", "h", "ln_f")):
-        return "gpt2"
+    for kind, chain in HF_CHAINS.items():
+        inner = getattr(model, chain.outer, None)
+        if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in chain.modules):
+            return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
         "LLaMA-style and GPT-2-style causal LMs can)"
@@ -213,7 +222,7 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     hidden 64, 4 heads, vocabulary 128, random weights; a sliding window shorter than the real ``seq`` stays
     shorter than the check's tokens, one as long or longer stays so) computes its logits whole and through two
     stages, which must agree."""
-    if chain_kind(model) not in HF_KINDS:
+    if chain_kind(model) not in HF_CHAINS:
         return
     name = type(model).__name__
 
@@ -278,17 +287,15 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
     return built.float().eval()
 
 
-HF_KINDS = ("hf", "gpt2")  # the Hugging Face chains: stages checked on a small copy, loss shifted by one token
-
-
 def _layers(model: nn.Module) -> nn.ModuleList:
-    kind = chain_kind(model)
-    return model.model.layers if kind == "hf" else model.transformer.h if kind == "gpt2" else model.layers
+    chain = HF_CHAINS.get(chain_kind(model))
+    return getattr(getattr(model, chain.outer), chain.stack) if chain else model.layers
 
 
 def stage_stack(part: StageModule) -> nn.ModuleDict:
     """The repeated layers a stage holds, by their index in the whole model."""
-    return part.model.layers if part.kind == "hf" else part.transformer.h if part.kind == "gpt2" else part.layers
+    chain = HF_CHAINS.get(part.kind)
+    return getattr(getattr(part, chain.outer), chain.stack) if chain else part.layers
 
 
 def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -300,7 +307,8 @@ def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]]:
     """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
     the first or the last stage; a plan that puts one elsewhere is refused by name."""
     stages = plan.stages
-    prefix = {"hf": "model.layers", "gpt2": "transformer.h"}.get(chain_kind(model), "layers")
+    chain = HF_CHAINS.get(chain_kind(model))
+    prefix = f"{chain.outer}.{chain.stack}" if chain else "layers"
     count = len(_layers(model))
     result = []
     for number, stage in enumerate(stages):
@@ -381,7 +389,7 @@ def build(
         tied += [(params[name], tied_group) for name in twins if name in params]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     stages = [PipelineStage(w, v, virtual, device, group=mesh.get_group("pp")) for w, v in zip(wrapped, mine)]
-    loss = shifted_lm_loss if parts[0].kind in HF_KINDS else lm_loss
+    loss = shifted_lm_loss if parts[0].kind in HF_CHAINS else lm_loss
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     else:
