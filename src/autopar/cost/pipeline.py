@@ -440,28 +440,30 @@ class PipelineModel:
         """Sizes tensor parallelism must divide: the repeated layers' attention heads (query and key/value heads,
         as the runtime requires) and column-parallel outputs (read once; the search asks for every configuration it
         changes)."""
-        widths: set[int] = set()
+        return frozenset(self._split_width_places)
+
+    def split_width_where(self, width: int) -> str:
+        """What in the repeated layers has ``width`` (one of `split_widths`): the first module whose column output
+        or attention heads have it, as ``module 'name' (its type, its output features)`` or ``module 'name' (its
+        attention heads)``."""
+        return self._split_width_places.get(width, "the model")
+
+    @cached_property
+    def _split_width_places(self) -> dict[int, str]:
+        """Each width of `split_widths` and the first module that has it, in one pass over the repeated layers."""
+        places: dict[int, str] = {}
         for layer in self.layers:
             if not layer.repeated:
                 continue
             for node in layer.nodes:
                 if node.id in layer.columns and node.outputs:
-                    widths.add(node.outputs[0].shape[-1])
+                    places.setdefault(node.outputs[0].shape[-1],
+                                      f"module {node.module!r} ({node.module_type}, its output features)")
                 if "scaled_dot_product" in node.op and node.inputs:  # query heads, and key/value heads (GQA)
-                    widths.update(t.shape[1] for t in node.inputs[:3] if len(t.shape) == 4)
-        return frozenset(widths)
-
-    def split_width_where(self, width: int) -> str:
-        """What in the repeated layers has ``width`` (`split_widths`): the first module whose column output or
-        attention heads have it, as ``module 'name' (its output features)`` or ``module 'name' (its heads)``."""
-        for layer in self.layers:
-            for node in layer.nodes if layer.repeated else ():
-                if node.id in layer.columns and node.outputs and node.outputs[0].shape[-1] == width:
-                    return f"module {node.module!r} ({node.module_type}, its output features)"
-                if "scaled_dot_product" in node.op and any(len(t.shape) == 4 and t.shape[1] == width
-                                                           for t in node.inputs[:3]):
-                    return f"module {node.module!r} (its attention heads)"
-        return "the model"
+                    for t in node.inputs[:3]:
+                        if len(t.shape) == 4:
+                            places.setdefault(t.shape[1], f"module {node.module!r} (its attention heads)")
+        return places
 
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
