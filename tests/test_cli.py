@@ -256,14 +256,15 @@ def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_plan_the_runtime_would_refuse_is_refused_when_planned(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
-    """GPT-2's `Conv1D` projections cannot be split by tensor parallelism yet: `estimate --out` writes no plan file
-    and names the module, before any rank could start."""
+    """GPTBigCode's multi-query attention has one key/value head, which tensor parallelism cannot split: `estimate
+    --out` writes no plan file and names the module, before any rank could start."""
     out = tmp_path / "plan.json"
-    code, _, err = run_cli(capsys, "estimate", "hf:gpt2-tiny", "--gpus", "2", "--tp", "2", "--batch", "2",
+    size = ["--layers", "2", "--hidden", "64", "--heads", "4"]
+    code, _, err = run_cli(capsys, "estimate", "hf:gpt_bigcode", *size, "--gpus", "2", "--tp", "2", "--batch", "2",
                            "--out", str(out))
     assert code == 2 and not out.exists()
-    assert "transformer.h.0.attn.c_attn" in err and "Conv1D" in err
-    code, _, _ = run_cli(capsys, "estimate", "hf:gpt2-tiny", "--gpus", "2", "--dp", "2", "--batch", "2",
+    assert "'transformer.h.0.attn' has 1 kv_heads, which tp 2 does not divide" in err
+    code, _, _ = run_cli(capsys, "estimate", "hf:gpt_bigcode", *size, "--gpus", "2", "--dp", "2", "--batch", "2",
                          "--out", str(out))
     assert code == 0 and out.exists()  # data parallelism of the same model runs
 
@@ -279,17 +280,18 @@ def test_refusal_names_the_module_a_plan_fails_in() -> None:
     from autopar.search.pipeline import Found, pipeline_plan
     from autopar.zoo import load
 
-    zoo = load("hf:gpt2-tiny", batch=1)
+    size = {"heads": 4, "hidden": 64, "layers": 2}
+    zoo = load("hf:bloom", batch=1, seq=32, **size)  # its fused q/k/v reshaped by the whole head count
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs_at(1)),
                           load_cluster("a100-80g-sxm").with_devices(2), traced_batch=1)
-    work = Workload(model="hf:gpt2-tiny", overrides=(), seq=zoo.seq, batch=2, dtype="bf16")
+    work = Workload(model="hf:bloom", overrides=tuple(size.items()), seq=zoo.seq, batch=2, dtype="bf16")
     reasons = {}
     for tp, dp in ((2, 1), (1, 2)):
         config = pipeline_config(model, ParallelConfig(tp=tp, dp=dp, mbs=1))
         found = Found(config, model.estimate(config, global_batch=2), 1)
-        reasons[tp] = refusal(pipeline_plan(model, found, name="gpt2", kind="estimate", global_batch=2, workload=work))
+        reasons[tp] = refusal(pipeline_plan(model, found, name="bloom", kind="estimate", global_batch=2, workload=work))
     assert reasons[1] is None
-    assert reasons[2] is not None and "transformer.h.0.attn.c_attn" in reasons[2]
+    assert reasons[2] is not None and "module 'transformer.h.0.self_attention'" in reasons[2]
 
 
 def test_estimate_timeline_json_and_picture(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -572,6 +572,29 @@ def test_gpt2_style_models_plan_pipelines(tmp_path: Path, capsys: pytest.Capture
     assert stage_layers(module, load_plan(out)) == [[0, 1], [2, 3]]
 
 
+def test_gpt2_conv1d_projections_are_planned_by_the_dims_they_split(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's Conv1D stores its weight as (in, out): under tp the plan splits a column-parallel one on dim 1 and a
+    row-parallel one on dim 0 (a Linear's the other way round), and the estimate's collectives are Megatron's
+    all-reduces only: the fused q/k/v cut into heads and the attention's softmax stay split by heads (its
+    ``_safe_softmax`` was once priced as gathered, two all-gathers per layer the runtime never issues)."""
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", "hf:gpt2", *_flags({"layers": 2, "hidden": 64, "heads": 4}),
+                           "--gpus", "2", "--tp", "2", "--batch", "2", "--seq", "32", "--out", str(out))
+    assert code == 0 and out.exists(), err
+    plan = load_plan(out)
+    from autopar.sharding import short
+
+    placements = {p.name: short(p.on(1)) for entry in plan.modules for p in entry.params}
+    assert placements["transformer.h.0.attn.c_attn.weight"] == "S(1)"
+    assert placements["transformer.h.0.attn.c_attn.bias"] == "S(0)"
+    assert placements["transformer.h.0.attn.c_proj.weight"] == "S(0)"
+    assert placements["transformer.h.0.attn.c_proj.bias"] == "R"
+    assert placements["transformer.h.0.mlp.c_fc.weight"] == "S(1)"
+    kinds = {str(getattr(c.kind, "value", c.kind)) for c in plan.estimate.collectives}
+    assert kinds == {"all_reduce"}
+
+
 def test_a_moe_model_traces_in_fp32_as_in_bf16(capfd):
     """Hugging Face MoE experts run a grouped matmul whose fake kernel takes bf16 only on CPU; traced in fp32 the
     model runs the same grouped matmuls with the same flops as in bf16, at fp32 sizes, and no traceback is
@@ -702,6 +725,41 @@ def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
     assert code == 2 and not out.exists()
     assert "the plan fails in module 'transformer.h.0.attn' when applied on a fake process group of 2 ranks: " \
            "ValueError: not enough values to unpack" in err
+
+
+def test_attention_written_out_by_hand_with_the_full_head_count_is_refused_under_tp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeBERTa-v2 forms heads with view(..., num_attention_heads, -1) and multiplies them with bmm, not SDPA: under
+    tp 2 each rank got 4 heads of 8 features instead of 2 of 16, trained a different model (its q and k gradients
+    differed from one process's by as much as their size) and only `--check` saw it. The rehearsal now compares
+    each batched product a rank forms with the traced model's. BERT's attention, whose q, k and v sit in
+    ``attention.self`` and its row partner in ``attention.output``, forms whole heads per rank and passes."""
+    common = ["--seq", "32", "--gpus", "2", "--batch", "4", "--tp", "2"]
+    code, _, err = run_cli(capsys, "estimate", "hf:deberta-v2", *_flags(SMALL), *common, "--out",
+                           str(tmp_path / "deberta.json"))
+    assert code == 2 and not (tmp_path / "deberta.json").exists()
+    assert "module 'deberta.encoder.layer.0.attention.self' multiplies 32 x 8 by 8 x 32 matrices per rank" in err
+    assert "(32 x 16 by 16 x 32, 32 x 32 by 32 x 16)" in err
+    code, _, err = run_cli(capsys, "estimate", "hf:bert", *_flags(SMALL), *common, "--out", str(tmp_path / "bert.json"))
+    assert code == 0, err
+
+
+def test_columns_pair_with_the_row_of_their_layer_not_only_of_their_parent() -> None:
+    from autopar.runtime.apply import column_groups
+
+    placements = {
+        "enc.layer.0.attention.self.query": "S(0)", "enc.layer.0.attention.self.key": "S(0)",
+        "enc.layer.0.attention.output.dense": "S(1)",
+        "enc.layer.0.intermediate.dense": "S(0)", "enc.layer.0.output.dense": "S(1)",
+        "layers.0.mlp.up": "S(0)", "layers.0.mlp.down": "S(1)",
+        "head.dense": "S(0)", "lm_head": "S(0)",  # outside the numbered layers: gathered, never paired
+    }
+    assert column_groups(placements) == {
+        "enc.layer.0.attention.self": ["enc.layer.0.attention.self.query", "enc.layer.0.attention.self.key"],
+        "enc.layer.0.intermediate": ["enc.layer.0.intermediate.dense"],
+        "layers.0.mlp": ["layers.0.mlp.up"],
+    }
+    assert column_groups({"fc1": "S(0)", "fc2": "S(1)"}) == {"": ["fc1"]}  # one block at the root: by their parent
 
 
 def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(

@@ -184,6 +184,7 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("llama-7b", LLAMA4, 2, 1, 2, "interleaved", {"layers.2": "full"}),  # interleaved x DP, chunks synced apart
         ("hf:gpt2", HF_GPT2, 2, 1, 2, "1f1b", {"transformer.h.1": "full"}),  # GPT-2's chain, its head tied
         ("hf:gpt_bigcode", HF_GPT2, 2, 1, 1, "interleaved", None),  # GPT-2-style, multi-query attention
+        ("hf:gpt2", HF_GPT2, 2, 2, 1, "gpipe", None),  # PP x TP over GPT-2's Conv1D projections
     ],
 )
 def test_pipelines_match_one_process_and_the_predicted_collectives(
@@ -435,6 +436,11 @@ def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_befo
     ("hf:gemma", {"tp": 1, "dp": 2}),  # a 62 MiB embedding: DDP's buckets are whole tensors, not 25 MiB slices
     ("hf:gemma2", {"tp": 1, "dp": 2, "zero": 3}),  # alternating layer kinds: each layer is its own FSDP unit
     ("hf:gpt2", {"tp": 1, "dp": 2}),  # its configs' dropout 0.1, turned off by the runtime
+    # Conv1D projections (weights stored (in, out)); a fused q/k/v cut by .split(split_size); under SP the model
+    # reshapes its final norm's output by the whole sequence
+    ("hf:gpt2", {"tp": 2, "dp": 1}),
+    ("hf:gpt2", {"tp": 2, "dp": 1, "sp": True}),
+    ("hf:bert", {"tp": 2, "dp": 1}),  # q, k, v in attention.self, their row partner in attention.output
     # q and k norms per head: their gradients summed over tp once a step (with SP's norm weights under SP; each
     # rank's ZeRO shard of them under ZeRO 3)
     ("hf:qwen3", {"tp": 2, "dp": 1}),

@@ -214,7 +214,7 @@ def _max_reduction(node: Node) -> OpDims:
     return _reduction(node, _reduced_dims(node), Split.FIXED)
 
 
-@dim_rule("aten._softmax.default", "aten._log_softmax.default", "aten.cumsum.default")
+@dim_rule("aten._softmax.default", "aten._safe_softmax.default", "aten._log_softmax.default", "aten.cumsum.default")
 def _softmax(node: Node) -> OpDims:
     dim = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) else -1
     return _aligned(node, fixed=frozenset({_norm_dim(dim, len(node.inputs[0].shape))}))
@@ -354,7 +354,7 @@ def _slice(node: Node) -> OpDims:
         if i == axis:
             outs = tuple(i if len(x.shape) == rank else None for x in node.outputs)
             # pieces of unequal sizes too (grouped-query attention's [q; k; v]): each shard holds its share of
-            # every piece, as the runtime lays the fused weight out (`runtime.apply._qkv_rows`); every piece must
+            # every piece, as the runtime lays the fused weight out (`runtime.apply._qkv_order`); every piece must
             # divide (`sharding.apply` checks each output)
             dims.append(Dim(size, (i,), outs, Split.FREE if node.op.startswith("aten.split") else Split.FIXED))
         else:

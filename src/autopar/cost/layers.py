@@ -58,6 +58,26 @@ def _is_param_contraction(node: Node) -> bool:
     return node.op.startswith(_CONTRACTIONS) and node.reads_params
 
 
+def weight_out_dim(graph: Graph, node: Node, source) -> int:  # noqa: ANN001 - a Node's source reference
+    """The dim of the 2-D weight ``source`` (a parameter contraction ``node`` reads) that holds the contraction's
+    output features: 0 for a Linear's (out, in) weight, which the contraction reads transposed; 1 for a weight
+    read as it is stored, (in, out), as GPT-2's Conv1D does. Falls back to 0 where the weight reaches the
+    contraction through anything but a transpose."""
+    from autopar.analysis.dims import Split, op_dims
+
+    index = node.sources.index(source)
+    features = [d.inputs[index] for d in op_dims(node).dims
+                if d.inputs[index] is not None and d.split is Split.FREE and any(o is not None for o in d.outputs)]
+    if len(features) != 1:
+        return 0
+    if source.node < 0:  # read as stored
+        return features[0]
+    view = graph.node(source.node)
+    if view.op in ("aten.t.default", "aten.transpose.int") and view.sources and view.sources[0].node < 0:
+        return 1 - features[0]
+    return 0
+
+
 def _reads_foreign_weight(node: Node) -> bool:
     """A parameter owned by another module (a tied weight): TP keeps it, and the contraction, whole."""
     return any(s.state is not None and s.state.rpartition(".")[0] != node.module for s in node.sources if s.state)

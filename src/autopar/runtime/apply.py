@@ -56,7 +56,8 @@ class ParallelModel:
     module: nn.Module
     zero: int
     make_optimizer: Callable[..., torch.optim.Optimizer]
-    permutations: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> row order it is stored in
+    # parameter -> (dim, order): the order its output features are stored in along ``dim`` (fused QKV weights)
+    permutations: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     axes: dict[str, str] = field(default_factory=dict)  # process-group name -> mesh axis, for counting
     dp_group: Any = None  # set where gradients are all-reduced over dp by hand (`finish_backward`)
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
@@ -242,10 +243,11 @@ class ParallelModel:
                 tensor = tensor.full_tensor()
             tensor = tensor.detach().clone()
             whole = self.names.get(name, name)  # its name in the whole model
-            order = self.permutations.get(whole)
-            if order is not None:  # back to the model's own row order
+            permuted = self.permutations.get(whole)
+            if permuted is not None:  # back to the model's own order
+                dim, order = permuted
                 restored = torch.empty_like(tensor)
-                restored[order] = tensor
+                restored.index_copy_(dim, order, tensor)
                 tensor = restored
             out.setdefault(whole, tensor)
         return out
@@ -429,7 +431,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
     from autopar.runtime import pipeline
 
     dp, tp = plan.grid
-    permutations: dict[str, torch.Tensor] = {}
+    permutations: dict[str, tuple[int, torch.Tensor]] = {}
     heads: list[nn.Parameter] = []
     sharded = plan.zero == 1 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
@@ -490,9 +492,9 @@ def check_matches(model: nn.Module, plan: Plan) -> None:
 
 def _tensor_parallel(
     module: nn.Module, plan: Plan, mesh: Any, *, model: nn.Module | None = None
-) -> tuple[dict[str, torch.Tensor], list[str]]:
+) -> tuple[dict[str, tuple[int, torch.Tensor]], list[str]]:
     """Megatron TP over the 1-D ``mesh`` for the plan's modules ``module`` holds (all of them, or one pipeline
-    stage's; ``model`` is the whole model, where tied weights are found); returns the row orders of permuted
+    stage's; ``model`` is the whole model, where tied weights are found); returns the orders of permuted
     fused-QKV parameters, and the names of the parameters whose gradients are summed over tp after the backward
     (`tp_partial_names`).
 
@@ -500,11 +502,10 @@ def _tensor_parallel(
     row partner (an LM head) gathers its output. Where a block has several column linears reading one input
     (q, k and v; gate and up) the block's input (or the output of the norm the block applies to it first,
     `norms_before_columns`) becomes one replicated DTensor first, so its gradient is reduced once, as the cost model
-    prices it. Works for the zoo's models and for Hugging Face ones alike."""
+    prices it. Works for the zoo's models and for Hugging Face ones alike, ``nn.Linear`` and GPT-2's ``Conv1D``
+    (weight stored as (in, out)) alike."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from autopar.zoo.layers import Attention
 
     sp = plan.sp
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
@@ -513,50 +514,139 @@ def _tensor_parallel(
     modules = dict(module.named_modules())
     columns = column_groups(placements)
     styles: dict[str, Any] = {}
-    permutations: dict[str, torch.Tensor] = {}
+    permutations: dict[str, tuple[int, torch.Tensor]] = {}
     for fqn, placement in placements.items():
         parent_name = fqn.rpartition(".")[0]
         if placement == "S(1)":
-            styles[fqn] = RowwiseParallel(output_layouts=stream)
+            style = RowwiseParallel(output_layouts=stream)
         elif parent_name in columns:  # a row-parallel linear of the same block consumes the shards
             # its input arrives as a replicated DTensor (hook below) where several columns read it, and under SP,
             # where the norms before it hand on local sequence shards
             shared = len(columns[parent_name]) > 1 or sp
-            styles[fqn] = ColwiseParallel() if shared else ColwiseParallel(input_layouts=stream)
+            style = ColwiseParallel() if shared else ColwiseParallel(input_layouts=stream)
         else:  # a column layer with no row partner (the LM head): gather its output for what follows
-            styles[fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
-        parent = modules.get(parent_name)
-        if placement == "S(0)" and isinstance(parent, Attention) and fqn.endswith(".qkv"):
-            linear = modules[fqn]
-            order = _qkv_rows(parent, tp)
+            style = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+        linear = modules[fqn]
+        styles[fqn] = _conv1d_style(style) if is_conv1d(linear) else style
+        fused = fused_qkv(modules.get(parent_name), fqn.rpartition(".")[2]) if placement == "S(0)" else None
+        if fused is not None:
+            order = _qkv_order(*fused, tp=tp)
+            dim = out_features_dim(linear)
             with torch.no_grad():
-                linear.weight.copy_(linear.weight[order])
+                linear.weight.copy_(linear.weight.index_select(dim, order))
                 if linear.bias is not None:
                     linear.bias.copy_(linear.bias[order])
-            permutations.update({f"{fqn}.weight": order, **({f"{fqn}.bias": order} if linear.bias is not None else {})})
-            parent.heads //= tp
-            parent.kv_heads //= tp
+            permutations[f"{fqn}.weight"] = (dim, order)
+            if linear.bias is not None:
+                permutations[f"{fqn}.bias"] = (0, order)
+            _per_rank_heads(modules[parent_name], tp)
     heads = tp_partial_names(module, plan)
     norms = norms_before_columns(module, columns, sp=sp, summed=heads)
     for block, names in columns.items():
         if (len(names) > 1 or sp) and block not in norms:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
+    gathered: list[str] = []
     if sp:  # norms inside a block see its heads, not sequence shards
-        _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
+        gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
     parallelize_module(module, mesh, styles)
     for norm in norms.values():  # after the styles' hooks: under SP the norm hands on its local sequence shard first
         _relayout_output(modules[norm], mesh, stream, Replicate())
+    for norm in gathered:
+        _relayout_output(modules[norm], mesh, stream, Replicate(), local=True)
     return permutations, heads
 
 
+def is_conv1d(module: Any) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2 and its kin): a linear layer whose weight is stored as (in, out)."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def out_features_dim(module: nn.Module | None) -> int:
+    """The dim of ``module``'s 2-D weight that holds its output features: 0 for ``nn.Linear``, 1 for ``Conv1D``."""
+    return 1 if is_conv1d(module) else 0
+
+
+def _conv1d_style(style: Any) -> Any:
+    """``style`` (torch's ColwiseParallel or RowwiseParallel, which take ``nn.Linear`` only) for a ``Conv1D``, whose
+    weight is the transpose of a Linear's: column-parallel splits its dim 1 (and the bias), row-parallel its dim 0
+    (the bias stays whole, added once after the reduction). Inputs and outputs are laid out as for a Linear."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    column = isinstance(style, ColwiseParallel)
+
+    def partition(_name: str, module: nn.Module, mesh: Any) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            placement = (Shard(1) if name == "weight" else Shard(0)) if column else \
+                (Shard(0) if name == "weight" else Replicate())
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                         requires_grad=param.requires_grad))
+
+    class _Conv1DStyle(type(style)):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            if not column:  # a row-parallel input arrives split by features, as for a Linear
+                self.desired_input_layouts = (Shard(-1),)
+            return distribute_module(
+                module, device_mesh, partition,
+                functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    converted = _Conv1DStyle.__new__(_Conv1DStyle)
+    converted.__dict__.update(style.__dict__)
+    return converted
+
+
+def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
+    """(heads, key/value heads, head dim) where ``parent``'s child ``child`` is a fused [q; k; v] projection the
+    runtime lays out per rank (`_qkv_order`) and ``parent`` is an attention whose head counts it can make per-rank
+    (`_per_rank_heads`): the zoo's ``Attention.qkv``, and GPT-2's self-attention ``c_attn`` (cut into q, k and v
+    with ``.split(split_size)``); None otherwise."""
+    from autopar.zoo.layers import Attention
+
+    if isinstance(parent, Attention) and child == "qkv":
+        return parent.heads, parent.kv_heads, parent.head_dim
+    sizes = [getattr(parent, name, None) for name in ("split_size", "num_heads", "head_dim")]
+    if (child == "c_attn" and is_conv1d(getattr(parent, "c_attn", None))
+            and getattr(parent, "is_cross_attention", None) is False and all(isinstance(n, int) for n in sizes)
+            and parent.c_attn.nf == 3 * sizes[0] == 3 * sizes[1] * sizes[2]):
+        return sizes[1], sizes[1], sizes[2]
+    return None
+
+
+def _per_rank_heads(attention: nn.Module, tp: int) -> None:
+    """Make ``attention``'s head counts (and GPT-2's split width) those of one tp rank, which holds 1/tp of them."""
+    from autopar.zoo.layers import Attention
+
+    if isinstance(attention, Attention):
+        attention.heads //= tp
+        attention.kv_heads //= tp
+    else:
+        attention.split_size //= tp
+        attention.num_heads //= tp
+        attention.embed_dim //= tp
+
+
 def column_groups(placements: Mapping[str, str]) -> dict[str, list[str]]:
-    """Block (the parent module) -> its column-parallel linears, for the blocks that also hold a row-parallel one
-    (attention, MLP): those columns hand their shards on to the row, with no gather between."""
-    blocks = {fqn.rpartition(".")[0] for fqn, placement in placements.items() if placement == "S(1)"}
+    """Block (the parent module) -> its column-parallel linears, for the columns whose block also holds a
+    row-parallel one (attention, MLP), or, inside one of the model's numbered layers, whose nearest ancestor holding
+    a row-parallel one is in that layer (BERT keeps q, k and v in ``attention.self`` and their row partner in
+    ``attention.output``): those columns hand their shards on to the row, with no gather between. The rest (an LM
+    head) gather their output. `check_runnable`'s rehearsal checks the pairing against the collectives the plan
+    predicts."""
+    rows = [fqn for fqn, placement in placements.items() if placement == "S(1)"]
+    parents = {fqn.rpartition(".")[0] for fqn in rows}
     columns: dict[str, list[str]] = {}
     for fqn, placement in placements.items():
-        if placement == "S(0)" and fqn.rpartition(".")[0] in blocks:
-            columns.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+        if placement != "S(0)":
+            continue
+        parent = fqn.rpartition(".")[0]
+        parts = fqn.split(".")
+        ancestors = [".".join(parts[:depth]) for depth in range(len(parts) - 2, 0, -1)
+                     if any(part.isdigit() for part in parts[:depth])]
+        if parent in parents or any(row.startswith(f"{a}.") for a in ancestors for row in rows):
+            columns.setdefault(parent, []).append(fqn)
     return columns
 
 
@@ -601,7 +691,8 @@ def tp_partial_names(module: nn.Module, plan: Plan) -> list[str]:
 
 
 def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Module | None = None) -> dict[str, str]:
-    """The tp placement (``S(0)``: output features, ``S(1)``: input features) of each module of ``module`` (the
+    """The tp role (``S(0)``: output features, column-parallel; ``S(1)``: input features, row-parallel, as a
+    Linear's weight is laid out; a ``Conv1D``'s placements are read transposed) of each module of ``module`` (the
     model, or one pipeline stage's modules; ``model`` the whole model, where tied weights are found) whose weight
     the plan splits over tp, weights tied to another module left whole. Raises NotImplementedError naming the
     first such module the runtime cannot split: `check_runnable` calls it on the whole model, so that a pipeline
@@ -626,8 +717,10 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             tied = Counter(id(p) for p in _all_parameters(model))
         if weight_tensor is not None and tied[id(weight_tensor)] > 1:
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
-        if not isinstance(linear, nn.Linear):
+        if not isinstance(linear, nn.Linear) and not is_conv1d(linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
+        if is_conv1d(linear):  # its weight is (in, out): its dim 1 holds the output features
+            tp_placement = {"S(1)": "S(0)", "S(0)": "S(1)"}.get(tp_placement, tp_placement)
         parent = modules.get(fqn.rpartition(".")[0])
         if tp_placement == "S(0)" and isinstance(parent, Attention) and not fqn.endswith(".qkv"):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
@@ -657,9 +750,9 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any) -> None:
+def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool = False) -> None:
     """After ``module`` runs, read its output as a local tensor laid out as ``source`` on ``mesh`` and hand it on
-    redistributed to ``target``, as a DTensor."""
+    redistributed to ``target``, as a DTensor (a local tensor again with ``local``)."""
     from torch.distributed.tensor import DTensor
 
     def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
@@ -667,36 +760,54 @@ def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any) -> 
             return output
         if not isinstance(output, DTensor):
             output = DTensor.from_local(output, mesh, [source], run_check=False)
-        return output.redistribute(mesh, [target])
+        output = output.redistribute(mesh, [target])
+        return output.to_local() if local else output
 
     module.register_forward_hook(hook)
 
 
-def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> None:
+def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> list[str]:
     """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards (but those
     ``inside`` a split block, which see its heads) and hand them on as local tensors, as the stream is between
     layers (a norm after a block, as Gemma's, meets the residual stream there; a block gathers its input itself),
     the first layer scatters the stream into them (its gradient is gathered back), and a head TP leaves whole
-    gathers its input."""
+    gathers its input. In a Hugging Face causal LM that gather comes right after the norm that ends its chain of
+    layers (its ``last`` module, `pipeline.HF_CHAINS`), since the model may reshape that norm's output by the whole
+    sequence before the head (GPT-2 does); the names of such norms are returned, for the caller to gather their
+    outputs once the styles are applied."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
+
+    from autopar.runtime.pipeline import HF_CHAINS, chain_kind
 
     for fqn, norm in module.named_modules():
         if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
             styles[fqn] = SequenceParallel(use_local_output=True)
-    stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] == "layers"
+    names = {"layers", *(chain.stack for chain in HF_CHAINS.values())}  # the zoo's stack, and GPT-2's "h"
+    stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] in names
               and isinstance(m, nn.ModuleList)]  # pipelines (whose stages hold a ModuleDict) run without SP
     if stacks and len(stacks[0]):
         _relayout_input(stacks[0][0], mesh, Replicate(), Shard(1), local=True)
+    try:
+        chain = HF_CHAINS.get(chain_kind(module))
+    except NotImplementedError:
+        chain = None
+    last = f"{chain.outer}.{chain.last[-1]}" if chain is not None else None
+    gathered = []
     for name in ("head", "lm_head"):
         head = dict(module.named_children()).get(name)
-        if head is not None and name not in styles:  # kept whole (tied): gather the sequence first
+        if head is None or name in styles:
+            continue
+        if last in styles:  # kept whole (tied): gather the sequence first
+            gathered.append(last)
+        else:
             _relayout_input(head, mesh, Shard(1), Replicate(), local=True)
+    return gathered
 
 
-def _qkv_rows(attention: nn.Module, tp: int) -> torch.Tensor:
-    """Row order of a fused [q; k; v] weight that puts each rank's heads' q, k and v in one contiguous shard."""
-    hd, heads, kv = attention.head_dim, attention.heads, attention.kv_heads
+def _qkv_order(heads: int, kv: int, hd: int, *, tp: int) -> torch.Tensor:
+    """Order of a fused [q; k; v] projection's output features that puts each rank's heads' q, k and v in one
+    contiguous shard."""
     if heads % tp or kv % tp:
         raise ValueError(f"tp {tp} does not divide the attention's {heads} heads and {kv} key/value heads")
     q_rows = torch.arange(heads * hd).view(tp, -1)

@@ -45,8 +45,8 @@ from autopar.capture import Graph
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.runtime.apply import (
-    check_matches, check_supported, checkpoint_segments, column_groups, norms_before_columns, parallelize, recompute,
-    tensor_parallel_placements, tp_partial_names,
+    check_matches, check_supported, checkpoint_segments, column_groups, fused_qkv, norms_before_columns,
+    out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names,
 )
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin, thins
@@ -79,7 +79,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
-        _rehearse(plan, source, thins(plan, model), model=model, attention=attention_shapes(graph))
+        _rehearse(plan, source, thins(plan, model), model=model, traced=traced_shapes(graph))
         return
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
@@ -117,7 +117,7 @@ def fake_errors_quiet() -> Any:
 
 
 def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None,
-              attention: frozenset[tuple[int, int, int]] | None = None) -> None:
+              traced: TracedShapes | None = None) -> None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
     fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
@@ -127,14 +127,14 @@ def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Modul
     an artefact of the layers left out, and names the module the whole step fails in.
 
     ``model``: the source's meta model, already built, for the first rehearsal (it is changed); the others build
-    their own. ``attention``: the traced model's attention shapes (`attention_shapes`), which each rank's must
-    match (`rehearsal`)."""
+    their own. ``traced``: the traced model's attention and product shapes (`traced_shapes`), which each rank's
+    must match (`rehearsal`)."""
     failed: ValueError | None = None
     for whole in (False, True) if thinned else (True,):
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 with fake_errors_quiet():
-                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, attention=attention)
+                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, traced=traced)
                 return
             except ValueError as exc:
                 if dtype == torch.float32:
@@ -168,7 +168,7 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
               dtype: torch.dtype = torch.float32, whole: bool = True, model: nn.Module | None = None,
-              attention: frozenset[tuple[int, int, int]] | None = None) -> list[dict[str, Any]] | None:
+              traced: TracedShapes | None = None) -> list[dict[str, Any]] | None:
     """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
     default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
@@ -183,11 +183,12 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     ValueError that says the plan could not be applied. ``model``: the source's meta model, already built (it is
     changed in place); by default one is built.
 
-    ``attention``: the (heads, sequence, head size) of the traced model's attention calls (`attention_shapes`).
-    Under tp each rank must call attention on its share of the heads, over the whole sequence at the same head
-    size; a model whose code forms heads from its full head count (``view(bsz, -1, num_heads, head_dim)``, as
-    OPT's attention does) would fold each rank's half of the features into the sequence instead and train a
-    different model without an error, so this is refused, naming the module."""
+    ``traced``: the shapes of the traced model's attention calls and batched products (`traced_shapes`). Under tp
+    each rank must call attention on its share of the heads, over the whole sequence at the same head size, and
+    multiply matrices the traced model multiplies; a model whose code forms heads from its full head count
+    (``view(bsz, -1, num_heads, head_dim)``, as OPT's attention does, or DeBERTa's ``transpose_for_scores``) would
+    fold each rank's half of the features into the sequence or the head size instead and train a different model
+    without an error, so this is refused, naming the module."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -213,7 +214,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # function), which checkpointing without early stop does too, collectives alike
             compiled = plan.kernels == "compiled"
             tp = plan.grid[1]
-            shapes = _AttentionShapes(where, attention, tp) if attention and tp > 1 else contextlib.nullcontext()
+            shapes = _AttentionShapes(where, traced, tp) if traced and tp > 1 else contextlib.nullcontext()
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes:
                 local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), 0)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
@@ -261,38 +262,78 @@ def _raised_by_autopar(exc: BaseException) -> bool:
 
 
 
-def attention_shapes(graph: Graph) -> frozenset[tuple[int, int, int]]:
-    """(heads, sequence, head size) of the query of every attention call (``scaled_dot_product`` ops) the traced
-    model makes."""
-    return frozenset(tuple(node.inputs[0].shape[1:]) for node in _first_instances(graph)
-                     if "scaled_dot_product" in node.op and node.inputs and len(node.inputs[0].shape) == 4)
+@dataclasses.dataclass(frozen=True)
+class TracedShapes:
+    """Shapes the traced model computes with, which each tp rank's must be a share of (`_AttentionShapes`)."""
+
+    attention: frozenset[tuple[int, int, int]]  # (heads, sequence, head size) of each attention call's query
+    # (rows, contracted, columns) of each batched matrix product (bmm, baddbmm) reading no parameter: attention
+    # written out by hand (scores, and its relative-position terms), whose heads tp splits by the batch dim
+    products: frozenset[tuple[int, int, int]]
+
+    def __bool__(self) -> bool:
+        return bool(self.attention or self.products)
+
+
+_PRODUCTS = ("aten.bmm.default", "aten.baddbmm.default")
+
+
+def traced_shapes(graph: Graph) -> TracedShapes:
+    """The attention calls' (``scaled_dot_product`` ops) and parameter-free batched products' shapes the traced
+    model makes (`TracedShapes`)."""
+    nodes = _first_instances(graph)
+    attention = frozenset(tuple(node.inputs[0].shape[1:]) for node in nodes
+                          if "scaled_dot_product" in node.op and node.inputs and len(node.inputs[0].shape) == 4)
+    products = frozenset(_product(*node.inputs[-2:]) for node in nodes
+                         if node.op in _PRODUCTS and not node.reads_params and len(node.inputs) >= 2)
+    return TracedShapes(attention, products)
+
+
+def _product(a, b) -> tuple[int, int, int]:  # noqa: ANN001 - two batched matrices (shapes or tensors)
+    """(rows, contracted, columns) of the batched product ``a @ b``."""
+    return tuple(a.shape[-2:]) + (b.shape[-1],)
 
 
 class _AttentionShapes(TorchDispatchMode):
     """Raises ValueError at the first attention call whose query is not a tp rank's share of one the traced model
-    makes: its heads / tp, the whole sequence, the same head size (see `rehearsal`)."""
+    makes (its heads / tp, the whole sequence, the same head size), or the first batched product of two activations
+    whose matrices (not counting the batch of heads) the traced model never multiplies (see `rehearsal`). The
+    backward is not checked: grad mode is off there, and its products are the forward's transposed."""
 
-    def __init__(self, where: list[str], traced: frozenset[tuple[int, int, int]], tp: int) -> None:
+    def __init__(self, where: list[str], traced: TracedShapes, tp: int) -> None:
         super().__init__()
         self.where, self.tp = where, tp
-        self.expected = {(heads // tp, seq, size) for heads, seq, size in traced if heads % tp == 0}
+        self.expected = {(heads // tp, seq, size) for heads, seq, size in traced.attention if heads % tp == 0}
         self.traced = traced
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func.name()
-        if "scaled_dot_product" in name and not name.endswith("backward") and args:
+        module = self.where[-1] if self.where else "<root>"
+        if self.traced.attention and "scaled_dot_product" in name and not name.endswith("backward") and args:
             query = getattr(args[0], "_local_tensor", args[0])  # a DTensor's own shard
             if isinstance(query, torch.Tensor) and query.dim() == 4 and tuple(query.shape[1:]) not in self.expected:
                 heads, seq, size = query.shape[1:]
-                whole = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.traced))
+                whole = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.traced.attention))
                 share = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.expected))
-                module = self.where[-1] if self.where else "<root>"
                 raise ValueError(
                     f"under tp {self.tp} the attention in module {module!r} runs on {heads} heads x {seq} positions "
                     f"x {size} per rank, where a rank's share of the model's ({whole}) is {share or 'whole heads'}: "
                     "its code forms heads from the model's full head count (as view(bsz, -1, num_heads, head_dim) "
                     "does), so each rank would attend over the wrong features and train a different model; plan "
                     "with tp 1 (--runnable finds one)")
+        elif self.traced.products and str(func) in _PRODUCTS and torch.is_grad_enabled():
+            operands = args[1:3] if str(func) == "aten.baddbmm.default" else args[:2]
+            a, b = (getattr(x, "_local_tensor", x) for x in operands)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() == 3 \
+                    and not isinstance(a, nn.Parameter) and not isinstance(b, nn.Parameter) \
+                    and _product(a, b) not in self.traced.products:
+                rows, inner, cols = _product(a, b)
+                known = ", ".join(f"{r} x {k} by {k} x {c}" for r, k, c in sorted(self.traced.products))
+                raise ValueError(
+                    f"under tp {self.tp} module {module!r} multiplies {rows} x {inner} by {inner} x {cols} matrices "
+                    f"per rank, a product the model never forms in one process ({known}): its code forms heads from "
+                    "the model's full head count (as view(..., num_heads, -1) does), so each rank would attend over "
+                    "a different head size and train a different model; plan with tp 1 (--runnable finds one)")
         return func(*args, **(kwargs or {}))
 
 
@@ -342,8 +383,12 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
         return
     split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
              if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
-    blocks = {fqn.rpartition(".")[0] for fqn, dim in split.items() if dim == 1}
-    columns = [fqn for fqn, dim in split.items() if dim == 0 and fqn.rpartition(".")[0] in blocks]
+    modules = dict(model.named_modules())
+    # by role, 0 for split output features (column-parallel), whichever way round the module stores its weight
+    split = {fqn: dim if out_features_dim(modules[fqn]) == 0 else 1 - dim for fqn, dim in split.items()
+             if fqn in modules}
+    columns = [fqn for group in column_groups({fqn: f"S({dim})" for fqn, dim in split.items()}).values()
+               for fqn in group]
     found = cut_projections(graph, model, columns)
     if found:
         raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
@@ -423,7 +468,7 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
             if user.id not in inside and user.module not in rows and user.module not in columns:
                 inside[user.id] = user
                 frontier.append(user)
-    heads = {size for _, _, size in attention_shapes(graph)}
+    heads = {size for _, _, size in traced_shapes(graph).attention}
     for node in sorted(inside.values(), key=lambda n: n.id):
         reduced = _reduced_sizes(node)
         if reduced is not None and not set(reduced) <= heads:
@@ -547,12 +592,11 @@ def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  #
     output along its output features (split, chunk, slice, narrow) before any reshape changes that dim, as
     ``[(module, op node)]``. Column-parallel, each rank holds a contiguous block of those features, so a fused
     ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The zoo's own attention is
-    exempt: the runtime permutes its fused rows to whole heads per rank."""
-    from autopar.zoo.layers import Attention
-
+    exempt, as GPT-2's ``c_attn`` is: the runtime permutes their fused outputs to whole heads per rank
+    (`fused_qkv`)."""
     modules = dict(model.named_modules())
     wanted = {name.removesuffix(".weight") for name in names}
-    wanted = {m for m in wanted if not isinstance(modules.get(m.rpartition(".")[0]), Attention)}
+    wanted = {m for m in wanted if fused_qkv(modules.get(m.rpartition(".")[0]), m.rpartition(".")[2]) is None}
     if not wanted:
         return []
     nodes = _first_instances(graph)
@@ -562,7 +606,7 @@ def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  #
         weight = graph.state.get(f"{node.module}.weight") if node.module in wanted else None
         if weight is None or node.module in found or not node.outputs or len(node.outputs[0].shape) < 2:
             continue
-        cut = _cut_along_last(node, consumers, weight.tensor.shape[0])
+        cut = _cut_along_last(node, consumers, weight.tensor.shape[out_features_dim(modules.get(node.module))])
         if cut is not None:
             found[node.module] = cut
     return list(found.items())

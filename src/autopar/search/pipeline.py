@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from autopar.cluster import build_mesh
+from autopar.cost.layers import weight_out_dim
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
 from autopar.cost.types import RECOMPUTE
 from autopar.plan import Mesh, ModuleLayout, ParamLayout, Plan, Workload
@@ -805,9 +806,11 @@ def pipeline_plan(
     model: PipelineModel, found: Found, *, name: str, kind: str, global_batch: int, workload: Workload | None = None
 ) -> Plan:
     """A pipeline plan: stages with their layers, dp x tp and recomputed layers, and per module the layouts of its
-    parameters over its stage's (dp, tp) mesh: column-parallel weights S(0), row-parallel S(1) on tp; under ZeRO-3
-    every parameter S(0) on dp. A weight tp keeps whole but applies to the activations it splits (a q or k norm per
-    head) is marked ``summed``: the runtime sums its gradient over tp, as the cost model prices."""
+    parameters over its stage's (dp, tp) mesh: column-parallel weights split by output features on tp (S(0) for a
+    Linear's (out, in) weight, S(1) for a weight the model stores as (in, out), GPT-2's Conv1D), row-parallel ones
+    by input features; under ZeRO-3 every parameter S(0) on dp. A weight tp keeps whole but applies to the
+    activations it splits (a q or k norm per head) is marked ``summed``: the runtime sums its gradient over tp, as
+    the cost model prices."""
     config = found.config
     stages = []
     modules: dict[str, dict[str, tuple]] = {}  # module -> parameter -> (tp placement, summed, shape)
@@ -839,10 +842,11 @@ def pipeline_plan(
                     if laid_out is not None:
                         tp_placement = laid_out.get(fqn[len(row.name) + 1:], "R")
                     elif stage.tp > 1 and node.id in row.sharded:
-                        if node.id in row.columns:  # weight (out, in) and bias (out): split the output features
-                            tp_placement = "S(0)"
+                        out_dim = weight_out_dim(model.graph, node, source) if len(info.tensor.shape) == 2 else 0
+                        if node.id in row.columns:  # weight and bias: split the output features
+                            tp_placement = f"S({out_dim})"
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
-                            tp_placement = "S(1)"
+                            tp_placement = f"S({1 - out_dim})"
                     # the last node reading a weight decides (its transpose or view comes before the matmul)
                     summed = stage.tp > 1 and laid_out is None and fqn in row.tp_partial
                     modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = (tp_placement, summed, info.tensor.shape)
