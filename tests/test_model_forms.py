@@ -713,17 +713,61 @@ def test_random_draws_are_noted_only_where_they_draw() -> None:
         assert "test_model_forms.py:" in seen.places[0]
 
 
+GROUPED_SPLIT = textwrap.dedent("""\
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Attention(nn.Module):
+        def __init__(self, width=32, groups=2):
+            super().__init__()
+            self.groups, self.part = groups, width // groups
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            grouped = self.qkv(x).reshape(b, s, self.groups, -1)  # the split size below assumes the whole width
+            q, k, v = torch.split(grouped, self.part, dim=-1)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.layers = nn.ModuleList([Attention() for _ in range(2)])
+            self.out = nn.Linear(32, 64)
+
+        def forward(self, ids, labels):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+    def build(batch):
+        ids = torch.randint(0, 64, (batch, 16))
+        return Net(), {"ids": ids, "labels": ids}
+""")
+
+
 def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """CodeGen cuts its fused q/k/v after a reshape, with a split whose size assumes the whole width: under tp 2 its
-    unpacking raises ValueError. That error used to be given as the whole reason ("not enough values to unpack
-    (expected 3, got 2)"), naming no module, as if it were autopar's own refusal."""
+    """A model that cuts its fused q/k/v after a reshape, with a split size that assumes the whole width (as
+    CodeGen's attention did in earlier transformers): under tp 2 its unpacking raises ValueError. That error used
+    to be given as the whole reason ("not enough values to unpack (expected 3, got 2)"), naming no module, as if it
+    were autopar's own refusal."""
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED_SPLIT)
     out = tmp_path / "plan.json"
-    code, _, err = run_cli(capsys, "estimate", "hf:codegen", *_flags({"layers": 2, "hidden": 64, "heads": 4}),
-                           "--seq", "64", "--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4",
-                           "--mbs", "2", "--out", str(out))
+    code, _, err = run_cli(capsys, "estimate", f"{path}:build", "--cluster", "cpu", "--gpus", "2", "--tp", "2",
+                           "--pp", "1", "--batch", "4", "--mbs", "2", "--out", str(out))
     assert code == 2 and not out.exists()
-    assert "the plan fails in module 'transformer.h.0.attn' when applied on a fake process group of 2 ranks: " \
+    assert "the plan fails in module 'layers.0' when applied on a fake process group of 2 ranks: " \
            "ValueError: not enough values to unpack" in err
 
 
@@ -781,3 +825,142 @@ def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureF
                            "--mbs", "2")
     assert code == 2
     assert "(here 1, of module 'model.layers.0.mlp.shared_expert_gate' (Linear, its output features))" in err
+
+
+def test_sequence_parallelism_keeps_an_encoders_embedding_norm_and_mlm_head_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RoBERTa under tp 2 with SP used to be refused with a bare shape error: the stream was never scattered (its
+    layers sit in ``encoder.layer``), so every norm took the whole sequence for a shard. Now the stream is
+    scattered where it enters the layers, the MLM head's dense layer gathers it, and the norms outside that span
+    (the embedding's, the head's) run whole: only the layers' norms have their gradients summed over tp, and the
+    tied decoder gathers nothing more."""
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli(capsys, "estimate", "hf:roberta", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
+                             "--gpus", "2", "--tp", "2", "--pp", "1", "--sp", "--batch", "8", "--mbs", "2",
+                             "--out", str(path), "--json")
+    assert code == 0 and path.exists(), err
+    calls = {(c["kind"], c["bytes"]): c["count"] for c in json.loads(out)["estimate"]["collectives"]}
+    # 2 layers x 2 norms x (weight + bias) of 64 features, bf16: not the embedding's or the head's norm
+    assert calls[("all_reduce", 2 * 2 * 2 * 64 * 2)] == 1
+
+    from autopar.capture import trace
+    from autopar.cost.layers import analyse
+
+    zoo = load("hf:roberta", batch=2, seq=32, **SMALL)
+    rows = {row.name: row for row in analyse(trace(zoo.module, example_kwargs=zoo.inputs))}
+    stream = 2 * 32 * 64 * 2  # bf16, as `load` builds it
+    assert rows["roberta.encoder.layer.0"].sp_entry == stream
+    assert [rows[f"roberta.encoder.layer.{i}"].sp_partial_params for i in (0, 1)] == [256, 256]
+    assert rows["roberta.embeddings"].sp_partial_params == 0
+    head = rows["lm_head"]  # dense (gathers the stream as a column-parallel input), gelu, norm, tied decoder
+    assert head.column_inputs == [stream] and head.sp_gathers == [] and head.sp_partial_params == 0
+
+
+ROTATE_EVERY_TWO = textwrap.dedent("""\
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Attention(nn.Module):
+        def __init__(self, width=32, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (f(x).view(b, s, -1, 8) for f in (self.q, self.k, self.v))
+            # rotate every two features, as GPT-J and CodeGen do: a stack along a new last dim
+            q = torch.stack((-q[..., 1::2], q[..., ::2]), dim=-1).flatten(-2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.layers = nn.ModuleList([Attention() for _ in range(2)])
+            self.out = nn.Linear(32, 64)
+
+        def forward(self, ids, labels):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+    def build(batch):
+        ids = torch.randint(0, 64, (batch, 16))
+        return Net(), {"ids": ids, "labels": ids}
+""")
+
+
+def test_a_stack_along_a_new_dim_keeps_the_heads_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rotating every two features (GPT-J's and CodeGen's rotary) stacks two halves along a new last dim. The
+    stack's dims rule used to map no input dim to the output's, so the cost model gathered q's heads before it and
+    priced all-gathers the runtime never issues (``run --check-comm`` refused CodeGen's plan). Now the only gather is
+    the untied head's output, and the plan runs with the predicted collectives (`test_runtime`)."""
+    path = tmp_path / "every_two.py"
+    path.write_text(ROTATE_EVERY_TWO)
+    out = tmp_path / "plan.json"
+    code, text, err = run_cli(capsys, "estimate", f"{path}:build", "--cluster", "cpu", "--gpus", "2", "--tp", "2",
+                              "--pp", "1", "--batch", "4", "--mbs", "2", "--out", str(out), "--json")
+    assert code == 0 and out.exists(), err
+    gathers = [(c["bytes"], c["count"]) for c in json.loads(text)["estimate"]["collectives"]
+               if c["kind"] == "all_gather"]
+    assert gathers == [(2 * 16 * 64 * 2, 2)]  # the head's logits (2 x 16 x vocab 64, bf16), once per micro-batch
+
+
+SEQUENTIAL = textwrap.dedent("""\
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, width=32):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.layers = nn.Sequential(Block(), Block())
+            self.out = nn.Linear(32, 64)
+
+        def forward(self, ids, labels):
+            return F.cross_entropy(self.out(self.layers(self.embed(ids))).flatten(0, 1), labels.flatten())
+
+
+    def build(batch):
+        ids = torch.randint(0, 64, (batch, 16))
+        return Net(), {"ids": ids, "labels": ids}
+""")
+
+
+def test_sequence_parallelism_finds_layers_in_a_sequential_and_refuses_loose_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The stream is scattered where it enters the container of the layers tp splits: an nn.Sequential as well as
+    an nn.ModuleList. Layers held as plain attributes leave no such place; SP there used to fail on a bare shape
+    error ("Expected input batch_size (64) to match target batch_size (32)"), and is now refused saying why."""
+    path = tmp_path / "seq.py"
+    path.write_text(SEQUENTIAL)
+    flags = ["--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--sp", "--batch", "4", "--mbs", "2"]
+    code, _, err = run_cli(capsys, "estimate", f"{path}:build", *flags, "--out", str(tmp_path / "a.json"))
+    assert code == 0, err
+    loose = tmp_path / "loose.py"
+    loose.write_text(SEQUENTIAL.replace("self.layers = nn.Sequential(Block(), Block())",
+                                        "self.first, self.second = Block(), Block()")
+                     .replace("self.layers(self.embed(ids))", "self.second(self.first(self.embed(ids)))"))
+    code, _, err = run_cli(capsys, "estimate", f"{loose}:build", *flags, "--out", str(tmp_path / "b.json"))
+    assert code == 2 and not (tmp_path / "b.json").exists()
+    assert "no nn.ModuleList or nn.Sequential of this model holds a module tp splits: plan without --sp" in err

@@ -441,6 +441,10 @@ def test_compiled_kernels_with_selective_recomputation_under_tp_are_refused_befo
     ("hf:gpt2", {"tp": 2, "dp": 1}),
     ("hf:gpt2", {"tp": 2, "dp": 1, "sp": True}),
     ("hf:bert", {"tp": 2, "dp": 1}),  # q, k, v in attention.self, their row partner in attention.output
+    # under SP: the embedding's norm sees the whole sequence, the MLM head's dense layer gathers it, and the norm
+    # after that dense layer runs whole (its gradient is not summed over tp)
+    ("hf:roberta", {"tp": 2, "dp": 1, "sp": True}),
+    ("hf:codegen", {"tp": 2, "dp": 1}),  # rotary by stacking two halves along a new dim: the heads stay split
     # q and k norms per head: their gradients summed over tp once a step (with SP's norm weights under SP; each
     # rank's ZeRO shard of them under ZeRO 3)
     ("hf:qwen3", {"tp": 2, "dp": 1}),

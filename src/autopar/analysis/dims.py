@@ -368,9 +368,14 @@ def _cat(node: Node) -> OpDims:
     out = node.outputs[0].shape
     rank = len(out)
     axis = _norm_dim(node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) else 0, rank)
+    stack = node.op == "aten.stack.default"  # its inputs lack the new ``axis``: output dim o is their o (or o - 1)
     dims = []
     for o, size in enumerate(out):
-        ins = tuple(o if len(t.shape) == rank and (o != axis or node.op == "aten.cat.default") else None for t in node.inputs)
+        if stack:
+            at = None if o == axis else o if o < axis else o - 1
+            ins = tuple(at if len(t.shape) == rank - 1 else None for t in node.inputs)
+        else:
+            ins = tuple(o if len(t.shape) == rank else None for t in node.inputs)
         dims.append(Dim(size, ins, (o,), Split.FIXED if o == axis or size == 1 else Split.FREE))
     return OpDims(tuple(dims), Linearity.ALL)
 

@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
         "run",
         help="train a plan on local ranks (gloo on CPU); --check compares with a single process",
         description="Launch --nproc ranks, apply PLAN.json with PyTorch's distributed engine, train --steps steps "
-        "of SGD on synthetic data (dropout off) and print per-step loss, seconds and peak memory. With --check, "
+        "of SGD on synthetic data (every nn.Dropout set to 0; dropout the model's own code applies stays on) and "
+        "print per-step loss, seconds and peak memory. With --check, "
         "the same steps run in one process from the same weights and batches, and losses and gradients must match.",
     )
     parser.add_argument("plan", metavar="PLAN.json", help="a plan written by autopar plan --out")

@@ -156,11 +156,6 @@ def analyse(graph: Graph) -> list[LayerCost]:
                    for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
         layer.tied = [(graph.layer_of(fqn.rpartition(".")[0]), graph.state[fqn].tensor.numel)
                       for fqn in sorted(foreign) if fqn in graph.state]
-        layer.sp_gathers = [
-            max(t.nbytes for s, t in zip(node.sources, node.inputs) if s.state is None)
-            for node in layer.nodes
-            if _is_param_contraction(node) and node.id not in layer.sharded and _reads_foreign_weight(node)
-        ]
         for node in layer.nodes:  # a column-parallel op saves its replicated input; the rest of a region is split
             if node.id in layer.sharded and node.id not in layer.columns:
                 layer.saved_sharded += node.saved_bytes
@@ -198,15 +193,34 @@ def analyse(graph: Graph) -> list[LayerCost]:
     _stream_of_first_layers(rows, largest)
     first = next((layer for layer in rows.values() if layer.repeated), None)
     if first is not None:
-        first.sp_entry = first.stream_input
-        ordered = list(rows.values())
-        for layer in ordered[ordered.index(first):]:
-            read = {s.state for node in layer.nodes if not node.is_view and not _is_param_contraction(node)
-                    for s in node.sources
-                    if s.state and s.state in graph.state and not graph.state[s.state].is_buffer}
-            read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such
-            layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
+        _sequence_shards(graph, list(rows.values()), first)
     return list(rows.values())
+
+
+def _sequence_shards(graph: Graph, ordered: list[LayerCost], first: LayerCost) -> None:
+    """Where sequence parallelism leaves the stream in sequence shards, as the runtime does: from the first
+    repeated layer (``sp_entry``: scattered there) through the layers, and after them up to the first contraction
+    that needs the whole sequence. That is a column-parallel one (a column-parallel head, or BERT's MLM head's
+    dense layer: under SP it gathers its input itself), or a tied contraction TP keeps whole, whose input is
+    gathered (``sp_gathers``); what follows runs whole on every rank. Weights read outside contractions while the
+    stream is in shards (norms) get a partial gradient on each rank (``sp_partial_params``)."""
+    first.sp_entry = first.stream_input
+    sharded = True
+    for layer in ordered[ordered.index(first):]:
+        read: set[str] = set()
+        for node in layer.nodes:
+            if _is_param_contraction(node) and not layer.repeated and sharded:
+                if node.id in layer.columns:
+                    sharded = False
+                elif node.id not in layer.sharded and _reads_foreign_weight(node):
+                    layer.sp_gathers.append(max(t.nbytes for s, t in zip(node.sources, node.inputs)
+                                                if s.state is None))
+                    sharded = False
+            elif (layer.repeated or sharded) and not node.is_view and not _is_param_contraction(node):
+                read.update(s.state for s in node.sources
+                            if s.state and s.state in graph.state and not graph.state[s.state].is_buffer)
+        read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such
+        layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
 
 
 def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:

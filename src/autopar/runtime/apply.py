@@ -767,27 +767,41 @@ def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any, *, 
 
 
 def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> list[str]:
-    """Sequence parallelism around Megatron TP (Korthikanti et al.): norms run on sequence shards (but those
-    ``inside`` a split block, which see its heads) and hand them on as local tensors, as the stream is between
-    layers (a norm after a block, as Gemma's, meets the residual stream there; a block gathers its input itself),
-    the first layer scatters the stream into them (its gradient is gathered back), and a head TP leaves whole
-    gathers its input. In a Hugging Face causal LM that gather comes right after the norm that ends its chain of
-    layers (its ``last`` module, `pipeline.HF_CHAINS`), since the model may reshape that norm's output by the whole
-    sequence before the head (GPT-2 does); the names of such norms are returned, for the caller to gather their
-    outputs once the styles are applied."""
+    """Sequence parallelism around Megatron TP (Korthikanti et al.), as the cost model prices it: the stream is
+    scattered into sequence shards where it enters the stack of layers (its gradient is gathered back), and the
+    norms from there on run on shards and hand them on as local tensors, as the stream is between layers (a norm
+    after a block, as Gemma's, meets the residual stream there; a block gathers its input itself), but not those
+    ``inside`` a split block (they see its heads). Norms before the stack (BERT's embedding norm) see the whole
+    sequence, as the embedding does. After the stack, the first split module (a column-parallel head, or the
+    dense layer of BERT's MLM head) gathers its input itself and what follows it runs whole; a head TP leaves
+    whole gathers its input. In a Hugging Face causal LM that gather comes right after the norm that ends its chain
+    of layers (its ``last`` module, `pipeline.HF_CHAINS`), since the model may reshape that norm's output by the
+    whole sequence before the head (GPT-2 does); the names of such norms are returned, for the caller to gather
+    their outputs once the styles are applied."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from autopar.runtime.pipeline import HF_CHAINS, chain_kind
 
-    for fqn, norm in module.named_modules():
-        if type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
+    named = list(module.named_modules())
+    split = list(styles)
+    # the stack: the list of layers holding the split modules (the zoo's and LLaMA's ``layers``, GPT-2's ``h``,
+    # BERT's ``layer``, a user's nn.Sequential); pipelines (whose stages hold a ModuleDict) run without SP
+    stack = next((name for name, m in named if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+                  and any(fqn.startswith(f"{name}.") for fqn in split)), None)
+    if stack is None:
+        raise NotImplementedError("sequence parallelism scatters the stream where it enters the model's list of "
+                                  "layers, and no nn.ModuleList or nn.Sequential of this model holds a module tp "
+                                  "splits: plan without --sp")
+    within = False  # from the stack's first layer to the first split module after the stack
+    for fqn, norm in named:
+        in_stack = fqn.startswith(f"{stack}.")
+        within = within or in_stack
+        if within and not in_stack and fqn in styles:
+            break
+        if within and type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
             styles[fqn] = SequenceParallel(use_local_output=True)
-    names = {"layers", *(chain.stack for chain in HF_CHAINS.values())}  # the zoo's stack, and GPT-2's "h"
-    stacks = [m for name, m in module.named_modules() if name.rpartition(".")[2] in names
-              and isinstance(m, nn.ModuleList)]  # pipelines (whose stages hold a ModuleDict) run without SP
-    if stacks and len(stacks[0]):
-        _relayout_input(stacks[0][0], mesh, Replicate(), Shard(1), local=True)
+    _relayout_input(dict(named)[stack][0], mesh, Replicate(), Shard(1), local=True)
     try:
         chain = HF_CHAINS.get(chain_kind(module))
     except NotImplementedError:
@@ -796,8 +810,8 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
     gathered = []
     for name in ("head", "lm_head"):
         head = dict(module.named_children()).get(name)
-        if head is None or name in styles:
-            continue
+        if head is None or any(fqn == name or fqn.startswith(f"{name}.") for fqn in split):
+            continue  # a split head gathers its input itself
         if last in styles:  # kept whole (tied): gather the sequence first
             gathered.append(last)
         else:
