@@ -964,3 +964,53 @@ def test_sequence_parallelism_finds_layers_in_a_sequential_and_refuses_loose_one
     code, _, err = run_cli(capsys, "estimate", f"{loose}:build", *flags, "--out", str(tmp_path / "b.json"))
     assert code == 2 and not (tmp_path / "b.json").exists()
     assert "no nn.ModuleList or nn.Sequential of this model holds a module tp splits: plan without --sp" in err
+
+
+LLAMA_WHOLE_HEADS = textwrap.dedent("""\
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    HEADS = 4
+
+
+    def attention(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        # heads formed from the whole head count, as OPT's attention does: under tp each rank would fold its half
+        # of the features into the head size
+        b, s, _ = hidden_states.shape
+        q, k, v = (f(hidden_states).view(b, s, HEADS, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
+    def build(batch):
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=HEADS,
+                             num_key_value_heads=HEADS, vocab_size=128)
+        model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            layer.self_attn.forward = types.MethodType(attention, layer.self_attn)
+        ids = torch.randint(0, 128, (batch, 16))
+        return model, {"input_ids": ids, "labels": ids}
+""")
+
+
+def test_a_pipeline_plans_tensor_parallelism_is_rehearsed_as_one_stage(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline cannot be stepped on a fake process group, so pp x tp plans were checked without tp: a LLaMA
+    whose attention forms heads from the whole head count got a pp 2 x tp 2 plan written, which trained a different
+    model (`--check`: "step 1: loss 4.86207485, one process 4.86191368"). Its tp is now rehearsed as one stage of
+    tp devices holding every layer, and the plan is refused when planned."""
+    path = tmp_path / "llama_heads.py"
+    path.write_text(LLAMA_WHOLE_HEADS)
+    flags = ["--cluster", "cpu", "--batch", "4", "--mbs", "2"]
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", f"{path}:build", *flags, "--gpus", "4", "--tp", "2", "--pp", "2",
+                           "--out", str(out))
+    assert code == 2 and not out.exists()
+    assert "the attention in module 'model.layers.0.self_attn' runs on 4 heads x 16 positions x 8 per rank" in err
+    assert "(the plan's tensor parallelism, rehearsed as one stage of its tp 2)" in err
+    code, _, err = run_cli(capsys, "estimate", f"{path}:build", *flags, "--gpus", "2", "--tp", "1", "--pp", "2",
+                           "--out", str(out))
+    assert code == 0 and out.exists(), err  # without tp its pipeline runs

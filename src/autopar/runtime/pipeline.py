@@ -19,6 +19,7 @@ a small copy before a plan is offered (`check_stage_forward`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -180,8 +181,18 @@ def _attention_mask(config: Any, kind: str, x: torch.Tensor, positions: torch.Te
     if kind not in makers:
         raise NotImplementedError(f"pipeline stages cannot run layers of attention type {kind!r} yet (full and "
                                   "sliding-window attention can)")
-    return makers[kind](config=config, inputs_embeds=x, attention_mask=None, past_key_values=None,
-                        position_ids=positions)
+    maker = makers[kind]
+    return maker(config=config, inputs_embeds=x, attention_mask=None, position_ids=positions,
+                 **{_cache_parameter(maker): None})
+
+
+@functools.cache
+def _cache_parameter(maker: Any) -> str:
+    """The name a mask maker takes the (absent) KV cache by: ``cache`` in transformers 5.2x, where
+    ``past_key_values`` is deprecated with a warning, ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(maker).parameters else "past_key_values"
 
 
 def _rotary_by_type(rotary: nn.Module) -> bool:

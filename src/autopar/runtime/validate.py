@@ -81,12 +81,35 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
         _rehearse(plan, source, thins(plan, model), model=model, traced=traced_shapes(graph))
         return
+    if rehearse and plan.stages[0].tp > 1:  # a pipeline's stages apply tp as one stage does: rehearsed as such
+        proxy = tensor_parallel_proxy(plan)
+        try:
+            _rehearse(proxy, source, thins(proxy, model), traced=traced_shapes(graph))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the plan's tensor parallelism, rehearsed as one stage of its tp "
+                             f"{proxy.stages[0].tp})") from None
     for stage in plan.stages:  # on the meta model, which is thrown away: the runtime's own checks
         recompute(model, dict(stage.recompute))
     checkpoint_segments(model, [list(segment) for stage in plan.stages for segment in stage.segments])
     if plan.pp > 1:
         stage_layers(model, plan)
         check_stage_forward(model, seq=_seq(source))
+
+
+def tensor_parallel_proxy(plan: Plan) -> Plan:
+    """A pipeline plan's tensor parallelism alone: one stage of its tp devices holding every layer, with each
+    stage's recomputation and checkpointed runs and the plan's module layouts. Every stage applies tp to its own
+    layers with the same code (`runtime.apply`), so tp that would fail on a stage, or form heads other than the
+    traced model's, fails the rehearsal of this plan, which (unlike a pipeline) can be stepped on a fake process
+    group; the pipeline's own cut is checked apart (`pipeline.check_stage_forward`)."""
+    from autopar.plan import Mesh, Stage
+
+    first = plan.stages[0]
+    stage = Stage(layers=tuple(name for s in plan.stages for name in s.layers), dp=1, tp=first.tp,
+                  recompute=tuple(r for s in plan.stages for r in s.recompute),
+                  segments=tuple(r for s in plan.stages for r in s.segments))
+    return dataclasses.replace(plan, mesh=Mesh(shape=(1, first.tp), axes=plan.mesh.axes), stages=(stage,),
+                               schedule="1f1b", chunks=1, estimate=None, report=None)
 
 
 def _check_sequence(model: nn.Module, source: ModelSource) -> None:
