@@ -568,6 +568,13 @@ def out_features_dim(module: nn.Module | None) -> int:
     return 1 if is_conv1d(module) else 0
 
 
+def tp_role(module: nn.Module | None, dim: int) -> int:
+    """The tp role of splitting ``module``'s 2-D weight on ``dim``: 0 where that splits its output features
+    (column-parallel), 1 where it splits its input features (row-parallel), whichever way round the module stores
+    its weight (a Linear's (out, in), GPT-2's ``Conv1D``'s (in, out))."""
+    return dim if out_features_dim(module) == 0 else 1 - dim
+
+
 def _conv1d_style(style: Any) -> Any:
     """``style`` (torch's ColwiseParallel or RowwiseParallel, which take ``nn.Linear`` only) for a ``Conv1D``, whose
     weight is the transpose of a Linear's: column-parallel splits its dim 1 (and the bias), row-parallel its dim 0
@@ -719,8 +726,8 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
         if not isinstance(linear, nn.Linear) and not is_conv1d(linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
-        if is_conv1d(linear):  # its weight is (in, out): its dim 1 holds the output features
-            tp_placement = {"S(1)": "S(0)", "S(0)": "S(1)"}.get(tp_placement, tp_placement)
+        if tp_placement in ("S(0)", "S(1)"):
+            tp_placement = f"S({tp_role(linear, int(tp_placement[2]))})"
         parent = modules.get(fqn.rpartition(".")[0])
         if tp_placement == "S(0)" and isinstance(parent, Attention) and not fqn.endswith(".qkv"):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")

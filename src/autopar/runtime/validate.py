@@ -46,7 +46,7 @@ from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.runtime.apply import (
     check_matches, check_supported, checkpoint_segments, column_groups, fused_qkv, norms_before_columns,
-    out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names,
+    out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names, tp_role,
 )
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin, thins
@@ -407,9 +407,7 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
              if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
     modules = dict(model.named_modules())
-    # by role, 0 for split output features (column-parallel), whichever way round the module stores its weight
-    split = {fqn: dim if out_features_dim(modules[fqn]) == 0 else 1 - dim for fqn, dim in split.items()
-             if fqn in modules}
+    split = {fqn: tp_role(modules[fqn], dim) for fqn, dim in split.items() if fqn in modules}  # by role
     columns = [fqn for group in column_groups({fqn: f"S({dim})" for fqn, dim in split.items()}).values()
                for fqn in group]
     found = cut_projections(graph, model, columns)
