@@ -713,28 +713,15 @@ def test_random_draws_are_noted_only_where_they_draw() -> None:
         assert "test_model_forms.py:" in seen.places[0]
 
 
-GROUPED_SPLIT = textwrap.dedent("""\
+# a user's two-layer model around an ``Attention`` written in between: imports, then the model and its batch
+ATTENTION_HEAD = textwrap.dedent("""\
     import torch
     import torch.nn.functional as F
     from torch import nn
 
 
-    class Attention(nn.Module):
-        def __init__(self, width=32, groups=2):
-            super().__init__()
-            self.groups, self.part = groups, width // groups
-            self.qkv = nn.Linear(width, 3 * width)
-            self.proj = nn.Linear(width, width)
-
-        def forward(self, x):
-            b, s, _ = x.shape
-            grouped = self.qkv(x).reshape(b, s, self.groups, -1)  # the split size below assumes the whole width
-            q, k, v = torch.split(grouped, self.part, dim=-1)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
+""")
+TWO_LAYERS = textwrap.dedent("""\
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -753,6 +740,25 @@ GROUPED_SPLIT = textwrap.dedent("""\
         ids = torch.randint(0, 64, (batch, 16))
         return Net(), {"ids": ids, "labels": ids}
 """)
+
+
+GROUPED_SPLIT = ATTENTION_HEAD + textwrap.dedent("""\
+    class Attention(nn.Module):
+        def __init__(self, width=32, groups=2):
+            super().__init__()
+            self.groups, self.part = groups, width // groups
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            grouped = self.qkv(x).reshape(b, s, self.groups, -1)  # the split size below assumes the whole width
+            q, k, v = torch.split(grouped, self.part, dim=-1)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+""") + TWO_LAYERS
 
 
 def test_a_model_s_own_value_error_under_a_plan_is_refused_naming_the_module(
@@ -856,12 +862,7 @@ def test_sequence_parallelism_keeps_an_encoders_embedding_norm_and_mlm_head_whol
     assert head.column_inputs == [stream] and head.sp_gathers == [] and head.sp_partial_params == 0
 
 
-ROTATE_EVERY_TWO = textwrap.dedent("""\
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-
+ROTATE_EVERY_TWO = ATTENTION_HEAD + textwrap.dedent("""\
     class Attention(nn.Module):
         def __init__(self, width=32, heads=4):
             super().__init__()
@@ -877,25 +878,7 @@ ROTATE_EVERY_TWO = textwrap.dedent("""\
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(64, 32)
-            self.layers = nn.ModuleList([Attention() for _ in range(2)])
-            self.out = nn.Linear(32, 64)
-
-        def forward(self, ids, labels):
-            x = self.embed(ids)
-            for layer in self.layers:
-                x = x + layer(x)
-            return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
-
-
-    def build(batch):
-        ids = torch.randint(0, 64, (batch, 16))
-        return Net(), {"ids": ids, "labels": ids}
-""")
+""") + TWO_LAYERS
 
 
 def test_a_stack_along_a_new_dim_keeps_the_heads_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
