@@ -933,8 +933,9 @@ SEQUENTIAL = textwrap.dedent("""\
 def test_sequence_parallelism_finds_layers_in_a_sequential_and_refuses_loose_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The stream is scattered where it enters the container of the layers tp splits: an nn.Sequential as well as
-    an nn.ModuleList. Layers held as plain attributes leave no such place; SP there used to fail on a bare shape
-    error ("Expected input batch_size (64) to match target batch_size (32)"), and is now refused saying why."""
+    an nn.ModuleList. Layers held as plain attributes leave no such place, and two lists (an encoder's and a
+    decoder's) more than one; SP there used to fail on bare shape errors ("Expected input batch_size (64) to match
+    target batch_size (32)"), or on BART on the attention-shape check, and is now refused saying why."""
     path = tmp_path / "seq.py"
     path.write_text(SEQUENTIAL)
     flags = ["--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--sp", "--batch", "4", "--mbs", "2"]
@@ -947,6 +948,13 @@ def test_sequence_parallelism_finds_layers_in_a_sequential_and_refuses_loose_one
     code, _, err = run_cli(capsys, "estimate", f"{loose}:build", *flags, "--out", str(tmp_path / "b.json"))
     assert code == 2 and not (tmp_path / "b.json").exists()
     assert "no nn.ModuleList or nn.Sequential of this model holds a module tp splits: plan without --sp" in err
+    two = tmp_path / "two.py"  # an encoder's list of layers and a decoder's: only one stream would be scattered
+    two.write_text(SEQUENTIAL.replace("self.layers = nn.Sequential(Block(), Block())",
+                                      "self.layers, self.more = nn.Sequential(Block()), nn.ModuleList([Block()])")
+                   .replace("self.layers(self.embed(ids))", "self.more[0](self.layers(self.embed(ids)))"))
+    code, _, err = run_cli(capsys, "estimate", f"{two}:build", *flags, "--out", str(tmp_path / "c.json"))
+    assert code == 2 and not (tmp_path / "c.json").exists()
+    assert "sequence parallelism runs one list of layers on sequence shards ('layers'), and module 'more.0.up'" in err
 
 
 LLAMA_WHOLE_HEADS = textwrap.dedent("""\

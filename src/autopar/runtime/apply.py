@@ -800,6 +800,15 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
         raise NotImplementedError("sequence parallelism scatters the stream where it enters the model's list of "
                                   "layers, and no nn.ModuleList or nn.Sequential of this model holds a module tp "
                                   "splits: plan without --sp")
+    # another list of layers (blocks holding split modules, not split modules themselves, as a head's
+    # nn.Sequential of linears would be): an encoder's and a decoder's, one stream scattered and the other not
+    other = next((fqn for fqn in split if not fqn.startswith(f"{stack}.")
+                  and any(fqn.startswith(f"{name}.") and "." in fqn[len(name) + 1:] for name, m in named
+                          if isinstance(m, (nn.ModuleList, nn.Sequential)) and not name.startswith(f"{stack}."))), None)
+    if other is not None:
+        raise NotImplementedError(f"sequence parallelism runs one list of layers on sequence shards ({stack!r}), and "
+                                  f"module {other!r}, which tp splits, sits in another (an encoder-decoder model): "
+                                  "plan without --sp")
     within = False  # from the stack's first layer to the first split module after the stack
     for fqn, norm in named:
         in_stack = fqn.startswith(f"{stack}.")
