@@ -169,13 +169,19 @@ def test_a_tied_projection_after_a_split_one_stays_whole_and_the_split_output_is
     tied decoder whole, so the dense layer, split by output features, gathers its output and what follows runs on
     whole features: not a row-parallel decoder closing a region with a LayerNorm on split features inside it."""
     zoo = load("hf:roberta", batch=1, seq=16, layers=1, hidden=64, heads=4)
-    head = next(layer for layer in analyse(autopar.trace(zoo.module, example_kwargs=zoo.inputs))
-                if layer.name == "lm_head")
+    graph = autopar.trace(zoo.module, example_kwargs=zoo.inputs)
+    head = next(layer for layer in analyse(graph) if layer.name == "lm_head")
     by_module = {}
     for node in head.nodes:
         by_module.setdefault(node.module, []).append(node)
     dense = next(n for n in by_module["lm_head.dense"] if n.op.startswith("aten.addmm"))
-    assert dense.id in head.columns and head.gathered_outputs == [dense.output_bytes]
+    assert dense.id in head.columns
     for module in ("lm_head.layer_norm", "lm_head.decoder"):
         assert not any(n.id in head.sharded for n in by_module[module]), module
-    assert not head.row_outputs and not head.tp_partial
+    assert not head.tp_partial
+    # priced so: the dense layer's output gathered forward, its input's gradient summed backward, nothing more
+    model = PipelineModel(graph, PRESETS["a100-80g-sxm"].with_devices(2), traced_batch=1)
+    row = next(r for r, layer in enumerate(model.layers) if layer.name == "lm_head")
+    price = model.price(row, tp=2, samples=1, recompute="none", sp=False, mesh=model._mesh(1, 1, 2))
+    assert {(c.kind.value, c.bytes, c.phase.value): c.calls for c in price.collectives} == {
+        ("all_gather", dense.output_bytes, "forward"): 1, ("all_reduce", dense.inputs[1].nbytes, "backward"): 1}

@@ -850,16 +850,27 @@ def test_sequence_parallelism_keeps_an_encoders_embedding_norm_and_mlm_head_whol
     assert calls[("all_reduce", 2 * 2 * 2 * 64 * 2)] == 1
 
     from autopar.capture import trace
-    from autopar.cost.layers import analyse
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineModel
 
     zoo = load("hf:roberta", batch=2, seq=32, **SMALL)
-    rows = {row.name: row for row in analyse(trace(zoo.module, example_kwargs=zoo.inputs))}
-    stream = 2 * 32 * 64 * 2  # bf16, as `load` builds it
-    assert rows["roberta.encoder.layer.0"].sp_entry == stream
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(2),
+                          traced_batch=2)
+    rows = {row.name: row for row in model.layers}
     assert [rows[f"roberta.encoder.layer.{i}"].sp_partial_params for i in (0, 1)] == [256, 256]
-    assert rows["roberta.embeddings"].sp_partial_params == 0
-    head = rows["lm_head"]  # dense (gathers the stream as a column-parallel input), gelu, norm, tied decoder
-    assert head.column_inputs == [stream] and head.sp_gathers == [] and head.sp_partial_params == 0
+    assert rows["roberta.embeddings"].sp_partial_params == 0 and rows["lm_head"].sp_partial_params == 0
+    stream = 2 * 32 * 64 * 2  # bf16, as `load` builds it
+
+    def calls(name: str) -> dict:
+        row = next(r for r, layer in enumerate(model.layers) if layer.name == name)
+        price = model.price(row, tp=2, samples=2, recompute="none", sp=True, mesh=model._mesh(1, 1, 2))
+        return {(c.kind.value, c.bytes, c.phase.value): c.calls for c in price.collectives}
+
+    # the stream scattered as the embeddings hand it to the layers: its gradient gathered, once
+    assert calls("roberta.embeddings") == {("all_gather", stream, "backward"): 1}
+    # dense gathers the stream as a column-parallel input (its gradient reduce-scattered back to shards) and its own
+    # output of as many features (a column-parallel layer with a whole output); the tied decoder gathers nothing
+    assert calls("lm_head") == {("all_gather", stream, "forward"): 2, ("reduce_scatter", stream, "backward"): 1}
 
 
 ROTATE_EVERY_TWO = ATTENTION_HEAD + textwrap.dedent("""\

@@ -61,26 +61,54 @@ class BlockGraph:
     activation: tuple[bool, ...]  # node id -> its outputs depend on a model input (not only on model state)
 
 
-def build_blocks(graph: Graph) -> BlockGraph:
-    """Group every node of ``graph`` into ParallelBlocks (one pass; cost grows with the node count only)."""
+def build_blocks(graph: Graph, *, layers: frozenset[str] = frozenset()) -> BlockGraph:
+    """Group every node of ``graph`` into ParallelBlocks (one pass; cost grows with the node count only).
+
+    ``layers``: profile rows (repeated layers) whose edges the blocks keep. An op of one of them that reads no
+    value a block of its own layer made (the pre-norm at a layer's start, reading the stream the layer before
+    made) does not join the block before it: it opens its layer's first block, before that block's leading op, so
+    each of these layers is exactly its blocks, and what crosses from one to the next
+    is a value between blocks. Without ``layers`` the pre-norm joins the block that made its input."""
     nodes = graph.nodes
     owner: list[int] = [-1] * len(nodes)  # block index of each node; -1: input branch (assigned after)
     activation: list[bool] = [False] * len(nodes)
     members: list[list[int]] = []
     leaders: list[int] = []
+    waiting: dict[str, list[int]] = {}  # a layer's ops before its first leading op, by layer
     for node in nodes:
         activation[node.id] = any(
             (s.node < 0 and s.state is None) or (s.node >= 0 and activation[s.node]) for s in node.sources
         )
+        row = graph.layer_of(node.module) if layers else ""
         if is_leader(node):
             owner[node.id] = len(members)
-            members.append([node.id])
+            members.append([*waiting.pop(row, ()), node.id])
+            for early in members[-1][:-1]:
+                owner[early] = owner[node.id]
             leaders.append(node.id)
             continue
         producers = [owner[s.node] for s in node.sources if s.node >= 0 and s.state is None and owner[s.node] >= 0]
+        if row in layers and producers:
+            own = [p for p in producers if graph.layer_of(nodes[leaders[p]].module) == row]
+            if not own:  # it starts its layer: it waits for the layer's first leading op
+                waiting.setdefault(row, []).append(node.id)
+                owner[node.id] = -2
+                continue
+            producers = own
+        elif row in waiting and any(p == -2 for p in (owner[s.node] for s in node.sources if s.node >= 0)):
+            waiting[row].append(node.id)  # reads an op that waits: waits with it
+            owner[node.id] = -2
+            continue
         if producers:
             owner[node.id] = max(producers)
             members[owner[node.id]].append(node.id)
+    for row, ids in waiting.items():  # a layer with no leading op after them: they join the block they read from
+        for i in ids:
+            producers = [owner[s.node] for s in nodes[i].sources if s.node >= 0 and s.state is None
+                         and owner[s.node] >= 0]
+            owner[i] = max(producers) if producers else -1
+            if owner[i] >= 0:
+                members[owner[i]].append(i)
     if not members:
         raise ValueError("the model has no parameterised contraction (linear, embedding, convolution) to plan")
     # input branches join their first consumer's block (walk backwards so chains of branch ops follow)

@@ -19,7 +19,7 @@ Megatron-SP move; all-reduce when no dim divides), and gathers a dim it cannot s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
@@ -44,7 +44,11 @@ from autopar.sharding.layout import Partial, StridedShard, is_shard, shard_of
 # block, output index) for what it produces, ("in", position, input index) for a value it reads from another block,
 # ("param", position, input index) for a parameter read at that use. `IntraCost.locate` turns them into node ids.
 Key = tuple[str, int, int]
-Candidate = tuple[int | None, ...]  # leading op's iteration dim per mesh axis (None: replicated)
+# leading op's iteration dim per mesh axis (None: replicated), and GATHERED last where the leading op's output is
+# gathered to whole at once (a column-parallel layer with a whole output, as torch's ColwiseParallel with
+# output_layouts=Replicate() gives it: Megatron's LM head, which no row-parallel layer follows)
+Candidate = tuple[int | None | str, ...]
+GATHERED = "gathered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,31 +72,41 @@ class BlockCost:
     entries: dict[Key, tuple[Layout, Layout]] = field(default_factory=dict)  # value -> (layout needed, gradient)
     exits: dict[Key, Layout] = field(default_factory=dict)
     collectives: list[CommCall] = field(default_factory=list)  # per micro-batch, one call each, forward or backward
-    strategies: dict[int, Strategy] = field(default_factory=dict)  # node id -> its strategy (for the plan)
+    # the same calls by conversion: (position of the op that needs it, the value converted, layout needed, gradient
+    # layout, its calls)
+    conversions: list[tuple[int, tuple[int, int], Layout, Layout, tuple[CommCall, ...]]] = field(default_factory=list)
+    strategies: dict[int, Strategy] = field(default_factory=dict)  # position in the block -> the op's strategy
 
     @property
     def seconds(self) -> float:
         return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward
 
-    def add(self, transfer: Transfer) -> None:
+    def add(self, transfer: Transfer, position: int, value: tuple[int, int], need: Layout, grad: Layout) -> None:
+        """The conversion of ``value`` to ``need`` (its gradient from ``grad``) the op at ``position`` needs."""
         self.comm_forward += transfer.forward
         self.comm_backward += transfer.backward
         self.collectives.extend(transfer.collectives)
+        self.conversions.append((position, value, need, grad, tuple(transfer.collectives)))
 
 
 class IntraCost:
     """Prices blocks of one graph on one mesh; results are cached per block content and candidate."""
 
     def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None,
-                 scatter_partials: bool = True, kernels: str = "eager") -> None:
+                 scatter_partials: bool = True, kernels: str = "eager",
+                 arrival: Callable[[IntraCost, tuple[int, int]], Layout] | None = None) -> None:
         """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
         carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes.
 
         ``scatter_partials``: where an op cannot take a pending Partial sum, reduce-scatter it onto one of the op's
         free dims and run the op split (Megatron's sequence parallelism generalised), or, when False, all-reduce it
         to whole and run the op replicated (Megatron's tensor parallelism without SP, as the runtime applies it).
-        ``kernels``: how memory-bound ops run (`compute.sequence_seconds`)."""
+        ``kernels``: how memory-bound ops run (`compute.sequence_seconds`). ``arrival``: the layout a value made
+        by another block arrives in, where the blocks' edges have one (the stream between a pipeline stage's
+        layers, `cost.intra_layers`): an op before its block's leading op (a layer's pre-norm, `build_blocks`'s
+        ``layers``) follows it; without one such an op runs whole."""
         self.scatter_partials = scatter_partials
+        self.arrival = arrival
         self.bg = blocks
         self.kernels = kernels
         self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
@@ -102,8 +116,11 @@ class IntraCost:
         self.cluster = cluster
         self.layouts = LayoutCosts(mesh, cluster)
         self.param_owner = like.param_owner if like is not None else self._param_owners()
+        self.branch: frozenset[int] = like.branch if like is not None else frozenset().union(
+            *(block.branch for block in blocks.blocks))
         self.signatures: list[int] = like.signatures if like is not None else self._signature_classes()
         self._cache: dict[tuple[int, Candidate], BlockCost | None] = {}
+        self._downstream: dict[int, set[int]] = {}
 
     # ---- candidates ---------------------------------------------------------------------------------------
     def candidates(self, block: ParallelBlock) -> list[Candidate]:
@@ -146,25 +163,48 @@ class IntraCost:
         the embedding), which stay whole. The other axes split the batch. The fallback splits the batch on every
         axis (a layer Megatron cannot split stays data-parallel)."""
         column: dict[int, bool] = {}
+        last_row = -1  # the last row-parallel block's place
         found = []
+        blocks = list(blocks)
         for block in blocks:
             roles = self.roles(block)
             leader = self.nodes[block.leader]
-            producer = next((self.bg.owner[s.node] for s in leader.sources if s.state is None and s.node >= 0), None)
-            is_row = producer is not None and producer != block.id and column.get(producer, False)
+            source = next((s.node for s in leader.sources if s.state is None and s.node >= 0), None)
+            producer = None if source is None else self.bg.owner[source]
+            # row-parallel where it reads what a column-parallel block computed from its split output (not what
+            # the block's ops before its leading op made: a layer's pre-norm, which q, k and v all read)
+            is_row = producer is not None and producer != block.id and column.get(producer, False) \
+                and source in self._after_leader(self.bg.blocks[producer])
             whole = "embedding" in leader.op or any(
                 s.state is not None and self._is_param(s.state) and self.param_owner.get(s.state) != block.id
                 for s in leader.sources)
             column[block.id] = not (is_row or whole)
+            if is_row and not whole:
+                last_row = len(found)
             last = None if whole else roles["row"] if is_row else roles["column"]
             batch = (roles["batch"],) * (len(self.sizes) - 1)
             found.append(((*batch, last), (roles["batch"],) * len(self.sizes)))
+        # a column-parallel block no row-parallel one follows gathers its output at once (the runtime's LM head)
+        return [((*wanted, GATHERED), fallback) if column[block.id] and k > last_row else (wanted, fallback)
+                for k, (block, (wanted, fallback)) in enumerate(zip(blocks, found))]
+
+    def _after_leader(self, block: ParallelBlock) -> set[int]:
+        """The ops of ``block`` computed from its leading op's output."""
+        found = self._downstream.get(block.id)
+        if found is None:
+            found = self._downstream[block.id] = {block.leader}
+            for i in block.nodes:
+                if i > block.leader and i not in block.branch and any(
+                        s.state is None and s.node in found for s in self.nodes[i].sources):
+                    found.add(i)
         return found
 
     def describe(self, block: ParallelBlock, candidate: Candidate) -> str:
         """``"n"`` on a 1-D mesh, ``"m,n"`` on 2-D: the leading op's dim (by role) each axis splits."""
         dims = op_dims(self.nodes[block.leader]).dims
-        return ",".join("R" if k is None else (dims[k].name or str(k)) for k in candidate)
+        axes = candidate[:-1] if candidate and candidate[-1] == GATHERED else candidate
+        named = ",".join("R" if k is None else (dims[k].name or str(k)) for k in axes)
+        return named + ">R" if axes is not candidate else named
 
     # ---- block cost ---------------------------------------------------------------------------------------
     def signature(self, block: ParallelBlock) -> int:
@@ -191,7 +231,7 @@ class IntraCost:
                 elif self.bg.owner[s.node] == block.id:
                     sources.append((s.node - base, s.index))
                 else:
-                    sources.append(("x", s.index, self.bg.activation[s.node]))
+                    sources.append(("x", s.index, self.bg.activation[s.node] and s.node not in self.branch))
             parts.append((node.op, node.inputs, node.outputs, node.args, i in block.branch, tuple(sources)))
         return (block.leader - base, tuple(parts))
 
@@ -205,16 +245,20 @@ class IntraCost:
 
     def _evaluate(self, block: ParallelBlock, candidate: Candidate) -> BlockCost | None:
         cost = BlockCost()
+        gathered = bool(candidate) and candidate[-1] == GATHERED
+        axes = candidate[:-1] if gathered else candidate
         position = {i: pos for pos, i in enumerate(block.nodes)}
         versions: dict[tuple[int, int], dict[Layout, None]] = {}  # layouts a value is available in, in the block
         priced: list[tuple[Node, float]] = []  # the block's nodes with their shard, priced together at the end
         for i in block.nodes:
-            if i in block.branch:
-                continue
             node = self.nodes[i]
+            if i in block.branch:  # on parameters, buffers or model inputs alone: whole on every device
+                priced.append((node, 1))
+                cost.saved += node.saved_bytes
+                continue
             dims = op_dims(node)
             if i == block.leader:
-                strategy = apply(dims, candidate, node.inputs, node.outputs, self.sizes)
+                strategy = apply(dims, axes, node.inputs, node.outputs, self.sizes)
                 if strategy is None:
                     return None
             else:
@@ -225,17 +269,23 @@ class IntraCost:
                 if src.state is not None:
                     self._param_input(cost, block, ("param", position[i], j), src.state, node, j, need, grad)
                     continue
-                if src.node < 0 or src.node in block.branch or not self.bg.activation[src.node]:
-                    continue  # model inputs and values made from parameters alone are produced in any layout
+                if src.node < 0 or src.node in self.branch or not self.bg.activation[src.node]:
+                    continue  # model inputs and values made from them or from parameters alone (any block's input
+                    # branches) are produced in any layout
                 value = (src.node, src.index)
                 if self.bg.owner[src.node] != block.id and value not in versions:
                     cost.entries[("in", position[i], j)] = (need, grad)
                     versions[value] = {need: None}
                     continue
-                self._convert(cost, versions[value], info, need, grad)
+                self._convert(cost, versions[value], info, need, grad, position[i], value)
             for o, layout in enumerate(strategy.outputs):
                 versions[(i, o)] = {layout: None}
                 cost.exits[("out", position[i], o)] = layout
+            if i == block.leader and gathered:  # its output whole at once; its gradient a slice of a whole one
+                whole = (REPLICATE,) * len(self.sizes)
+                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i], (i, 0))
+                versions[(i, 0)] = {whole: None}
+                cost.exits[("out", position[i], 0)] = whole
             priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if not node.is_view and strategy.outputs:
@@ -244,12 +294,13 @@ class IntraCost:
                                                                        kernels=self.kernels)
         return cost
 
-    def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout) -> None:  # noqa: ANN001
+    def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001
+                 position: int, value: tuple[int, int]) -> None:
         if need in have and grad == need:
             return
         itemsize = info.nbytes // max(info.numel, 1)
         best = min((self.layouts.convert(info.shape, itemsize, src, need, grad) for src in have), key=lambda t: t.seconds)
-        cost.add(best)
+        cost.add(best, position, value, need, grad)
         have[need] = None
 
     def _param_input(
@@ -295,10 +346,16 @@ class IntraCost:
         primary = next(
             (j for j, s in enumerate(node.sources) if s.state is None and (s.node, s.index) in versions), None
         )
-        if primary is None:
-            return apply(dims, (None,) * len(self.sizes), node.inputs, node.outputs, self.sizes)  # type: ignore[return-value]
-        src = node.sources[primary]
-        have = _settled(versions[(src.node, src.index)])
+        if primary is not None:
+            src = node.sources[primary]
+            have = _settled(versions[(src.node, src.index)])
+        else:  # it reads only values from other blocks: the layout the first arrives in, where they have one
+            primary = next((j for j, s in enumerate(node.sources)
+                            if s.state is None and s.node >= 0 and self.bg.activation[s.node]), None)
+            if primary is None or self.arrival is None:
+                return apply(dims, (None,) * len(self.sizes), node.inputs, node.outputs, self.sizes)  # type: ignore[return-value]
+            src = node.sources[primary]
+            have = self.arrival(self, (src.node, src.index))
         assignment: list = []
         for axis, p in enumerate(have):
             if is_shard(p):
@@ -344,8 +401,15 @@ class IntraCost:
         return _settled(have)[axis] if have else REPLICATE
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _ways(self, layout: Layout) -> int:
+    def ways(self, layout: Layout) -> int:
+        """Devices a value in ``layout`` is split over."""
         return math.prod(n for p, n in zip(layout, self.sizes) if is_shard(p))
+
+    _ways = ways
+
+    def saved_fraction(self, node: Node, strategy: Strategy) -> float:
+        """The share of what ``node`` saves for backward that one device keeps under ``strategy``."""
+        return self._saved_fraction(node, strategy, op_dims(node).contraction)
 
     def _saved_fraction(self, node: Node, strategy: Strategy, contraction: bool) -> float:
         if contraction:  # a contraction saves its activation inputs

@@ -1,16 +1,30 @@
-"""Intra-op layouts for a pipeline stage's layers: the intra-op planner's sharding space on the stage's tp axis.
+"""The block model of a pipeline stage's rows on its tp axis: the one cost model of a layer, every layout an
+assignment of it.
 
-Megatron's tensor parallelism is one layout of a layer over the stage's ``tp`` devices: column-parallel, then
-row-parallel, one all-reduce per pair. A stage may instead lay each repeated layer out block by block
-(`analysis.blocks`): every ParallelBlock's leading op splits over the tp axis by any of its candidates
-(`cost.intra`: rows of the batch or sequence, output features, the contracted dim, attention heads, experts),
-and the values between blocks are converted where the layouts differ (`sharding.layout`). Batch-splitting a
-small layer, say, trades Megatron's activation all-reduces for a gradient all-reduce over tp once an iteration.
+Each profile row (a repeated layer, the embedding, the head, the loss) is priced by its own ops as the blocks they
+belong to lay them out (`analysis.blocks`, `cost.intra`): each op's work split as its block's strategy splits it,
+what it saves and its largest output likewise, and the conversions each op needs (`row_prices`). Megatron's tensor
+parallelism is one assignment of the blocks (`IntraCost.megatron`: column-parallel, then row-parallel, an LM head
+column-parallel and gathered at once, embeddings and tied heads whole; Megatron-LM's vocabulary split as an option,
+`cost.vocab`); tp 1 is the same model on an axis of one device, where nothing splits or moves. So `autopar
+estimate`, the Megatron grid, the pipeline searches, the intra-op layouts below and the baselines price every row
+through this one model.
 
-Between layers the stream is whole on each tp device, as Megatron and the stage boundary have it (split by
-sequence under sequence parallelism, as Megatron-SP has it), so each layer's layout is chosen on its own. Per
-layer it is the intra-op ILP over the layer's blocks, solved exactly (all assignments at once with numpy for a
-layer of a few blocks, `search.ilp.solve` with HiGHS beyond):
+The blocks keep the repeated layers' edges (`build_blocks(layers=...)`): a layer's pre-norm opens its first block.
+Between layers the stream is in one layout on each tp device, as Megatron and the stage boundary have it: whole, or
+split by sequence under sequence parallelism, as Megatron-SP and the runtime have it (`_between`): a value leaving a
+repeated layer, or read by one, is converted to it where it leaves, and arrives in it (the stream scattered where
+the embedding hands it to the first layer, gathered where a whole head reads it after the last). Around the layers
+a value crosses between rows in the layout it was made in. A value several ops of one module need in one layout (q,
+k and v of one input) is converted once, as the runtime converts it.
+
+A stage may lay each repeated layer out block by block instead of Megatron's way: every ParallelBlock's leading op
+splits over the tp axis by any of its candidates (`cost.intra`: rows of the batch or sequence, output features, the
+contracted dim, attention heads, experts), and the values between blocks are converted where the layouts differ
+(`sharding.layout`). Batch-splitting a small layer, say, trades Megatron's activation all-reduces for a gradient
+all-reduce over tp once an iteration. As the stream between layers has one layout, each layer's layout is chosen on
+its own: the intra-op ILP over the layer's blocks, solved exactly (all assignments at once with numpy for a layer
+of a few blocks, `search.ilp.solve` with HiGHS beyond):
 
     minimise   sum_b c_b(x_b) + sum_(u,v) e_uv(x_u, x_v) + sync(x) / m
     subject to states(x) + in_flight * saved(x) <= the same for Megatron's layout
@@ -19,14 +33,11 @@ with ``c_b`` the block's compute and its conversions (scaled to the stage's samp
 of each value entering the layer from that layout and of each value leaving it back to it, ``e_uv`` the
 conversions between the layer's blocks, and ``sync`` the gradient all-reduce over tp of weights a layout keeps
 whole while splitting their work, plus their share of the data-parallel synchronisation. The memory bound keeps a
-stage that fits under Megatron's layout fitting. A layout is used only where it is faster than Megatron's price
-(`cost.pipeline.price_layer`) by the same terms; otherwise the layer stays Megatron's.
+stage that fits under Megatron's layout fitting. A layout is used only where its row's price is faster than
+Megatron's by the same terms; otherwise the layer stays Megatron's.
 
 The planner traces once at batch 1 and scales, so a split of the batch dim alone (an attention core by samples)
 is not among the candidates there; splits of the tokens of a flattened (batch x sequence) matmul are.
-
-Blocks are grouped by their leading op, so a layer's blocks hold the ops after its last contraction up to the next
-layer's first (its norm): the work attributed to a layer shifts by one norm, alike for every repeated layer.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +57,7 @@ from autopar.cluster.mesh import AxisPlacement, Mesh
 from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra import Candidate, IntraCost
 from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
+from autopar.cost.vocab import vocabulary_split
 from autopar.sharding import REPLICATE, short_layout
 from autopar.sharding.layout import Shard, shard_of
 
@@ -97,38 +110,47 @@ class _Part:
 
     forward: float
     backward: float
-    calls: list[CommCall]
+    # per conversion: (position of the op it runs at, what it converts or None, its calls); what it converts is
+    # (the value as `IntraCost.origin` names it, layout needed, gradient layout): a value several ops of one module
+    # need in one layout (q, k and v projections of one input) is converted once (`IntraLayers._placed_calls`)
+    calls: list[tuple[int, tuple | None, tuple[CommCall, ...]]]
     saved: float
     temporary: float
     params: float
     reduced: float
-    attention: tuple[float, float]  # (forward seconds, saved bytes) of its attention core
-    # of ``calls``, the conversions of values entering the layer, by (entry key, layout needed, gradient layout): a
-    # value several of the layer's blocks read in one layout (q, k and v projections of one input) is converted once
-    entering: tuple[tuple[tuple, tuple[CommCall, ...]], ...] = ()
 
 
 class IntraLayers:
-    """Per-layer intra-op layouts of one pipeline model's graph (blocks built on first use, layouts cached)."""
+    """The block model of one pipeline model's graph on a stage's tp axis: each profile row priced from its ops'
+    strategies under an assignment of its blocks (Megatron's, or a repeated layer's intra-op layout), and the
+    layouts themselves (blocks built on first use, prices and layouts cached)."""
 
     def __init__(self, model: PipelineModel) -> None:
         self.model = model
         self._ready = False
-        self._costs: dict[AxisPlacement, IntraCost] = {}
+        self._costs: dict[tuple[AxisPlacement, bool], IntraCost] = {}
         self._parts: dict[tuple, _Part | None] = {}
         self._layouts: dict[tuple, LayerLayout | None] = {}
         self._row_keys: dict[int, tuple] = {}
+        self._megatron: dict[tuple, tuple[Candidate, ...]] = {}
+        self._placed: dict[tuple, list[tuple[int, int, CommCall]] | None] = {}
 
     def _build(self) -> None:
         if self._ready:
             return
         graph = self.model.graph
-        self.bg = build_blocks(graph)
-        self.rows: dict[str, list[ParallelBlock]] = defaultdict(list)
+        repeated = frozenset(layer.name for layer in self.model.layers if layer.repeated)
+        self.bg = build_blocks(graph, layers=repeated)
+        self.rows: dict[str, list[ParallelBlock]] = defaultdict(list)  # blocks by their leading op's row
         for block in self.bg.blocks:
             self.rows[block.layer].append(block)
-        # values a row's blocks produce that blocks of another row read: converted to whole on leaving the row
+        self.place = {node: (block.id, pos) for block in self.bg.blocks for pos, node in enumerate(block.nodes)}
+        # values a row's blocks produce that blocks of another row read: converted to the layout between layers on
+        # leaving a repeated layer, or where a repeated layer reads them (`_to_layers`)
+        self.repeated = repeated
+        self.vocab = vocabulary_split(self.model.layers, graph) if self.model.vocab_parallel else None
         self.leaving: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        self._to_layers: set[tuple[int, int]] = set()
         owner, blocks = self.bg.owner, self.bg.blocks
         for node in graph.nodes:
             here = owner[node.id]
@@ -137,7 +159,35 @@ class IntraLayers:
                     there = owner[s.node]
                     if there >= 0 and blocks[there].layer != blocks[here].layer:
                         self.leaving[blocks[there].layer].add((s.node, s.index))
+                        if blocks[here].layer in repeated:
+                            self._to_layers.add((s.node, s.index))
         self._ready = True
+
+    def _between_layers(self, value: tuple[int, int], *, made_in: str, read_in: str | None = None) -> bool:
+        """Whether ``value`` crosses from row ``made_in`` (to ``read_in``) in the layout between layers: where it
+        leaves a repeated layer or a repeated layer reads it. Between rows around the layers (an embedding's
+        output read by the sum of embeddings) it stays in the layout it was made in."""
+        return made_in in self.repeated or (read_in is not None and read_in in self.repeated) \
+            or value in self._to_layers
+
+    def _param_made_in(self, ic: IntraCost, fqn: str) -> tuple:
+        """The layout of a parameter read outside its owner's block (a tied head's weight): its owner's, under
+        Megatron's layout (whole, but for a vocabulary split)."""
+        owner = ic.param_owner.get(fqn)
+        if owner is None or self.vocab is None:
+            return _WHOLE * len(ic.sizes)
+        block = self.bg.blocks[owner]
+        bc = ic.block_cost(block, self._megatron_choice(ic, block.layer)[self.rows[block.layer].index(block)])
+        use = None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == fqn), None)
+        return _WHOLE * len(ic.sizes) if use is None else use.layout
+
+    def _made_in(self, ic: IntraCost, value: tuple[int, int]) -> tuple:
+        """The layout a value made outside the repeated layers leaves its block in, under Megatron's layout."""
+        block = self.bg.blocks[self.bg.owner[value[0]]]
+        choice = self._megatron_choice(ic, block.layer)[self.rows[block.layer].index(block)]
+        bc = ic.block_cost(block, choice)
+        found = None if bc is None else bc.exits.get(("out", block.nodes.index(value[0]), value[1]))
+        return found if found is not None else _WHOLE * len(ic.sizes)
 
     def _row_key(self, row: int, tp_axis: AxisPlacement) -> tuple:
         """Rows whose blocks are alike (signatures, and which values cross the layer's edge) share a layout."""
@@ -150,31 +200,214 @@ class IntraLayers:
                 (ic.signature(b), self._outside(b, name)) for b in self.rows.get(name, []))
         return found
 
-    def _cost(self, placement: AxisPlacement, sp: bool) -> IntraCost:
+    def price_key(self, row: int) -> tuple:
+        """What a row's price depends on besides the stage: a repeated layer's blocks (`_row_key`), alike for
+        alike layers; any other row's place."""
+        if not self.model.layers[row].repeated:
+            return ("row", row)
+        return self._row_key(row, None)
+
+    def _cost(self, placement: AxisPlacement | None, sp: bool) -> IntraCost:
         """The block model on the tp axis; partial sums are scattered by sequence under sequence parallelism and
-        all-reduced without it, as the runtime's Megatron layouts do."""
+        all-reduced without it, as the runtime's Megatron layouts do, and values arrive at a layer in the layout
+        between layers (`_between`). ``placement`` None: any (for what does not depend on the mesh)."""
+        self._build()
+        if placement is None:
+            found = next(iter(self._costs.values()), None)
+            if found is not None:
+                return found
+            placement = AxisPlacement(name="tp", size=1, intra=1, inter=1)
         found = self._costs.get((placement, sp))
         if found is None:
             like = next(iter(self._costs.values()), None)
             mesh = Mesh(("tp",), (placement.size,), (placement,))
-            found = self._costs[(placement, sp)] = IntraCost(self.bg, mesh, self.model.cluster, like=like,
-                                                             scatter_partials=sp, kernels=self.model.kernels)
+            found = self._costs[(placement, sp)] = IntraCost(
+                self.bg, mesh, self.model.cluster, like=like, scatter_partials=sp, kernels=self.model.kernels,
+                arrival=lambda ic, value: _between(ic, value, sp, placement.size))
         return found
 
-    def megatron(self, row: int, tp_axis: AxisPlacement, *, samples: float, sp: bool) -> dict | None:
-        """Row ``row`` under Megatron's layout (`IntraCost.megatron`) on the tp axis, priced by the block model:
-        recompute level -> `LayerPrice` for one device running ``samples`` samples. None where the row has no
-        blocks."""
+    # ---- assignments ---------------------------------------------------------------------------------------------
+    def _megatron_choice(self, ic: IntraCost, name: str) -> tuple[Candidate, ...]:
+        """Megatron's layout (`IntraCost.megatron`) of the blocks led in row ``name``, each block's fallback where
+        its own split does not divide."""
+        key = (id(ic), name)
+        found = self._megatron.get(key)
+        if found is None:
+            blocks = self.rows.get(name, [])
+            found = self._megatron[key] = tuple(
+                wanted if ic.block_cost(b, wanted) is not None else fallback
+                for b, (wanted, fallback) in zip(blocks, map(self._vocabulary, blocks, ic.megatron(blocks))))
+        return found
+
+    def _vocabulary(self, block: ParallelBlock, options: tuple[Candidate, Candidate]) -> tuple[Candidate, Candidate]:
+        """Megatron-LM's split of the vocabulary (`autopar.cost.vocab`), where the model is priced with it: an LM
+        head column-parallel without a gather, an embedding of the vocabulary split by it."""
+        if self.vocab is None or (block.leader not in self.vocab.heads and block.leader not in self.vocab.tables):
+            return options
+        roles = self._cost(None, False).roles(block)
+        return ((roles["column"] if block.leader in self.vocab.heads else roles["row"],), options[1])
+
+    # ---- prices of profile rows ------------------------------------------------------------------------------
+    def row_prices(self, row: int, tp_axis: AxisPlacement, *, samples: float, sp: bool,
+                   choice: tuple[Candidate, ...] | None = None) -> dict | None:
+        """Row ``row`` on one device running ``samples`` samples of a micro-batch, priced by the block model: per
+        recompute level (a row outside the repeated layers: "none" only) its `LayerPrice`. Every block is in
+        Megatron's layout, except, given ``choice``, the blocks led in this (repeated) row. None where a block
+        it needs has no cost under its candidate.
+
+        A row is priced by its own ops, wherever their blocks start (the final norm sits in the last layer's last
+        block): each op's work split as its block's strategy splits it (an op on parameters or model inputs alone,
+        whole), what it saves and the largest output likewise, and the conversions each op needs, including those
+        of values entering or leaving a row of blocks in the layout between layers (the stream scattered by
+        sequence at the first layer, and gathered where a whole head reads it)."""
         self._build()
-        blocks = self.rows.get(self.model.layers[row].name, [])
-        if not blocks:
-            return None
         ic = self._cost(tp_axis, sp)
-        choice = tuple(wanted if ic.block_cost(b, wanted) is not None else fallback
-                       for b, (wanted, fallback) in zip(blocks, ic.megatron(blocks)))
+        layer = self.model.layers[row]
         scale = samples / self.model.traced_batch
-        return {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, sp)
-                for level in ("none", "selective", "full")}
+        chosen: dict[int, Candidate] = {}
+        placed: list[tuple[int, int, CommCall]] = []  # (op id, order, call)
+        names = list(dict.fromkeys(self.bg.blocks[self.place[n.id][0]].layer for n in layer.nodes))
+        ids = {n.id for n in layer.nodes}
+        for name in names:
+            blocks = self.rows[name]
+            picked = choice if choice is not None and name == layer.name else self._megatron_choice(ic, name)
+            chosen.update(zip((b.id for b in blocks), picked))
+            calls = self._placed_calls(ic, name, picked, tp_axis, sp)
+            if calls is None:
+                return None
+            placed += [(blocks[k].nodes[pos], order, c) for order, (k, pos, c) in enumerate(calls)
+                       if blocks[k].nodes[pos] in ids]
+        region = self.vocab.region if self.vocab is not None and tp_axis.size > 1 else frozenset()
+        if region:  # Megatron-LM's fused cross entropy on the split logits: its reductions, no conversion
+            placed = [item for item in placed if item[0] not in region]
+            if self.vocab.loss in ids:
+                placed += [(self.vocab.loss, -1, CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes,
+                                                          phase=Phase.FORWARD)) for nbytes in self.vocab.reductions]
+        device, blocks = self.model.cluster.device, self.bg.blocks
+        priced, attention = [], []
+        saved = temporary = 0.0
+        for node in layer.nodes:
+            b, pos = self.place[node.id]
+            block = blocks[b]
+            if node.id in block.branch:
+                shard, kept, out = 1, node.saved_bytes, node.output_bytes
+            elif node.id in region:
+                shard = tp_axis.size
+                kept, out = node.saved_bytes / shard, node.output_bytes / shard
+            else:
+                bc = ic.block_cost(block, chosen[b])
+                if bc is None:
+                    return None
+                strategy = bc.strategies[pos]
+                shard = strategy.shard
+                kept = node.saved_bytes * ic.saved_fraction(node, strategy)
+                out = node.output_bytes / ic.ways(strategy.outputs[0]) if strategy.outputs else 0.0
+            priced.append((node, shard / scale))
+            saved += kept * scale
+            if not node.is_view:
+                temporary = max(temporary, out * scale)
+            if "attention" in node.op:
+                attention.append((node, shard / scale, node.output_bytes * scale / max(shard, 1)))
+        forward, backward = sequence_seconds(priced, device, kernels=self.model.kernels)
+        placed.sort(key=lambda item: item[:2])
+        calls = [c.scaled(scale) for _, _, c in placed]
+        params = self.row_params(row, tp_axis, chosen=chosen)
+        levels = ("none", "selective", "full") if layer.repeated else ("none",)
+        return {level: self._assemble(row, level, forward, backward, calls, saved, temporary, params, attention,
+                                      scale, tp_axis, sp) for level in levels}
+
+    def row_params(self, row: int, tp_axis: AxisPlacement, *, chosen: dict[int, Candidate] | None = None) -> float:
+        """Parameters of row ``row`` one device holds under its blocks' layouts (Megatron's unless ``chosen``
+        names a block's candidate): each as the block that reads it first lays it out (a tied weight as its
+        owner's row lays it out)."""
+        ic = self._cost(tp_axis, False)
+        total = 0.0
+        for info in self.model._row_params[row]:
+            owner = ic.param_owner.get(info.fqn)
+            if owner is None:  # read by no op: held whole
+                total += info.tensor.numel
+                continue
+            block = self.bg.blocks[owner]
+            candidate = (chosen or {}).get(owner)
+            if candidate is None:
+                blocks = self.rows[block.layer]
+                candidate = self._megatron_choice(ic, block.layer)[blocks.index(block)]
+            bc = ic.block_cost(block, candidate)
+            use = None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == info.fqn), None)
+            total += info.tensor.numel if use is None else use.local
+        return total
+
+    def _placed_calls(self, ic: IntraCost, name: str, choice: tuple[Candidate, ...], tp_axis: AxisPlacement,
+                      sp: bool) -> list[tuple[int, int, CommCall]] | None:
+        """The collectives of the blocks led in row ``name`` under ``choice``, per micro-batch at the traced batch,
+        as (block index in the row, position of the op it runs at, call): each block's own conversions, those of
+        values entering the row and leaving it, and those between its blocks, a value converted once per module
+        and layout (`_scope`: the runtime converts it once and every reader of the module uses the result,
+        gradients summed before one reduction). None where a block has no cost under its candidate."""
+        row = self._row_index.get(name)
+        key = (self._row_key(row, tp_axis) if row is not None and self.model.layers[row].repeated else name,
+               ic.mesh.placements[0], sp, choice)
+        if key in self._placed:
+            return self._placed[key]
+        blocks = self.rows[name]
+        parts = [self._part(ic, b, c, name, 1.0, tp_axis, sp) for b, c in zip(blocks, choice)]
+        found: list[tuple[int, int, CommCall]] | None = None
+        if all(p is not None for p in parts):
+            found, seen = [], set()
+            index = {b.id: v for v, b in enumerate(blocks)}
+            for k, (block, cand, part) in enumerate(zip(blocks, choice, parts)):
+                scope = _scope(ic, block)
+                conversions = list(part.calls)
+                for key_in, producer in self._inner_inputs(ic, block, [cand], index):  # from the row's other blocks
+                    need, grad = ic.block_cost(block, cand).entries[key_in]
+                    move = ic.transfer(block, key_in, producer, choice[index[producer.id]], cand)
+                    conversions.append((key_in[1], (ic.origin(ic.locate(block, key_in)), need, grad),
+                                        tuple(move.collectives)))
+                for pos, what, calls in conversions:
+                    if what is not None:
+                        if (what, scope) in seen:
+                            continue
+                        seen.add((what, scope))
+                    found += [(k, pos, c) for c in calls]
+        self._placed[key] = found
+        return found
+
+    @cached_property
+    def _row_index(self) -> dict[str, int]:
+        return {layer.name: row for row, layer in enumerate(self.model.layers)}
+
+    def _assemble(self, row: int, level: str, forward: float, backward: float, calls: list[CommCall], saved: float,
+                  temporary: float, params: float, attention: list, scale: float, tp_axis: AxisPlacement,
+                  sp: bool) -> LayerPrice:
+        """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued)."""
+        from autopar.cost.pipeline import LayerPrice
+
+        layer, device = self.model.layers[row], self.model.cluster.device
+        forward_calls = [c for c in calls if c.phase is Phase.FORWARD]
+        # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
+        tail = forward_calls[-1] if forward_calls and self.model.kernels == "eager" else None
+        if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
+            # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
+            backward += forward
+            replay = [c.during(Phase.BACKWARD) for c in forward_calls]
+            if tail is not None:
+                replay.remove(tail.during(Phase.BACKWARD))
+            calls = calls + replay
+            temporary = max(temporary, saved)
+            saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
+        elif level == "selective":  # the attention core replays; its output is not kept
+            backward += sum(node_seconds(node, device, backward=False, shard=shard) for node, shard, _ in attention)
+            saved -= sum(kept for _, _, kept in attention)
+        seconds = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
+        for c in calls:
+            seconds[c.phase] += collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster)
+        return LayerPrice(
+            forward=forward, backward=backward, comm_forward=seconds[Phase.FORWARD],
+            comm_backward=seconds[Phase.BACKWARD], activations=saved, temporary=temporary, params=params,
+            collectives=merge_calls(calls), forward_collectives=merge_calls(forward_calls), tail=tail,
+            tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
+                                                                     self.model.cluster),
+        )
 
     # ---- choosing a layout -------------------------------------------------------------------------------------
     def layout(self, row: int, tp_axis: AxisPlacement, when: Conditions, megatron: LayerPrice) -> LayerLayout | None:
@@ -205,8 +438,9 @@ class IntraLayers:
         ic, blocks, name = self._cost(tp_axis, when.sp), terms.blocks, self.model.layers[row].name
         choice = tuple(terms.candidates[v][i] for v, i in enumerate(indices))
         scale = when.samples / self.model.traced_batch
-        prices = {level: self._price(ic, blocks, choice, row, scale, tp_axis, level, when.sp)
-                  for level in ("none", "selective", "full")}
+        prices = self.row_prices(row, tp_axis, samples=when.samples, sp=when.sp, choice=choice)
+        if prices is None:
+            return None
         reduced = sum(self._part(ic, b, c, name, scale, tp_axis, when.sp).reduced for b, c in zip(blocks, choice))
         if not self.seconds_of(prices["none"], reduced, tp_axis, when) < self.seconds_of(megatron, 0.0, tp_axis, when):
             return None
@@ -254,7 +488,8 @@ class IntraLayers:
         return sum(model_states(1.0, dtype=self.model.dtype, zero=when.zero, dp=when.dp))
 
     def _seconds(self, part: _Part, tp_axis: AxisPlacement, when: Conditions) -> float:
-        comm = sum(collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster) for c in part.calls)
+        comm = sum(collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster)
+                   for _, _, calls in part.calls for c in calls)
         return part.forward + part.backward + comm + self._sync(part.params, part.reduced, tp_axis, when)
 
     def seconds_of(self, price: LayerPrice, reduced: float, tp_axis: AxisPlacement, when: Conditions) -> float:
@@ -277,40 +512,34 @@ class IntraLayers:
     # ---- pricing ------------------------------------------------------------------------------------------------
     def _part(self, ic: IntraCost, block: ParallelBlock, cand: Candidate, row: str, scale: float,
               tp_axis: AxisPlacement, sp: bool) -> _Part | None:
-        key = (ic.signature(block), cand, scale, tp_axis, sp, self._outside(block, row))
+        key = (ic.signature(block), cand, scale, tp_axis, sp, self._outside(block, row),
+               None if row in self.repeated else row)  # around the layers, what enters depends on its maker
         if key in self._parts:
             return self._parts[key]
         bc = ic.block_cost(block, cand)
         part = None
         if bc is not None:
-            device = self.model.cluster.device
-            graph = self.model.graph
-            attn_seconds = attn_saved = 0.0
-            priced = [(graph.node(block.nodes[pos]), strategy.shard / scale) for pos, strategy in bc.strategies.items()]
-            forward, backward = sequence_seconds(priced, device, kernels=self.model.kernels)
-            for (node, shard), strategy in zip(priced, bc.strategies.values()):
-                if "attention" in node.op:
-                    attn_seconds += node_seconds(node, device, backward=False, shard=shard)
-                    attn_saved += node.output_bytes * scale / max(strategy.shard, 1)
-            calls = [c.scaled(scale) for c in bc.collectives]
-            entering = []
+            calls = [(pos, (ic.origin(value), need, grad), tuple(c.scaled(scale) for c in moved))
+                     for pos, value, need, grad, moved in bc.conversions]
             # values from other layers arrive in the layout between layers; values other layers read leave in it
             for key_in, (need, grad) in bc.entries.items():
                 value = ic.locate(block, key_in)
-                if isinstance(value, str) or self.bg.blocks[self.bg.owner[value[0]]].layer != row:
-                    edge = _WHOLE if isinstance(value, str) else _between(ic, value, sp, tp_axis.size)
+                maker = None if isinstance(value, str) else self.bg.blocks[self.bg.owner[value[0]]].layer
+                if maker != row:
+                    edge = self._param_made_in(ic, value) if isinstance(value, str) else \
+                        _between(ic, value, sp, tp_axis.size) if self._between_layers(value, made_in=maker, read_in=row) \
+                        else self._made_in(ic, value)
                     move = ic.convert(value, edge, need, grad)
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
                         return None
-                    moved = [c.scaled(scale) for c in move.collectives]
-                    calls += moved
-                    entering.append(((key_in, need, grad), tuple(moved)))
+                    calls.append((key_in[1], (ic.origin(value), need, grad),
+                                  tuple(c.scaled(scale) for c in move.collectives)))
             leaving = self.leaving.get(row, set())
             for (kind, pos, index), have in bc.exits.items():
-                if kind != "out" or (block.nodes[pos], index) not in leaving:
-                    continue
                 value = (block.nodes[pos], index)
+                if kind != "out" or value not in leaving or not self._between_layers(value, made_in=row):
+                    continue
                 edge = _between(ic, value, sp, tp_axis.size)
                 if have == edge:
                     continue
@@ -318,11 +547,12 @@ class IntraLayers:
                 if not math.isfinite(move.seconds):
                     self._parts[key] = None
                     return None
-                calls += [c.scaled(scale) for c in move.collectives]
-            params = sum(p.local for p in bc.params)
-            part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale, params,
-                         sum(p.local for p in bc.params if p.reduce_axes), (attn_seconds, attn_saved),
-                         tuple(entering))
+                calls.append((pos, None, tuple(c.scaled(scale) for c in move.collectives)))
+            priced = [(self.model.graph.node(n), (1 if n in block.branch else bc.strategies[pos].shard) / scale)
+                      for pos, n in enumerate(block.nodes)]
+            forward, backward = sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
+            part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale,
+                         sum(p.local for p in bc.params), sum(p.local for p in bc.params if p.reduce_axes))
         self._parts[key] = part
         return part
 
@@ -358,77 +588,6 @@ class IntraLayers:
             if not isinstance(value, str) and self.bg.owner[value[0]] in index:
                 found.append((key_in, self.bg.blocks[self.bg.owner[value[0]]]))
         return found
-
-    def _inner_calls(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...],
-                     scale: float) -> list[CommCall]:
-        index = {b.id: v for v, b in enumerate(blocks)}
-        calls: list[CommCall] = []
-        done: set[tuple] = set()  # a value several blocks of one module read in one layout is converted once
-        for b, cand in zip(blocks, choice):
-            for key_in, producer in self._inner_inputs(ic, b, [cand], index):
-                what = (ic.origin(ic.locate(b, key_in)), _scope(ic, b), *ic.block_cost(b, cand).entries[key_in])
-                if what in done:
-                    continue
-                done.add(what)
-                move = ic.transfer(b, key_in, producer, choice[index[producer.id]], cand)
-                calls += [c.scaled(scale) for c in move.collectives]
-        return calls
-
-    def _price(self, ic: IntraCost, blocks: list[ParallelBlock], choice: tuple[Candidate, ...], row: int, scale: float,
-               tp_axis: AxisPlacement, level: str, sp: bool) -> LayerPrice:
-        from autopar.cost.pipeline import LayerPrice
-
-        layer = self.model.layers[row]
-        parts = [self._part(ic, b, c, layer.name, scale, tp_axis, sp) for b, c in zip(blocks, choice)]
-        calls = [c for p in parts for c in p.calls] + self._inner_calls(ic, blocks, choice, scale)
-        for c in _converted_again(ic, blocks, parts):
-            calls.remove(c)
-        forward = sum(p.forward for p in parts)
-        backward = sum(p.backward for p in parts)
-        saved = sum(p.saved for p in parts)
-        temporary = max(p.temporary for p in parts)
-        forward_calls = [c for c in calls if c.phase is Phase.FORWARD]
-        # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
-        tail = next((c for c in reversed(parts[-1].calls) if c.phase is Phase.FORWARD), None) \
-            if self.model.kernels == "eager" else None
-        if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
-            # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
-            backward += forward
-            replay = [c.during(Phase.BACKWARD) for c in forward_calls]
-            if tail is not None:
-                replay.remove(tail.during(Phase.BACKWARD))
-            calls = calls + replay
-            temporary = max(temporary, saved)
-            saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
-        elif level == "selective":
-            backward += sum(p.attention[0] for p in parts)
-            saved -= sum(p.attention[1] for p in parts)
-        seconds = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
-        for c in calls:
-            seconds[c.phase] += collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster)
-        return LayerPrice(
-            forward=forward, backward=backward, comm_forward=seconds[Phase.FORWARD],
-            comm_backward=seconds[Phase.BACKWARD], activations=saved, temporary=temporary,
-            params=sum(p.params for p in parts), collectives=merge_calls(calls),
-            forward_collectives=merge_calls(forward_calls), tail=tail,
-            tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
-                                                                     self.model.cluster),
-        )
-
-
-def _converted_again(ic: IntraCost, blocks: list[ParallelBlock], parts: list[_Part]) -> list[CommCall]:
-    """Conversions of a value entering the layer that an earlier block of the same module (`_scope`) already made
-    in the same layouts: the runtime converts it once and every reader uses the result (gradients summed before
-    one reduction)."""
-    seen: set[tuple] = set()
-    again: list[CommCall] = []
-    for block, part in zip(blocks, parts):
-        for (key_in, need, grad), moves in part.entering:
-            what = (ic.origin(ic.locate(block, key_in)), _scope(ic, block), need, grad)
-            if what in seen:
-                again += moves
-            seen.add(what)
-    return again
 
 
 def _scope(ic: IntraCost, block: ParallelBlock) -> str:

@@ -1,12 +1,16 @@
-"""What Megatron-style tensor parallelism does to each layer of a traced graph.
+"""The profile rows of a traced graph (the chain of layers the pipeline cuts) and Megatron's roles in them.
 
 Parameter-reading contractions alternate column- and row-parallel: one whose activation input does not depend on
 an open column-parallel output is column-parallel (QKV, FC1, gate/up, the LM head) and opens a sharded region; one
 whose input lies in that region is row-parallel (attention output projection, FC2, down) and closes it. Tensors in
 a region exist 1/tp per device; activations outside it (LayerNorm inputs and outputs, dropout masks on the residual
-stream) are replicated unless sequence parallelism shards them too. Per region TP communicates once forward and once
-backward: an all-reduce after each row-parallel op (forward) and of each column group's input gradient (backward);
-with sequence parallelism those become reduce-scatter / all-gather pairs (Korthikanti et al. 2022).
+stream) are replicated unless sequence parallelism shards them too (Korthikanti et al. 2022).
+
+These roles are not priced here: every row is priced by the block model (`autopar.cost.intra_layers`), Megatron's
+layout being one assignment of its blocks. They are what that assignment is checked against (it splits the ops the
+roles split, `tests/test_one_model.py`), what the stage memory walk splits (`autopar.cost.stage_memory`), the widths
+tensor parallelism must divide, and the whole weights whose gradients the runtime sums over tp (norms on sequence
+shards, q and k norms on split heads).
 """
 
 from __future__ import annotations
@@ -20,17 +24,13 @@ _CONTRACTIONS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.
 
 @dataclass(slots=True)
 class LayerCost:
-    """One profile row (a layer, or the embedding / head / loss) for one micro-batch."""
+    """One profile row (a layer, or the embedding / head / loss): its ops, and Megatron's roles in it."""
 
     name: str
     repeated: bool
     params: int = 0
     sharded_params: int = 0  # of those, what TP splits (column weights and biases, row weights)
     tied: list[tuple[str, int]] = field(default_factory=list)  # (owner's row, size) of weights read from elsewhere
-    # under sequence parallelism: the stream enters its sequence shards at the first layer (bytes of the stream,
-    # gathered in the backward), and a whole contraction (the tied head) gathers its input in the forward
-    sp_entry: int = 0
-    sp_gathers: list[int] = field(default_factory=list)
     sp_partial_params: int = 0  # norm weights that see sequence shards: gradients summed over tp once a step
     # replicated weights applied to the activations tp splits (q and k norms per head, `_applied_to_shards`):
     # each rank's gradient covers its own heads, so they are summed over tp once a step, with or without SP
@@ -41,17 +41,11 @@ class LayerCost:
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
     saved_sharded: int = 0
     saved_replicated: int = 0
-    saved_columns: int = 0  # of ``saved_replicated``, what column-parallel ops save (their whole input)
-    attention_saved: int = 0  # output of the attention core (freed by selective recomputation)
     input_bytes: int = 0  # the layer's activation input (what full recomputation keeps)
     # its largest input from the repeated layers before it (the residual stream, or what else one layer hands the
     # next, T5's position bias): what a pipeline stage boundary sends and sequence parallelism scatters; not inputs
     # made beside the chain of layers (rotary tables, masks, encoder outputs)
     stream_input: int = 0
-    row_outputs: list[int] = field(default_factory=list)  # bytes of each row-parallel output (fwd all-reduce)
-    column_inputs: list[int] = field(default_factory=list)  # bytes of each column group's input (bwd all-reduce)
-    gathered_outputs: list[int] = field(default_factory=list)  # bytes of each unclosed column's output (fwd gather)
-    largest_output: int = 0
 
 
 def _is_param_contraction(node: Node) -> bool:
@@ -83,13 +77,6 @@ def _reads_foreign_weight(node: Node) -> bool:
     return any(s.state is not None and s.state.rpartition(".")[0] != node.module for s in node.sources if s.state)
 
 
-def _behind_views(graph: Graph, node_id: int, index: int) -> tuple[int, int]:
-    while node_id >= 0 and graph.nodes[node_id].is_view:
-        source = graph.nodes[node_id].sources[0]
-        node_id, index = source.node, source.index
-    return node_id, index
-
-
 def _stream_of_first_layers(rows: dict[str, LayerCost], largest: dict[str, int]) -> None:
     """A repeated layer that reads no other repeated layer (the first of a stack, reading the embedding) carries
     the stream of the next layer that does (the stack's layers are alike); where none does (a stack of one), its
@@ -112,7 +99,6 @@ def analyse(graph: Graph) -> list[LayerCost]:
     # node id -> the column-parallel contractions whose sharded region its output lies in
     open_region: dict[int, frozenset[int]] = {}
     closed: set[int] = set()  # columns some row-parallel contraction consumed
-    column_groups: dict[tuple[int, int], int] = {}  # input ref of a column group -> its bytes
     for node in graph.nodes:
         layer = rows[graph.layer_of(node.module)]
         layer.nodes.append(node)
@@ -122,21 +108,13 @@ def analyse(graph: Graph) -> list[LayerCost]:
         if _is_param_contraction(node) and _reads_foreign_weight(node):
             pass  # a tied weight: TP keeps it, and the contraction, whole; a column left open before it is gathered
         elif _is_param_contraction(node):
-            if in_region:  # row-parallel: consumes the shard, produces partial sums -> all-reduce
+            if in_region:  # row-parallel: consumes the shard, produces partial sums
                 layer.sharded.add(node.id)
-                layer.row_outputs.append(node.output_bytes)
                 closed.update(region)
             else:  # column-parallel: replicated input, sharded output
                 layer.sharded.add(node.id)
                 layer.columns.add(node.id)
                 open_region[node.id] = frozenset((node.id,))
-                for s, t in zip(node.sources, node.inputs):
-                    if s.state is not None:
-                        continue
-                    origin = _behind_views(graph, s.node, s.index)
-                    if origin not in column_groups:  # gate and up read one input: one group, one all-reduce
-                        column_groups[origin] = t.nbytes
-                        layer.column_inputs.append(t.nbytes)
         elif in_region:
             layer.sharded.add(node.id)
             open_region[node.id] = region
@@ -161,11 +139,6 @@ def analyse(graph: Graph) -> list[LayerCost]:
                 layer.saved_sharded += node.saved_bytes
             else:
                 layer.saved_replicated += node.saved_bytes
-                if node.id in layer.columns:
-                    layer.saved_columns += node.saved_bytes
-            if "attention" in node.op:
-                layer.attention_saved += node.output_bytes
-            layer.largest_output = max(layer.largest_output, node.output_bytes)
     # a layer's activation input (what full recomputation keeps): float values it reads from outside itself, once
     # each; `Graph.module_memory(...).bwd_out` by definition, computed here in one pass for all layers
     layer_of_node = {}
@@ -199,22 +172,16 @@ def analyse(graph: Graph) -> list[LayerCost]:
 
 def _sequence_shards(graph: Graph, ordered: list[LayerCost], first: LayerCost) -> None:
     """Where sequence parallelism leaves the stream in sequence shards, as the runtime does: from the first
-    repeated layer (``sp_entry``: scattered there) through the layers, and after them up to the first contraction
-    that needs the whole sequence. That is a column-parallel one (a column-parallel head, or BERT's MLM head's
-    dense layer: under SP it gathers its input itself), or a tied contraction TP keeps whole, whose input is
-    gathered (``sp_gathers``); what follows runs whole on every rank. Weights read outside contractions while the
-    stream is in shards (norms) get a partial gradient on each rank (``sp_partial_params``)."""
-    first.sp_entry = first.stream_input
+    repeated layer through the layers, and after them up to the first contraction that needs the whole sequence
+    (a column-parallel one: a column-parallel head, or BERT's MLM head's dense layer, which gathers its input
+    itself; or a tied contraction TP keeps whole). Weights read outside contractions while the stream is in shards
+    (norms) get a partial gradient on each rank (``sp_partial_params``)."""
     sharded = True
     for layer in ordered[ordered.index(first):]:
         read: set[str] = set()
         for node in layer.nodes:
             if _is_param_contraction(node) and not layer.repeated and sharded:
-                if node.id in layer.columns:
-                    sharded = False
-                elif node.id not in layer.sharded and _reads_foreign_weight(node):
-                    layer.sp_gathers.append(max(t.nbytes for s, t in zip(node.sources, node.inputs)
-                                                if s.state is None))
+                if node.id in layer.columns or (node.id not in layer.sharded and _reads_foreign_weight(node)):
                     sharded = False
             elif (layer.repeated or sharded) and not node.is_view and not _is_param_contraction(node):
                 read.update(s.state for s in node.sources
@@ -268,8 +235,7 @@ def _gather_unclosed(rows: dict[str, LayerCost], open_region: dict[int, frozense
         return
     for layer in rows.values():
         for node in layer.nodes:
-            if node.id in unclosed:
-                layer.gathered_outputs.append(node.output_bytes)
-            elif node.id in layer.sharded and open_region.get(node.id, frozenset()) <= unclosed \
-                    and not (_is_param_contraction(node) and node.id not in layer.columns):
+            if node.id not in unclosed and node.id in layer.sharded and \
+                    open_region.get(node.id, frozenset()) <= unclosed and \
+                    not (_is_param_contraction(node) and node.id not in layer.columns):
                 layer.sharded.discard(node.id)

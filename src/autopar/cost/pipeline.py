@@ -57,10 +57,9 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 from autopar.capture import Graph, StateInfo
-from autopar.cluster import Cluster, Collective, Device, build_mesh, collective_seconds
+from autopar.cluster import Cluster, Collective, build_mesh, collective_seconds
 from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cost.checkpoint import SegmentCosts, check_segments, segment_costs
-from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
@@ -90,91 +89,6 @@ class LayerPrice:
     tail: CommCall | None = None
     tail_seconds: float = 0.0
     measured: bool = False  # forward and backward are a profile database's times (their collectives inside)
-
-
-def price_layer(
-    layer: LayerCost, device: Device, *, tp: int, scale: float, recompute: str, sp: bool, tp_seconds,
-    kernels: str = "eager",
-) -> LayerPrice:  # noqa: ANN001
-    """Price ``layer`` for one device running ``scale`` times the traced batch, TP-sharded nodes split ``tp``
-    ways, its kernels run as ``kernels`` says (`compute.sequence_seconds`); ``tp_seconds(kind, nbytes)`` prices
-    one collective on the stage's tp axis."""
-    # sequence parallelism splits the repeated layers' work over tp; the rows around them (embedding, head, loss)
-    # run whole on every rank: the stream is scattered at the first layer and gathered for a whole head
-    on_shards = sp and layer.repeated
-    shards = [(node, tp if (node.id in layer.sharded or on_shards) else 1) for node in layer.nodes]
-    forward, backward = sequence_seconds([(node, ways / scale) for node, ways in shards], device, kernels=kernels)
-    temporary = max((node.output_bytes / ways * scale for node, ways in shards), default=0.0)  # largest output
-    calls = _tp_calls(layer, scale=scale, sp=sp) if tp > 1 else []  # one call each, in the order issued
-    tail = None
-    if tp > 1 and layer.row_outputs and kernels == "eager":  # a compiled layer's forward replays whole (one function)
-        tail = _on_tp(Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE, layer.row_outputs[-1] * scale,
-                      Phase.FORWARD)
-    forward_calls = merge_calls(c for c in calls if c.phase is Phase.FORWARD)
-    # column-parallel ops save the input they were given whole: under sequence parallelism, gathered from the
-    # shards (torch's ColwiseParallel gathers before the op; Megatron-LM's own kernels would save the shard)
-    saved = (layer.saved_sharded / tp + layer.saved_columns
-             + (layer.saved_replicated - layer.saved_columns) / (tp if on_shards else 1)) * scale
-    if on_shards and tp > 1:  # the gathered input is a buffer of its own
-        temporary = max(temporary, max(layer.column_inputs, default=0) * scale)
-    if layer.repeated and recompute == "full":
-        backward += forward
-        # the forward replays in the backward, its collectives too, except the layer's last one: checkpointing
-        # stops recomputing once it has every saved tensor, and the layer's output (the final row-parallel
-        # reduction, read by the residual add only) is not one of them
-        replay = [c.during(Phase.BACKWARD) for c in calls if c.phase is Phase.FORWARD]
-        if tail is not None:
-            replay.remove(tail.during(Phase.BACKWARD))
-        calls += replay
-        temporary = max(temporary, saved)  # one layer's activations live again during its recompute
-        saved = layer.input_bytes / (tp if sp else 1) * scale
-    elif layer.repeated and recompute == "selective":
-        attention = [n for n in layer.nodes if "attention" in n.op]
-        backward += sum(node_seconds(n, device, backward=False, shard=tp / scale) for n in attention)
-        saved -= layer.attention_saved / tp * scale
-    comm = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
-    for c in calls:
-        comm[c.phase] += tp_seconds(c.kind, c.bytes)
-    return LayerPrice(
-        forward=forward, backward=backward, comm_forward=comm[Phase.FORWARD], comm_backward=comm[Phase.BACKWARD],
-        activations=saved, temporary=temporary, params=device_params(layer, tp), collectives=merge_calls(calls),
-        forward_collectives=forward_calls, tail=tail,
-        tail_seconds=0.0 if tail is None else tp_seconds(tail.kind, tail.bytes),
-    )
-
-
-def _on_tp(kind: Collective, nbytes: float, phase: Phase) -> CommCall:
-    return CommCall(kind=kind, axis="tp", bytes=nbytes, phase=phase)
-
-
-def _tp_calls(layer: LayerCost, *, scale: float, sp: bool) -> list[CommCall]:
-    """Megatron's collectives of ``layer`` on the tp axis for one micro-batch of ``scale`` times the traced batch,
-    one call each: per row-parallel output an all-reduce forward (under sp: a reduce-scatter forward, an all-gather
-    backward), per column-parallel input an all-reduce backward (under sp: an all-gather forward, a reduce-scatter
-    backward), an all-gather forward per gathered output; under sp the gradient of the scattered stream gathered
-    and a whole head's input gathered."""
-    forward, backward = Phase.FORWARD, Phase.BACKWARD
-    calls: list[CommCall] = []
-    for nbytes in layer.row_outputs:
-        calls += [_on_tp(Collective.REDUCE_SCATTER, nbytes * scale, forward),
-                  _on_tp(Collective.ALL_GATHER, nbytes * scale, backward)] \
-            if sp else [_on_tp(Collective.ALL_REDUCE, nbytes * scale, forward)]
-    for nbytes in layer.column_inputs:
-        calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward),
-                  _on_tp(Collective.REDUCE_SCATTER, nbytes * scale, backward)] \
-            if sp else [_on_tp(Collective.ALL_REDUCE, nbytes * scale, backward)]
-    calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward) for nbytes in layer.gathered_outputs]
-    if sp:
-        if layer.sp_entry:  # scattered into sequence shards: free forward, gathered gradient
-            calls.append(_on_tp(Collective.ALL_GATHER, layer.sp_entry * scale, backward))
-        # the whole head runs replicated on the gathered sequence: each rank keeps its shard of the gradient
-        calls += [_on_tp(Collective.ALL_GATHER, nbytes * scale, forward) for nbytes in layer.sp_gathers]
-    return calls
-
-
-def device_params(layer: LayerCost, tp: int) -> float:
-    """Parameters of ``layer`` one device holds: what tensor parallelism splits over ``tp``, the rest whole."""
-    return layer.sharded_params / tp + layer.params - layer.sharded_params
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -371,6 +285,7 @@ class PipelineModel:
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
+        self._params: dict[tuple, float] = {}
         self._meshes: dict[tuple[int, int, int], object] = {}
         # a stage's gradient synchronisation (seconds, collectives, units), by its shape
         self._syncs: dict[tuple, tuple[float, tuple[CommCall, ...], tuple]] = {}
@@ -469,25 +384,23 @@ class PipelineModel:
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
             layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, layer.tp_partial_params,
-            len(layer.nodes),
-            layer.saved_sharded, layer.saved_replicated, layer.attention_saved, layer.input_bytes,
-            tuple(layer.row_outputs), tuple(layer.column_inputs), tuple(layer.gathered_outputs), layer.sp_entry,
-            tuple(layer.sp_gathers), layer.largest_output, sum(n.flops_forward for n in layer.nodes),
-            sum(n.bytes_read + n.bytes_written for n in layer.nodes),
+            len(layer.nodes), layer.saved_sharded, layer.saved_replicated, layer.input_bytes, layer.stream_input,
+            sum(n.flops_forward for n in layer.nodes), sum(n.bytes_read + n.bytes_written for n in layer.nodes),
         )
 
     def price(self, row: int, *, tp: int, samples: float, recompute: str, sp: bool, mesh) -> LayerPrice:  # noqa: ANN001
-        """Row ``row`` on one device running ``samples`` samples of a micro-batch."""
-        key = (self._signature[row], tp, samples, recompute, sp, mesh.axis("tp"))
+        """Row ``row`` on one device running ``samples`` samples of a micro-batch, in Megatron's layout on the
+        stage's ``tp`` devices, priced by the block model (`IntraLayers.row_prices`); a row outside the repeated
+        layers is not recomputed (its price at "none" for every level)."""
+        tp_axis = mesh.axis("tp")
+        key = (self._signature[row], self.intra_layers.price_key(row), tp, samples, recompute, sp, tp_axis)
         found = self._prices.get(key)
         if found is None:
-            tp_axis = mesh.axis("tp")
-            found = self._megatron_blocks(row, tp_axis, samples, recompute, sp) or price_layer(
-                self.layers[row], self.cluster.device, tp=tp, scale=samples / self.traced_batch, recompute=recompute,
-                sp=sp,
-                tp_seconds=lambda kind, nbytes: collective_seconds(kind, nbytes, tp_axis, self.cluster),
-                kernels=self.kernels,
-            )
+            prices = self.intra_layers.row_prices(row, tp_axis, samples=samples, sp=sp)
+            if prices is None:
+                raise ValueError(f"{self.layers[row].name or 'the model'}: Megatron's layout over tp {tp} does not "
+                                 "apply to it")
+            found = prices.get(recompute, prices["none"])
             if self.profile is not None:
                 found = self._measured(row, found, tp=tp, samples=samples, recompute=recompute, sp=sp)
             self._prices[key] = found
@@ -557,24 +470,14 @@ class PipelineModel:
                 measured += seconds if price.measured else 0.0
         return measured / total if total else 0.0
 
-    def _megatron_blocks(self, row: int, tp_axis, samples: float, recompute: str, sp: bool) -> LayerPrice | None:  # noqa: ANN001
-        """A repeated layer under tensor parallelism, priced by the block model (`IntraLayers.megatron`) in
-        Megatron's layout; None where the row model prices it (tp 1, rows outside the repeated layers, layers the
-        block model finds no blocks in). Under sequence parallelism the first layer also gathers the gradient of
-        the stream it scattered into sequence shards."""
-        layer = self.layers[row]
-        if tp_axis.size == 1 or not layer.repeated:
-            return None
-        prices = self.intra_layers.megatron(row, tp_axis, samples=samples, sp=sp)
-        if prices is None:
-            return None
-        price = prices[recompute]
-        if not (sp and layer.sp_entry):
-            return price
-        entry = layer.sp_entry * samples / self.traced_batch
-        gather = _on_tp(Collective.ALL_GATHER, entry, Phase.BACKWARD)
-        return replace(price, comm_backward=price.comm_backward + collective_seconds(
-            Collective.ALL_GATHER, entry, tp_axis, self.cluster), collectives=merge_calls((*price.collectives, gather)))
+    def device_params(self, row: int, tp_axis) -> float:  # noqa: ANN001 - an AxisPlacement
+        """Parameters of row ``row`` one device of a stage holds in Megatron's layout on ``tp_axis`` (the block
+        model's, `IntraLayers.row_params`)."""
+        key = (self._signature[row], self.intra_layers.price_key(row), tp_axis)
+        found = self._params.get(key)
+        if found is None:
+            found = self._params[key] = self.intra_layers.row_params(row, tp_axis)
+        return found
 
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
                  overlap: bool = True) -> PipelineEstimate:
@@ -935,14 +838,15 @@ class PipelineModel:
         uses: list[CommCall] = []
         itemsize = gradient_itemsize(self.dtype)
         units, rest = [], extra
+        tp_axis = mesh.axis("tp")
         for row, count in self._alike_rows(stage):
             layer = self.layers[row]
             if not layer.repeated:
-                rest += device_params(layer, stage.tp) * count
+                rest += self.device_params(row, tp_axis) * count
             else:
                 units += [(layouts[r] * itemsize, False) if r in layouts else
-                          (device_params(layer, stage.tp) * itemsize, False) for r in range(row, row + count)] \
-                    if layouts else [(device_params(layer, stage.tp) * itemsize, False)] * count
+                          (self.device_params(r, tp_axis) * itemsize, False) for r in range(row, row + count)] \
+                    if layouts else [(self.device_params(row, tp_axis) * itemsize, False)] * count
         rest *= itemsize
         if rest:
             units.append((rest, True))

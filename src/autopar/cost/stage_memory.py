@@ -195,7 +195,7 @@ class StageMemoryModel:
             grads = [size * g for size in self._gradient_params(row, stage.tp, config.sp)]
             grads = grads if half is None else grads[:len(nodes)] if half == "lead" else grads[-len(nodes):]
             split = (layer.sharded, layer.columns)
-            sp = config.sp and layer.repeated  # the rows around the layers run whole (`price_layer`)
+            sp = config.sp and layer.repeated  # the roles split the rows around the layers by tp only
             found = self._row_peaks[key[:-1]] = (
                 saved_bytes(nodes, split=split, tp=stage.tp, sp=sp) * scale,
                 *(row_peak(nodes, grads, scale=scale, split=split, tp=stage.tp, sp=sp, keep=keep)

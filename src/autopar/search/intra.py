@@ -27,7 +27,7 @@ from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
 from autopar.cluster.calls import CommCall
 from autopar.cluster.mesh import Mesh
-from autopar.cost.intra import Candidate, IntraCost, Key, ParamUse, sync_seconds
+from autopar.cost.intra import GATHERED, Candidate, IntraCost, Key, ParamUse, sync_seconds
 from autopar.cost.memory import gradient_itemsize, model_states
 from autopar.cost.types import Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
@@ -83,7 +83,7 @@ def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | Non
         old = like.blocks
         blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
         cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials, kernels=kernels)
-        candidates = [cost.candidates(b) for b in like.representative]
+        candidates = _with_gathered(cost, like.representative, [cost.candidates(b) for b in like.representative])
         return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
                      like.classes)
     blocks = build_blocks(graph)
@@ -103,10 +103,20 @@ def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | Non
                     count.append(0)
                 var_of[b] = index[key]
                 count[index[key]] += 1
-    candidates = [cost.candidates(b) for b in representative]
+    candidates = _with_gathered(cost, representative, [cost.candidates(b) for b in representative])
     space = Space(graph, blocks, segments, cost, var_of, representative, candidates, count, [])
     space.classes = _classes(space)
     return space
+
+
+def _with_gathered(cost: IntraCost, representative: list[ParallelBlock],
+                   candidates: list[list[Candidate]]) -> list[list[Candidate]]:
+    """``candidates`` with, for a block Megatron's layout splits by columns and gathers at once (an LM head,
+    `IntraCost.megatron`), that candidate too: the ILP can choose what the runtime's Megatron layout runs."""
+    for options, (wanted, _) in zip(candidates, cost.megatron(representative)):
+        if wanted and wanted[-1] == GATHERED and wanted[:-1] in options:
+            options.append(wanted)
+    return candidates
 
 
 def _same_structure(like: Space, graph: Graph) -> bool:
