@@ -12,7 +12,7 @@ from autopar.cost import ParallelConfig, estimate
 from autopar.cost.layers import analyse
 from autopar.cost.megatron import pipeline_config
 from autopar.cost.pipeline import PipelineModel
-from autopar.cost.vocab import LOSS_REDUCTIONS, split_vocabulary
+from autopar.cost.vocab import LOSS_REDUCTIONS, vocabulary_split
 from autopar.zoo import load
 
 VOCAB, HIDDEN, SEQ = 4096, 256, 128
@@ -36,19 +36,15 @@ def test_options_are_checked() -> None:
         ParallelConfig(overlap_dp=0)
 
 
-def test_split_vocabulary_marks_megatron_split_and_leaves_the_analysis(gpt: autopar.Graph) -> None:
-    layers = analyse(gpt)
-    split = split_vocabulary(layers, gpt)
-    assert [a.sharded for a in layers] == [a.sharded for a in analyse(gpt)]
-    by_name = {layer.name: layer for layer in split}
-    head, embed, root = by_name["head"], by_name["embed"], by_name[""]
-    (mm,) = [n for n in head.nodes if n.op.startswith("aten.mm.")]
-    assert mm.id in head.columns and mm.id in head.sharded
-    assert embed.sharded_params == VOCAB * HIDDEN
-    loss = [n.id for n in root.nodes if "log_softmax" in n.op or "nll_loss" in n.op]
-    assert loss and set(loss) <= root.sharded
-    (original,) = [layer for layer in layers if layer.name == ""]
-    assert root.saved_sharded > 0 and root.saved_sharded + root.saved_replicated == original.saved_replicated
+def test_the_vocabulary_split_finds_the_head_the_table_and_the_loss(gpt: autopar.Graph) -> None:
+    split = vocabulary_split(analyse(gpt), gpt)
+    (head,) = split.heads
+    assert gpt.node(head).op.startswith("aten.mm.") and gpt.node(head).module == "head"
+    (table,) = split.tables
+    assert gpt.node(table).op.startswith("aten.embedding.") and gpt.node(table).inputs[0].shape[0] == VOCAB
+    ops = {gpt.node(n).op for n in split.region}
+    assert {"aten._log_softmax.default", "aten.nll_loss_forward.default"} <= ops
+    assert split.reductions == (SEQ * 4.0,) * LOSS_REDUCTIONS  # T fp32 values each
 
 
 def test_vocab_parallel_rows_are_priced_as_megatron_lm_runs_them(gpt: autopar.Graph) -> None:

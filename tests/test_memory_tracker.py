@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from autopar.capture.graph import Node, Ref, TensorInfo
 from autopar.cost.memory import (
     Holding, Precision, RowMemory, RowPeak, ScheduleBuffers, StageLoad, backward_moments, backward_transient,
-    end_moment, holding, row_peak, schedule_bytes, stage_peak, steady_bytes, walk,
+    end_moment, holding, op_transient, row_peak, schedule_bytes, stage_peak, steady_bytes, walk,
 )
 from autopar.plan import MemoryBreakdown
 
@@ -130,8 +130,8 @@ def test_an_op_s_backward_holds_its_output_s_and_inputs_gradients() -> None:
     assert backward_transient([log_softmax, view]) == 2 * 1600
     matmul = _node(3, "aten.mm.default", [(4, 100)], [(4, 8), "param"], param="w")
     assert backward_transient([matmul]) == 1600 + 128  # the weight's gradient is the gradients' own term
-    assert backward_transient([matmul], split=({3}, {3}), tp=2) == 1600 / 2 + 128  # column: input whole
-    assert backward_transient([matmul], split=({3}, set()), tp=2) == 1600 + 128 / 2  # row: partial output whole
+    assert op_transient(matmul, outputs=[2], inputs=[1, 1]) == 1600 / 2 + 128  # column: input gradient whole
+    assert op_transient(matmul, outputs=[1], inputs=[2, 1]) == 1600 + 128 / 2  # row: partial output whole
 
 
 def test_a_row_s_backward_frees_what_each_op_saved() -> None:
@@ -139,11 +139,11 @@ def test_a_row_s_backward_frees_what_each_op_saved() -> None:
     gelu = _node(2, "aten.gelu.default", [(4, 8)], [(4, 8)], saved=128)
     fc2 = _node(3, "aten.mm.default", [(4, 8)], [(4, 8), "param"], saved=128, param="w2")
     nodes, grads = [fc1, gelu, fc2], [1000.0, 0.0, 1000.0]
+    saved, passing = [n.saved_bytes for n in nodes], [op_transient(n) for n in nodes]
     # last to first, each op with its output's and input's gradients (256): fc2 with all three saved and its
     # weight's gradient, gelu with two saved, fc1 with one saved and (kept) both weights' gradients
-    assert row_peak(nodes, grads, keep=True) == RowPeak(saved=128, gradients=2000, transient=256)
-    assert row_peak(nodes, grads, keep=False) == RowPeak(saved=384, gradients=1000, transient=256)
-    assert row_peak(nodes, grads, scale=4.0, keep=False) == RowPeak(saved=4 * 384, gradients=1000, transient=1024)
+    assert row_peak(saved, passing, grads, keep=True) == RowPeak(saved=128, gradients=2000, transient=256)
+    assert row_peak(saved, passing, grads, keep=False) == RowPeak(saved=384, gradients=1000, transient=256)
 
 
 @settings(max_examples=60, deadline=None)

@@ -56,7 +56,7 @@ from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cluster.mesh import AxisPlacement, Mesh
 from autopar.cost.compute import node_seconds, sequence_seconds
 from autopar.cost.intra import Candidate, IntraCost
-from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states
+from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states, op_transient
 from autopar.cost.vocab import vocabulary_split
 from autopar.sharding import REPLICATE, short_layout
 from autopar.sharding.layout import Shard, shard_of
@@ -262,13 +262,30 @@ class IntraLayers:
         sequence at the first layer, and gathered where a whole head reads it)."""
         self._build()
         ic = self._cost(tp_axis, sp)
-        layer = self.model.layers[row]
         scale = samples / self.model.traced_batch
+        found = self._row_calls(ic, row, tp_axis, sp, choice)
+        if found is None:
+            return None
+        chosen, calls = found
+        ops = self._row_ops(ic, row, chosen, tp_axis.size, scale)
+        if ops is None:
+            return None
+        priced, saved, temporary, attention = ops
+        forward, backward = sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
+        params = self.row_params(row, tp_axis, chosen=chosen)
+        levels = ("none", "selective", "full") if self.model.layers[row].repeated else ("none",)
+        return {level: self._assemble(row, level, forward, backward, [c.scaled(scale) for c in calls], saved,
+                                      temporary, params, attention, scale, tp_axis, sp) for level in levels}
+
+    def _row_calls(self, ic: IntraCost, row: int, tp_axis: AxisPlacement, sp: bool,
+                   choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall]] | None:
+        """The candidate of every block row ``row``'s ops belong to (`row_prices`), and the collectives those ops
+        issue per micro-batch at the traced batch, in the order issued; None where a block has no cost."""
+        layer = self.model.layers[row]
         chosen: dict[int, Candidate] = {}
         placed: list[tuple[int, int, CommCall]] = []  # (op id, order, call)
-        names = list(dict.fromkeys(self.bg.blocks[self.place[n.id][0]].layer for n in layer.nodes))
         ids = {n.id for n in layer.nodes}
-        for name in names:
+        for name in dict.fromkeys(self.bg.blocks[self.place[n.id][0]].layer for n in layer.nodes):
             blocks = self.rows[name]
             picked = choice if choice is not None and name == layer.name else self._megatron_choice(ic, name)
             chosen.update(zip((b.id for b in blocks), picked))
@@ -277,25 +294,37 @@ class IntraLayers:
                 return None
             placed += [(blocks[k].nodes[pos], order, c) for order, (k, pos, c) in enumerate(calls)
                        if blocks[k].nodes[pos] in ids]
-        region = self.vocab.region if self.vocab is not None and tp_axis.size > 1 else frozenset()
+        region = self._vocab_region(tp_axis.size)
         if region:  # Megatron-LM's fused cross entropy on the split logits: its reductions, no conversion
             placed = [item for item in placed if item[0] not in region]
             if self.vocab.loss in ids:
                 placed += [(self.vocab.loss, -1, CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes,
                                                           phase=Phase.FORWARD)) for nbytes in self.vocab.reductions]
-        device, blocks = self.model.cluster.device, self.bg.blocks
+        placed.sort(key=lambda item: item[:2])
+        return chosen, [c for _, _, c in placed]
+
+    def _vocab_region(self, tp: int) -> frozenset[int]:
+        """The loss's ops where Megatron-LM's vocabulary split runs them on split logits (`cost.vocab`)."""
+        return self.vocab.region if self.vocab is not None and tp > 1 else frozenset()
+
+    def _row_ops(self, ic: IntraCost, row: int, chosen: dict[int, Candidate], tp: int,
+                 scale: float) -> tuple[list, float, float, list] | None:
+        """Row ``row``'s ops at ``scale`` times the traced batch, each as its block's candidate in ``chosen``
+        splits it: (op, its shard over the scale) for `sequence_seconds`, the bytes saved for backward, the largest
+        output, and its attention cores as (op, shard over the scale, output bytes kept); None where a block has no
+        cost."""
+        blocks, region = self.bg.blocks, self._vocab_region(tp)
         priced, attention = [], []
         saved = temporary = 0.0
-        for node in layer.nodes:
+        for node in self.model.layers[row].nodes:
             b, pos = self.place[node.id]
-            block = blocks[b]
-            if node.id in block.branch:
+            if node.id in blocks[b].branch:  # on parameters or model inputs alone: whole
                 shard, kept, out = 1, node.saved_bytes, node.output_bytes
             elif node.id in region:
-                shard = tp_axis.size
+                shard = tp
                 kept, out = node.saved_bytes / shard, node.output_bytes / shard
             else:
-                bc = ic.block_cost(block, chosen[b])
+                bc = ic.block_cost(blocks[b], chosen[b])
                 if bc is None:
                     return None
                 strategy = bc.strategies[pos]
@@ -308,34 +337,71 @@ class IntraLayers:
                 temporary = max(temporary, out * scale)
             if "attention" in node.op:
                 attention.append((node, shard / scale, node.output_bytes * scale / max(shard, 1)))
-        forward, backward = sequence_seconds(priced, device, kernels=self.model.kernels)
-        placed.sort(key=lambda item: item[:2])
-        calls = [c.scaled(scale) for _, _, c in placed]
-        params = self.row_params(row, tp_axis, chosen=chosen)
-        levels = ("none", "selective", "full") if layer.repeated else ("none",)
-        return {level: self._assemble(row, level, forward, backward, calls, saved, temporary, params, attention,
-                                      scale, tp_axis, sp) for level in levels}
+        return priced, saved, temporary, attention
+
+    def row_memory(self, row: int, tp_axis: AxisPlacement, *, sp: bool) -> tuple[list[float], list[float],
+                                                                                 list[float]]:
+        """Row ``row``'s ops in Megatron's layout on one device at the traced batch, as the stage memory walk reads
+        them (`autopar.cost.memory.row_peak`), one entry per op in order: bytes it saves for backward, what its
+        backward holds at once (`autopar.cost.memory.op_transient`, each tensor split as the op's strategy splits
+        it or its gradient), and the elements of the row's parameters whose gradients it makes (each at the last
+        op of the row reading it, where the backward meets it first)."""
+        self._build()
+        ic = self._cost(tp_axis, sp)
+        found = self._row_calls(ic, row, tp_axis, sp, None)
+        if found is None:
+            raise ValueError(f"{self.model.layers[row].name or 'the model'}: Megatron's layout over tp "
+                             f"{tp_axis.size} does not apply to it")
+        chosen = found[0]
+        blocks, region, tp = self.bg.blocks, self._vocab_region(tp_axis.size), tp_axis.size
+        nodes = self.model.layers[row].nodes
+        saved, passing = [], []
+        for node in nodes:
+            b, pos = self.place[node.id]
+            if node.id in blocks[b].branch:
+                saved.append(float(node.saved_bytes))
+                passing.append(op_transient(node))
+            elif node.id in region:
+                saved.append(node.saved_bytes / tp)
+                passing.append(op_transient(node) / tp)
+            else:
+                strategy = ic.block_cost(blocks[b], chosen[b]).strategies[pos]
+                saved.append(node.saved_bytes * ic.saved_fraction(node, strategy))
+                passing.append(op_transient(node, outputs=[ic.ways(x) for x in strategy.outputs],
+                                            inputs=[ic.ways(x) for x in strategy.gradients]))
+        local = self._param_sizes(row, tp_axis, chosen)
+        params, seen = [0.0] * len(nodes), set()
+        for k in range(len(nodes) - 1, -1, -1):
+            for source in nodes[k].sources:
+                if source.state in local and source.state not in seen:
+                    seen.add(source.state)
+                    params[k] += local[source.state]
+        return saved, passing, params
 
     def row_params(self, row: int, tp_axis: AxisPlacement, *, chosen: dict[int, Candidate] | None = None) -> float:
         """Parameters of row ``row`` one device holds under its blocks' layouts (Megatron's unless ``chosen``
         names a block's candidate): each as the block that reads it first lays it out (a tied weight as its
         owner's row lays it out)."""
+        return sum(self._param_sizes(row, tp_axis, chosen or {}).values())
+
+    def _param_sizes(self, row: int, tp_axis: AxisPlacement, chosen: dict[int, Candidate]) -> dict[str, float]:
+        """Elements of each trainable parameter of row ``row`` on one device (`row_params`)."""
         ic = self._cost(tp_axis, False)
-        total = 0.0
+        sizes = {}
         for info in self.model._row_params[row]:
             owner = ic.param_owner.get(info.fqn)
             if owner is None:  # read by no op: held whole
-                total += info.tensor.numel
+                sizes[info.fqn] = float(info.tensor.numel)
                 continue
             block = self.bg.blocks[owner]
-            candidate = (chosen or {}).get(owner)
+            candidate = chosen.get(owner)
             if candidate is None:
                 blocks = self.rows[block.layer]
                 candidate = self._megatron_choice(ic, block.layer)[blocks.index(block)]
             bc = ic.block_cost(block, candidate)
             use = None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == info.fqn), None)
-            total += info.tensor.numel if use is None else use.local
-        return total
+            sizes[info.fqn] = float(info.tensor.numel if use is None else use.local)
+        return sizes
 
     def _placed_calls(self, ic: IntraCost, name: str, choice: tuple[Candidate, ...], tp_axis: AxisPlacement,
                       sp: bool) -> list[tuple[int, int, CommCall]] | None:

@@ -464,65 +464,52 @@ def end_moment(load: StageLoad) -> Moment:
 # ---- what a layer's backward holds ------------------------------------------------------------------------------
 
 
-def backward_transient(nodes: Iterable, *, split: Sequence[set[int]] = (set(), set()), tp: int = 1,
-                       sp: bool = False) -> float:
-    """The most one op's backward holds at once on top of what the layer saved: the gradient of its output and the
+def op_transient(node, *, outputs: Sequence[float] | None = None,  # noqa: ANN001 - a capture Node
+                 inputs: Sequence[float] | None = None) -> float:
+    """What one op's backward holds at once on top of what its layer saved: the gradient of its output and the
     gradients of its activation inputs (not of parameters: those are the gradients' own term),
 
-        max over ops n of  sum_{outputs} bytes + sum_{float activation inputs} bytes
+        sum_{float outputs k} bytes_k / outputs[k] + sum_{float activation inputs j} bytes_j / inputs[j]
 
-    (views allocate nothing). Under tensor parallelism ``tp`` with ``split = (sharded, columns)`` node ids: a
-    sharded op's tensors are 1/tp, but a column-parallel op's input and a row-parallel op's (partial) output are
-    whole, with ``sp`` too (the runtime gathers the input before the op and reduce-scatters its gradient
-    after); the rest is whole unless ``sp`` shards it. At the loss this is log-softmax's backward: the
-    gradients of the logits and of the log-probabilities, two logits-sized tensors."""
-    sharded, columns = split
-    whole = tp if sp else 1
-    best = 0.0
-    for node in nodes:
-        if node.is_view:
-            continue
-        inside = node.id in sharded
-        row = inside and node.id not in columns and node.reads_params
-        out_share = tp if inside and not row else 1 if row else whole
-        in_share = tp if inside and node.id not in columns else 1 if node.id in columns else whole
-        outputs = sum(t.nbytes for t in node.outputs if t.dtype.startswith(("float", "bfloat")))
-        inputs = sum(t.nbytes for t, s in zip(node.inputs, node.sources)
-                     if s.state is None and t.dtype.startswith(("float", "bfloat")))
-        best = max(best, outputs / out_share + inputs / in_share)
-    return best
+    with ``outputs[k]`` the devices output k is split over and ``inputs[j]`` those input j's gradient is split over
+    (all 1 by default: the op whole; a row-parallel op's partial output and a column-parallel op's input gradient
+    are whole). Views allocate nothing. At the loss this is log-softmax's backward: the gradients of the logits and
+    of the log-probabilities, two logits-sized tensors."""
+    if node.is_view:
+        return 0.0
+    total = 0.0
+    for k, t in enumerate(node.outputs):
+        if t.dtype.startswith(("float", "bfloat")):
+            total += t.nbytes / (outputs[k] if outputs is not None else 1)
+    for j, (t, s) in enumerate(zip(node.inputs, node.sources)):
+        if s.state is None and t.dtype.startswith(("float", "bfloat")):
+            total += t.nbytes / (inputs[j] if inputs is not None else 1)
+    return total
 
 
-def saved_bytes(nodes: Iterable, *, split: Sequence[set[int]] = (set(), set()), tp: int = 1,
-                sp: bool = False) -> float:
-    """Bytes ``nodes`` save for backward on one device, split as `autopar.cost.layers` splits a layer's: a
-    sharded op's that is not column-parallel 1/tp, a column-parallel op's whole (it saves the input it was given,
-    gathered from sequence shards under ``sp``), the rest whole unless ``sp``."""
-    sharded, columns = split
-    return sum(n.saved_bytes / (1 if n.id in columns else tp if n.id in sharded or sp else 1) for n in nodes)
+def backward_transient(nodes: Iterable) -> float:
+    """The most one op of ``nodes``, whole, holds at once in its backward (`op_transient`)."""
+    return max((op_transient(node) for node in nodes), default=0.0)
 
 
-def row_peak(nodes: Sequence, gradients: Sequence[float], *, scale: float = 1.0,
-             split: Sequence[set[int]] = (set(), set()), tp: int = 1, sp: bool = False, keep: bool = True) -> RowPeak:
-    """The most a row's backward holds at once above the activations of other rows, walking its ops last to first
-    (``gradients[i]``: bytes of the parameter gradients op ``i`` makes; activations scale by ``scale``). At op n:
+def row_peak(saved: Sequence[float], transient: Sequence[float], gradients: Sequence[float], *,
+             keep: bool = True) -> RowPeak:
+    """The most a row's backward holds at once above the activations of other rows, walking its ops last to first,
+    per op i (on one device, at the micro-batch's size) ``saved[i]``: bytes it saved for backward,
+    ``transient[i]``: what its backward holds at once (`op_transient`), ``gradients[i]``: bytes of the parameter
+    gradients it makes. At op n:
 
-        saved     = sum_{i <= n} saved_i * scale      (an op's saved tensors go once its backward has run)
+        saved     = sum_{i <= n} saved_i              (an op's saved tensors go once its backward has run)
         gradients = sum_{i >= n} gradients_i          (``keep``; otherwise gradients_n alone, added into an
                                                        earlier gradient as soon as it is made)
-        transient = (bytes of n's output + bytes of its activation inputs) * scale     (`backward_transient`)
-
-    ``saved_i`` and the transient split as `saved_bytes` and `backward_transient` split them under tensor
-    parallelism."""
-    nodes = list(nodes)
-    saved = saved_bytes(nodes, split=split, tp=tp, sp=sp) * scale
+        transient = transient_n"""
+    held = sum(saved)
     made = 0.0
     best = RowPeak()
-    for node, grads in zip(reversed(nodes), reversed(gradients)):
+    for kept, passing, grads in zip(reversed(saved), reversed(transient), reversed(gradients)):
         made += grads
-        transient = backward_transient((node,), split=split, tp=tp, sp=sp) * scale
-        moment = RowPeak(saved=saved, gradients=made if keep else grads, transient=transient)
+        moment = RowPeak(saved=held, gradients=made if keep else grads, transient=passing)
         if moment.saved + moment.gradients + moment.transient > best.saved + best.gradients + best.transient:
             best = moment
-        saved -= saved_bytes((node,), split=split, tp=tp, sp=sp) * scale
+        held -= kept
     return best

@@ -67,7 +67,6 @@ from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes,
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
-from autopar.cost.vocab import split_vocabulary
 from autopar.profiling.db import UnitEntry, unit_fingerprint
 
 
@@ -275,7 +274,7 @@ class PipelineModel:
         self.dtype = dtype
         self.precision = precision or Precision.of(dtype)  # bytes per parameter of each model state
         self.vocab_parallel, self.scatter_gather_sends = vocab_parallel, scatter_gather_sends
-        self.layers = split_vocabulary(analyse(graph), graph) if vocab_parallel else analyse(graph)
+        self.layers = analyse(graph)
         self.profile = profile
         if profile is not None:
             from autopar.profiling.segments import row_fingerprints

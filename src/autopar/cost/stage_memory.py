@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.checkpoint import SegmentCosts
 from autopar.cost.memory import (
-    RowMemory, RowPeak, ScheduleBuffers, StageLoad, held_bytes, holding, row_peak, saved_bytes, stage_peak,
+    RowMemory, RowPeak, ScheduleBuffers, StageLoad, held_bytes, holding, row_peak, stage_peak,
 )
 from autopar.plan.estimate import MemoryBreakdown
 
@@ -182,49 +182,30 @@ class StageMemoryModel:
 
             return RowMemory(activations=price.activations, params=price.params, unit=layer.repeated,
                              kept=changed(plain.kept, held_more), added=changed(plain.added, 0.0))
-        key = (self.model._signature[row] if half is None else row, half, stage.tp, config.sp, view.samples,
-               view.mesh.axis("tp"), level)
+        key = ((self.model._signature[row], self.model.intra_layers.price_key(row)) if half is None else row, half,
+               stage.tp, config.sp, view.samples, view.mesh.axis("tp"), level)
         memory = self._row_memories.get(key)
         if memory is not None:
             return memory
         # Megatron's price, which a layout's row is measured from too (a view without layouts still prices by them)
         price = self.model.price(row, tp=stage.tp, samples=view.samples, recompute=level, sp=config.sp, mesh=view.mesh)
         found = self._row_peaks.get(key[:-1])
-        if found is None:
-            nodes = layer.nodes if half is None else self._halves(row)[half == "tail"]
-            grads = [size * g for size in self._gradient_params(row, stage.tp, config.sp)]
-            grads = grads if half is None else grads[:len(nodes)] if half == "lead" else grads[-len(nodes):]
-            split = (layer.sharded, layer.columns)
-            sp = config.sp and layer.repeated  # the roles split the rows around the layers by tp only
+        if found is None:  # its ops as the block model lays them out (`IntraLayers.row_memory`)
+            saved, passing, params = self.model.intra_layers.row_memory(row, view.mesh.axis("tp"), sp=config.sp)
+            if half is not None:
+                lead = len(self._halves(row)[0])
+                part = slice(None, lead) if half == "lead" else slice(lead, None)
+                saved, passing, params = saved[part], passing[part], params[part]
+            saved, passing = [x * scale for x in saved], [x * scale for x in passing]
+            grads = [size * g for size in params]
             found = self._row_peaks[key[:-1]] = (
-                saved_bytes(nodes, split=split, tp=stage.tp, sp=sp) * scale,
-                *(row_peak(nodes, grads, scale=scale, split=split, tp=stage.tp, sp=sp, keep=keep)
-                  for keep in (True, False)))
+                sum(saved), *(row_peak(saved, passing, grads, keep=keep) for keep in (True, False)))
         saved, kept, added = found
         activations = price.activations if half is None else saved  # a split row recomputes nothing
         memory = self._row_memories[key] = RowMemory(
             activations=activations, params=price.params if half != "tail" or not self._halves(row)[0] else 0.0,
             kept=kept, added=added, unit=layer.repeated)
         return memory
-
-    def _gradient_params(self, row: int, tp: int, sp: bool) -> list[float]:
-        """Per op of ``row``, the parameters (on one device) whose gradients its backward makes: the row's own
-        that it reads, each at the last op reading it (where the backward meets it first). What tensor parallelism
-        splits is 1/tp as `autopar.cost.layers` splits it; a weight another row owns (tied) is that row's."""
-        layer, state = self.model.layers[row], self.model.graph.state
-        sizes = [0.0] * len(layer.nodes)
-        seen: set[str] = set()
-        for k in range(len(layer.nodes) - 1, -1, -1):
-            node = layer.nodes[k]
-            for source in node.sources:
-                info = state.get(source.state) if source.state else None
-                if info is None or info.is_buffer or source.state in seen \
-                        or self.model.graph.layer_of(source.state.rpartition(".")[0]) != layer.name:
-                    continue
-                seen.add(source.state)
-                split = node.id in layer.sharded and (node.id in layer.columns or len(info.tensor.shape) == 2)
-                sizes[k] += info.tensor.numel / (tp if split else 1)
-        return sizes
 
     @cached_property
     def _met_at(self) -> list[int]:

@@ -32,7 +32,7 @@ micro-batch; Megatron-LM returns only the loss).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autopar.capture import Graph, Node
 from autopar.cost.layers import LayerCost, _is_param_contraction
@@ -87,54 +87,7 @@ def vocabulary_split(layers: list[LayerCost], graph: Graph) -> VocabSplit | None
                       tokens=heads[-1].outputs[0].numel // vocab)
 
 
-def split_vocabulary(layers: list[LayerCost], graph: Graph) -> list[LayerCost]:
-    """``layers`` (from `analyse(graph)`, left unchanged) with the embedding, LM head and loss split over tp by
-    vocabulary as Megatron-LM runs them, as the stage memory walk reads them (`LayerCost.sharded`; the prices are
-    the block model's, `autopar.cost.intra_layers`); unchanged where the model has no head after its last repeated
-    layer."""
-    split = vocabulary_split(layers, graph)
-    if split is None:
-        return list(layers)
-    row_of = {node.id: row for row, layer in enumerate(layers) for node in layer.nodes}
-    rows = {row: _copy(layer) for row, layer in enumerate(layers)}
-    for head in split.heads:
-        _split(rows[row_of[head]], graph.node(head), column=True)
-    for node in split.region:
-        _split(rows[row_of[node]], graph.node(node), column=False)
-    index = {layer.name: r for r, layer in enumerate(layers)}
-    for node in split.tables:
-        _split_embedding(rows, row_of[node], graph.node(node), graph, index)
-    return [rows[row] for row in range(len(layers))]
-
-
 def _is_vocab_table(node: Node, vocab: int) -> bool:
     """An embedding lookup in a table of ``vocab`` rows."""
     return node.op.startswith("aten.embedding.") and bool(node.sources) and node.sources[0].state is not None \
         and node.inputs[0].shape[0] == vocab
-
-
-def _split_embedding(rows: dict[int, LayerCost], row: int, node: Node, graph: Graph, index: dict[str, int]) -> None:
-    """The lookup split (its table 1/tp on the row that owns it)."""
-    _split(rows[row], node, column=False)
-    fqn = node.sources[0].state
-    owner = index.get(graph.layer_of(fqn.rpartition(".")[0]))
-    if owner is not None:
-        rows[owner].sharded_params += node.inputs[0].numel
-
-
-def _split(layer: LayerCost, node: Node, *, column: bool) -> None:
-    """Mark ``node`` split over tp in ``layer``: its work 1/tp, and what it saves 1/tp unless it is a column
-    (which saves its replicated input)."""
-    if node.id in layer.sharded:
-        return
-    layer.sharded.add(node.id)
-    if column:
-        layer.columns.add(node.id)
-    else:
-        layer.saved_replicated -= node.saved_bytes
-        layer.saved_sharded += node.saved_bytes
-
-
-def _copy(layer: LayerCost) -> LayerCost:
-    """A copy whose collections can change without touching ``layer``."""
-    return replace(layer, sharded=set(layer.sharded), columns=set(layer.columns))

@@ -98,14 +98,20 @@ def gain(before: Score, after: Score) -> float:
 
 
 def score(result: PipelineEstimate) -> Score:
-    """(does not fit, how far over the busiest stage is, or else the iteration time): lower is better."""
+    """(does not fit, how far over the busiest stage is, or else the iteration time): lower is better. Figures
+    are kept to 12 significant digits: configurations that price alike but for rounding (ZeRO 0 and 3 of one stage
+    whose collectives all overlap compute) tie, and ties keep the search's order in every process."""
     if result.ranking is None:
         memory = result.estimate.memory
         if not memory.fits:
-            result.ranking = (True, max(r.memory.total / r.memory.budget for r in result.stages))
+            result.ranking = (True, _digits(max(r.memory.total / r.memory.budget for r in result.stages)))
         else:
-            result.ranking = (False, result.estimate.iteration_seconds)
+            result.ranking = (False, _digits(result.estimate.iteration_seconds))
     return result.ranking
+
+
+def _digits(value: float) -> float:
+    return float(f"{value:.12g}")
 
 
 class Evaluator:
