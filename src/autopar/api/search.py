@@ -285,8 +285,9 @@ def simulated(model: PipelineModel, found: dict[str, Found | None], *, global_ba
             result[kind] = None
             continue
         best = min(candidates, key=lambda c: score(c.result))  # ties keep the search's order
-        # the search that found it: the search's own, or the baseline that won on simulation (auto)
-        by = f.by if best in ranked else next(k for k, (cs, _) in priced.items() if cs and cs[0] is best)
+        # the search that found it: the search's own (a runner-up that is one of auto's searches' own best names
+        # it), or the baseline that won on simulation (auto)
+        by = (best.by or f.by) if best in ranked else next(k for k, (cs, _) in priced.items() if cs and cs[0] is best)
         seen, rest = {shape(best.config)}, []
         for c in ranked:
             if c is not best and shape(c.config) not in seen:

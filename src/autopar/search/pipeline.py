@@ -786,8 +786,14 @@ def auto(
     best = min(searches, key=lambda f: f.score, default=None)
     if best is not None:
         complete = grid is not None and grid.converged
+        # runners-up: the best of other shapes, and each search's own best, which the simulation may rank
+        # otherwise than the closed form does (the finalists are simulated, `api.search.simulated`)
+        runners = evaluate.top(3, besides=best.config)
+        for other in (found, chains):  # the grid's best is a baseline, simulated as one
+            if other is not None and other.config != best.config and all(other.config != r.config for r in runners):
+                runners.append(replace(other, runners_up=[]))
         best = replace(best, by="grid" if best is allowed_grid else best.by, evaluated=evaluate.priced,
-                       runners_up=evaluate.top(3, besides=best.config),
+                       runners_up=runners,
                        converged=complete and all(f.converged for f in (found, chains) if f is not None)
                        and chains is not None)
     return {
