@@ -41,6 +41,28 @@ def test_every_node_is_in_exactly_one_block() -> None:
     assert all(blocks.owner[i] == b.id for b in blocks.blocks for i in b.nodes)
 
 
+@pytest.mark.parametrize("name", ["gpt3-125m", "llama-7b", "hf:bert"])
+def test_blocks_that_keep_the_layers_edges_hold_each_layer_whole(name: str) -> None:
+    """With ``layers``, every op of a repeated layer sits in a block of that layer (a pre-norm opens its layer's
+    first block, before the leading op; BERT's per-projection views of the stream open their own projection's), so
+    a layer's blocks are exactly its ops; without, the pre-norm joins the block before it, of the layer before."""
+    zoo = load(name, batch=2, seq=32, layers=3, hidden=64, heads=4, vocab=256,
+               **({"kv_heads": 4, "ffn": 128} if name == "llama-7b" else {}))
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    repeated = frozenset(fqn for group in graph.repeats for fqn in group.instances)
+    kept = build_blocks(graph, layers=repeated)
+    assert sorted(i for b in kept.blocks for i in b.nodes) == list(range(len(graph.nodes)))
+    for block in kept.blocks:
+        for i in block.nodes:
+            row = graph.layer_of(graph.nodes[i].module)
+            if row in repeated:
+                assert block.layer == row, (block.layer, graph.nodes[i].op, graph.nodes[i].module)
+    crossing = [i for b in build_blocks(graph).blocks for i in b.nodes
+                if graph.layer_of(graph.nodes[i].module) in repeated and b.layer != graph.layer_of(graph.nodes[i].module)]
+    if name != "hf:bert":  # a pre-norm model: its norms ride in the block before them
+        assert crossing
+
+
 def test_moe_expert_block_has_the_expert_dim() -> None:
     graph, blocks, cost = _space("moe-125m-e8", layers=2)
     expert = [b for b in blocks.blocks if graph.nodes[b.leader].op == "aten.bmm.default"]
