@@ -63,7 +63,7 @@ from autopar.cost.checkpoint import SegmentCosts, check_segments, segment_costs
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
 from autopar.cost.layers import LayerCost, analyse
 from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
-from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form
+from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form, exposed_sync
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
@@ -191,6 +191,9 @@ class StageReport:
     comm: float  # per micro-batch: TP collectives and point-to-point sends
     sync: float  # gradient synchronisation per iteration
     memory: MemoryBreakdown
+    # of ``sync``, what the stage's compute does not hide when data-parallel collectives overlap it
+    # (`simulator.exposed_sync`): the screen's, where the simulator is not run
+    exposed: float = 0.0
     calls: tuple[CommCall, ...] = ()  # per iteration on each device (`collectives` sums those of one collective)
     parts: _Split | None = None  # what the simulator needs beyond the figures above (`cost.simulator`)
 
@@ -504,7 +507,7 @@ class PipelineModel:
                 continue
             view = self.stage_view(config, index, global_batch=global_batch)
             mesh = view.mesh
-            fwd = bwd = comm = 0.0
+            fwd = bwd = comm = forward_tp = around = 0.0
             params = 0
             per_micro_batch: list[CommCall] = []  # the rows' tp collectives (and their segments' replays)
             split = _Split(view=view)  # the simulator's view of the same figures
@@ -512,6 +515,9 @@ class PipelineModel:
                 price = view.price(row, stage.recompute_of(row))
                 fwd, bwd = fwd + count * price.forward, bwd + count * price.backward
                 comm += count * (price.comm_forward + price.comm_backward)
+                forward_tp += count * price.comm_forward
+                if not self.layers[row].repeated:  # the root unit's compute (ZeRO 1-3)
+                    around += count * (price.forward + price.backward)
                 params += count * price.params
                 per_micro_batch += price.collectives if count == 1 else [c.times(count) for c in price.collectives]
             extra = None
@@ -520,6 +526,7 @@ class PipelineModel:
                 bwd, comm = bwd + extra.backward, comm + extra.comm
                 split.replayed, split.replayed_tp = extra.backward, extra.comm
                 per_micro_batch += extra.collectives
+            on_compute = (fwd + forward_tp, bwd + comm - forward_tp)  # a micro-batch's, with its tp collectives
             stage_calls = [c.times(m) for c in merge_calls(per_micro_batch)]
             if virtual > 1:  # per micro-batch: activations to the next stage, gradients back to the previous one
                 boundary = self._boundary_bytes(stage, config) * config.micro_batch / stage.dp / self.traced_batch
@@ -559,15 +566,16 @@ class PipelineModel:
             memory = self.stage_memory(config, index, view, micro_batches=m, copy=copy, segments=extra)
             stage_calls = tuple(stage_calls)  # one object for alike stages' calls: `_issued` counts them by it
             stage_calls = self._calls.setdefault(stage_calls, stage_calls)
+            exposed = _exposed(split, config.zero, m, *on_compute, around=around / max(fwd + bwd, 1e-30))
             reports.append(StageReport(compute=fwd + bwd, comm=comm, sync=sync, memory=memory,
-                                       calls=stage_calls, parts=split))
+                                       calls=stage_calls, parts=split, exposed=exposed))
             if len(self._reports) >= _REPORTS_KEPT:
                 self._reports.clear()
             self._reports[key] = reports[-1]
         devices = _per_device(reports, pp) if chunks > 1 else reports
         simulate = not self.screen if simulate is None else simulate
         simulation = self._simulate(config, reports, m, overlap) if simulate else None
-        iteration, compute, exposed, bubble = _timing(simulation, reports, devices, m, chunks)
+        iteration, compute, exposed, bubble = _timing(simulation, reports, devices, m, chunks, overlap)
         worst = max(devices, key=lambda r: r.memory.total / r.memory.budget)
         model_flops = (self.graph.flops_forward + self.graph.flops_backward) * m * config.micro_batch / self.traced_batch
         per_device = model_flops / iteration / self.cluster.num_devices
@@ -926,14 +934,40 @@ class _Split:
                           reduce=calls[u][reduction], root=u[1]) for (f, b), u in zip(shares, units))
 
 
+def _exposed(split: _Split, zero: int, m: int, forward: float, backward: float, *, around: float) -> float:
+    """The screen's exposed data-parallel time of a stage (`simulator.exposed_sync`): its units as runs of alike
+    ones, each with its share of a micro-batch's compute (DDP buckets by their bytes; FSDP units: the repeated
+    layers alike, the root unit ``around``, the share of the rows outside them) and one call's seconds."""
+    if not split.units:
+        return split.pp_once
+    units, calls = split.units
+    roots = sum(1 for _, root in units if root)
+    repeated = len(units) - roots
+    total = sum(nbytes for nbytes, _ in units) or 1.0
+    reduction = Collective.ALL_REDUCE if zero == 0 else Collective.REDUCE_SCATTER
+    runs: list[tuple[Unit, int]] = []
+    for (nbytes, root), group in itertools.groupby(units):  # a deep stage's units are a few runs of alike ones
+        if zero == 0 or not repeated:  # buckets: their bytes' share
+            share = nbytes / total
+        elif root:
+            share = around if repeated else 1.0 / roots
+        else:
+            share = (1.0 - (around if roots else 0.0)) / repeated
+        runs.append((Unit(forward=share, backward=share, gather=calls[(nbytes, root)].get(Collective.ALL_GATHER, 0.0),
+                          reduce=calls[(nbytes, root)][reduction], root=root), sum(1 for _ in group)))
+    return exposed_sync(forward=forward, backward=backward, units=runs, zero=zero, micro_batches=m,
+                        after=split.pp_once)
+
+
 def _timing(simulation: PipelineSimulation | None, reports: list[StageReport], devices: list[StageReport], m: int,
-            chunks: int) -> tuple[float, float, float, float]:
+            chunks: int, overlap: bool = True) -> tuple[float, float, float, float]:
     """(iteration, compute, exposed comm, bubble): the simulated timeline's, on its critical device
     (`simulator.tasks`); without a simulation, the closed form's (`simulator.closed_form`), whose compute is the
-    slowest device's m micro-batches and exposed comm the rest beside the bubble."""
+    slowest device's m micro-batches and exposed comm the rest beside the bubble; its sync the data-parallel
+    collectives the stages' compute does not hide (`StageReport.exposed`) where they overlap it, else all of them."""
     if simulation is None:
-        found = closed_form(seconds=[r.seconds for r in reports], sync=[r.sync for r in reports], micro_batches=m,
-                            chunks=chunks)
+        found = closed_form(seconds=[r.seconds for r in reports],
+                            sync=[r.exposed if overlap else r.sync for r in reports], micro_batches=m, chunks=chunks)
         compute = m * devices[found.slowest].compute
         return found.iteration, compute, found.iteration - compute - found.bubble, found.bubble
     timeline = simulation.timeline
@@ -979,7 +1013,7 @@ def _per_device(reports: list[StageReport], pp: int) -> list[StageReport]:
             other=max(r.memory.other for r in mine), reserve=mine[0].memory.reserve, budget=mine[0].memory.budget,
         )
         devices.append(StageReport(compute=sum(r.compute for r in mine), comm=sum(r.comm for r in mine),
-                                   sync=sum(r.sync for r in mine), memory=memory,
+                                   sync=sum(r.sync for r in mine), exposed=sum(r.exposed for r in mine), memory=memory,
                                    calls=tuple(c for r in mine for c in r.calls)))
     return devices
 

@@ -10,11 +10,13 @@ Pure: no torch, no graph.
 """
 
 from autopar.cost.simulator.pipeline import PipelineSimulation
-from autopar.cost.simulator.spec import ClosedForm, PipelineSpec, StageTimes, Unit, closed_form, spec_seconds
+from autopar.cost.simulator.spec import (
+    ClosedForm, PipelineSpec, StageTimes, Unit, closed_form, exposed_sync, spec_seconds,
+)
 from autopar.cost.simulator.schedules import Action, Program, programs
 from autopar.cost.simulator.tasks import Kind, Stream, Task, Timeline, simulate
 
 __all__ = [
     "Action", "ClosedForm", "Kind", "PipelineSimulation", "PipelineSpec", "Program", "StageTimes", "Stream", "Task",
-    "Timeline", "Unit", "closed_form", "programs", "simulate", "spec_seconds",
+    "Timeline", "Unit", "closed_form", "exposed_sync", "programs", "simulate", "spec_seconds",
 ]

@@ -120,6 +120,60 @@ def closed_form(*, seconds: Sequence[float], sync: Sequence[float], micro_batche
     return ClosedForm(iteration=micro_batches * times[slowest] + bubble + max(syncs), bubble=bubble, slowest=slowest)
 
 
+def exposed_sync(*, forward: float, backward: float, units: Sequence[tuple[Unit, int]], zero: int,
+                 micro_batches: int, after: float = 0.0) -> float:
+    """Seconds of one stage's data-parallel collectives that its own compute does not hide, with overlap as the
+    simulator has it (`simulator.build`), in closed form: the searches' screen, where the closed form adds the whole
+    sync after the last backward. ``units``: the stage's units as runs (a unit, how many alike follow one another);
+    ``forward``, ``backward``: a micro-batch's (recomputation and tp collectives included); ``after``: what runs
+    once after the last backward (a tied weight's sum over pp). With ``m`` micro-batches, a unit's one all-gather
+    ``g_u`` and one reduction ``r_u`` and its share of the compute, the backward cut per unit in the simulator's
+    order (its repeated layers last to first, then the root), and
+
+        drain = max(0, max_k (B * sum_{j <= k} share_j + sum_{j >= k} r_j) - B)
+
+    the reductions still running after a backward whose piece k ends at B times the shares so far, one after
+    another, the stage exposes
+
+        ZeRO 0 (DDP buckets after the last backward's pieces)      drain
+        ZeRO 1 (reduce-scatters likewise, then every gather)       drain + sum g
+        ZeRO 2 (reduce-scatters after every backward's pieces)     max(drain, m sum r - (m B + (m - 1) F)) + sum g
+        ZeRO 3 (gathers ahead of each use, reduce-scatters after)  max(g_first + r_last, W - m (F + B), S)
+            W = m sum_u (g_u (twice off the root) + r_u): all the collectives against all the compute
+            S = m sum_u (max(0, g_u - F share_u) + max(0, g_u + r_u - B share_u)): a use whose collectives
+                outlast its compute stalls the next (the gathers run only two uses ahead)
+
+    plus ``after``. Exact for ZeRO 0 and 1 on one stage; within a few percent for ZeRO 2 and 3 on layers alike
+    (tests/test_simulator.py). It counts no pipeline bubble as room to hide collectives in."""
+    if not units:
+        return after
+    m = micro_batches
+    order = [run for run in reversed(units) if not run[0].root] + [run for run in units if run[0].root]
+    drain, end, pending = 0.0, 0.0, sum(u.reduce * k for u, k in order)
+    for unit, count in order:  # within a run the quantity is linear: its ends bound it
+        piece = backward * unit.backward
+        drain = max(drain, end + piece + pending - backward,
+                    end + count * piece + pending - (count - 1) * unit.reduce - backward)
+        end += count * piece
+        pending -= count * unit.reduce
+    gathers = sum(u.gather * k for u, k in units)
+    reductions = sum(u.reduce * k for u, k in units)
+    if zero == 0:
+        exposed = drain
+    elif zero == 1:
+        exposed = drain + gathers
+    elif zero == 2:
+        exposed = max(drain, m * reductions - (m * backward + (m - 1) * forward)) + gathers
+    else:
+        first = next((u for u, _ in units if u.root), units[0][0])
+        work = m * sum((u.gather * (1 if u.root else 2) + u.reduce) * k for u, k in units)
+        stalls = m * sum((max(0.0, u.gather - forward * u.forward)
+                          + max(0.0, (0.0 if u.root else u.gather) + u.reduce - backward * u.backward)) * k
+                         for u, k in units)
+        exposed = max(first.gather + order[-1][0].reduce, work - m * (forward + backward), stalls)
+    return max(0.0, exposed) + after
+
+
 def spec_seconds(spec: PipelineSpec) -> tuple[list[float], list[float]]:
     """Per-stage ``T`` and ``sync`` of the closed form for ``spec``: T counts each phase's compute and tp
     collectives, the stage's sends and receives (2 per neighbour) and its once-per-iteration tp sum spread over the
