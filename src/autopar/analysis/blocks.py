@@ -66,9 +66,9 @@ def build_blocks(graph: Graph, *, layers: frozenset[str] = frozenset()) -> Block
 
     ``layers``: profile rows (repeated layers) whose edges the blocks keep. An op of one of them that reads no
     value a block of its own layer made (the pre-norm at a layer's start, reading the stream the layer before
-    made) does not join the block before it: it opens its layer's first block, before that block's leading op, so
-    each of these layers is exactly its blocks, and what crosses from one to the next
-    is a value between blocks. Without ``layers`` the pre-norm joins the block that made its input."""
+    made) does not join the block before it: it opens its layer's first block, before that block's leading op.
+    Each of these layers is then exactly its blocks, and what crosses from one to the next is a value between
+    blocks. Without ``layers`` the pre-norm joins the block that made its input."""
     nodes = graph.nodes
     owner: list[int] = [-1] * len(nodes)  # block index of each node; -1: input branch (assigned after)
     activation: list[bool] = [False] * len(nodes)

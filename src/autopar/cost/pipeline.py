@@ -17,18 +17,20 @@ torch.distributed.pipelining runs the schedule, DDP buckets and FSDP units overl
 estimate's iteration and its compute / exposed communication / bubble split are the timeline's, on its critical
 device. A model built with ``screen=True`` prices by the closed form instead,
 
-    iteration = m * max_d T_d + (sum_d T_d - max_d T_d) / v + max_d sync_d
+    iteration = m * max_d T_d + (sum_d T_d - max_d T_d) / v + max_d exposed_d
 
 for ``m`` micro-batches, ``T_d`` the time per micro-batch of device ``d`` (its stage's ``t_s``, or under
-interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise), sync after
-the last backward, never overlapped: it is what the searches rank thousands of configurations by. Pricing a
+interleaved 1F1B the sum over its ``v`` chunks, stage ``s`` on device ``s % pp``; ``v = 1`` otherwise) and
+``exposed_d`` the part of its data-parallel collectives its compute does not hide, in closed form as the simulator
+overlaps them (`simulator.exposed_sync`; with ``overlap`` off, all of them after the last backward): it is what the
+searches rank thousands of configurations by. Pricing a
 configuration's stages takes about 2 ms; simulating it adds 1 ms to 1 s (a task per stage, micro-batch, FSDP unit
 and collective: 50,000 tasks for gpt3-175b at pp 8 under ZeRO 3), and `autopar plan` prices ~10,000
 configurations for gpt3-175b on 1,024 GPUs. Delta simulation (`PipelineSimulation.change`) re-times a one-stage
 change some 15x faster than a full simulation, but a change reaches most of a pipeline's later tasks and the
 searches change the depth, the micro-batch or ZeRO as often as one stage, so it does not bring simulation to the
 closed form's cost. The plans a user sees, the chosen one, its runners-up and the baselines, are re-priced by the
-simulator, and the best simulated of them is the plan (`autopar.cli.plan.simulated`).
+simulator, and the best simulated of them is the plan (`autopar.api.search.simulated`).
 
 Memory per stage is its peak as the runtime allocates it (`autopar.cost.stage_memory`, `autopar.cost.memory`):
 model states of its parameters (what TP splits over ``tp_s``) as its data-parallel wrapper holds them, the
