@@ -289,7 +289,7 @@ class IntraCost:
             priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if not node.is_view and strategy.outputs:
-                cost.temporary = max(cost.temporary, node.output_bytes / self._ways(strategy.outputs[0]))
+                cost.temporary = max(cost.temporary, node.output_bytes / self.ways(strategy.outputs[0]))
         cost.compute_forward, cost.compute_backward = sequence_seconds(priced, self.cluster.device,
                                                                        kernels=self.kernels)
         return cost
@@ -316,7 +316,7 @@ class IntraCost:
             return
         numel = self.state[fqn].tensor.numel
         reduce_axes = tuple(a for a, p in enumerate(grad) if isinstance(p, Partial))
-        cost.params.append(ParamUse(key, numel, numel / self._ways(layout), layout, reduce_axes))
+        cost.params.append(ParamUse(key, numel, numel / self.ways(layout), layout, reduce_axes))
         cost.exits[key] = layout
 
     def _to_param_layout(self, source, need: Layout, *, keep_partial: bool = False) -> Layout:  # noqa: ANN001
@@ -405,8 +405,6 @@ class IntraCost:
         """Devices a value in ``layout`` is split over."""
         return math.prod(n for p, n in zip(layout, self.sizes) if is_shard(p))
 
-    _ways = ways
-
     def saved_fraction(self, node: Node, strategy: Strategy) -> float:
         """The share of what ``node`` saves for backward that one device keeps under ``strategy``."""
         return self._saved_fraction(node, strategy, op_dims(node).contraction)
@@ -415,8 +413,8 @@ class IntraCost:
         if contraction:  # a contraction saves its activation inputs
             acts = [j for j, s in enumerate(node.sources) if s.state is None]
             if acts:
-                return sum(1 / self._ways(strategy.inputs[j]) for j in acts) / len(acts)
-        return 1 / self._ways(strategy.outputs[0]) if strategy.outputs else 1.0
+                return sum(1 / self.ways(strategy.inputs[j]) for j in acts) / len(acts)
+        return 1 / self.ways(strategy.outputs[0]) if strategy.outputs else 1.0
 
     def _is_param(self, fqn: str) -> bool:
         info = self.state.get(fqn)

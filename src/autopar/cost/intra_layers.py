@@ -55,14 +55,18 @@ from autopar.cluster import Collective, collective_seconds
 from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cluster.mesh import AxisPlacement, Mesh
 from autopar.cost.compute import node_seconds, sequence_seconds
-from autopar.cost.intra import Candidate, IntraCost
+from autopar.cost.intra import Candidate, IntraCost, ParamUse
 from autopar.cost.memory import gradient_itemsize, gradient_sync, model_states, op_transient
 from autopar.cost.vocab import vocabulary_split
 from autopar.sharding import REPLICATE, short_layout
 from autopar.sharding.layout import Shard, shard_of
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from autopar.capture.graph import Node
     from autopar.cost.pipeline import LayerPrice, PipelineModel
+    from autopar.sharding.strategies import Strategy
 
 _WHOLE = (REPLICATE,)
 _DENSE = 1 << 16  # layers with at most this many assignments are solved by enumeration, larger ones by HiGHS
@@ -173,21 +177,32 @@ class IntraLayers:
     def _param_made_in(self, ic: IntraCost, fqn: str) -> tuple:
         """The layout of a parameter read outside its owner's block (a tied head's weight): its owner's, under
         Megatron's layout (whole, but for a vocabulary split)."""
-        owner = ic.param_owner.get(fqn)
-        if owner is None or self.vocab is None:
-            return _WHOLE * len(ic.sizes)
-        block = self.bg.blocks[owner]
-        bc = ic.block_cost(block, self._megatron_choice(ic, block.layer)[self.rows[block.layer].index(block)])
-        use = None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == fqn), None)
+        use = self._param_use(ic, fqn) if self.vocab is not None else None
         return _WHOLE * len(ic.sizes) if use is None else use.layout
 
     def _made_in(self, ic: IntraCost, value: tuple[int, int]) -> tuple:
         """The layout a value made outside the repeated layers leaves its block in, under Megatron's layout."""
         block = self.bg.blocks[self.bg.owner[value[0]]]
-        choice = self._megatron_choice(ic, block.layer)[self.rows[block.layer].index(block)]
-        bc = ic.block_cost(block, choice)
+        bc = ic.block_cost(block, self._candidate(ic, block))
         found = None if bc is None else bc.exits.get(("out", block.nodes.index(value[0]), value[1]))
         return found if found is not None else _WHOLE * len(ic.sizes)
+
+    def _candidate(self, ic: IntraCost, block: ParallelBlock, chosen: dict[int, Candidate] | None = None) -> Candidate:
+        """The candidate ``chosen`` names for ``block``, else Megatron's (`_megatron_choice`)."""
+        found = (chosen or {}).get(block.id)
+        if found is None:
+            found = self._megatron_choice(ic, block.layer)[self.rows[block.layer].index(block)]
+        return found
+
+    def _param_use(self, ic: IntraCost, fqn: str, chosen: dict[int, Candidate] | None = None) -> ParamUse | None:
+        """A parameter as the block that reads it first lays it out under its candidate (`_candidate`); None where
+        no op reads it or that block has no cost under its candidate."""
+        owner = ic.param_owner.get(fqn)
+        if owner is None:
+            return None
+        block = self.bg.blocks[owner]
+        bc = ic.block_cost(block, self._candidate(ic, block, chosen))
+        return None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == fqn), None)
 
     def _row_key(self, row: int, tp_axis: AxisPlacement) -> tuple:
         """Rows whose blocks are alike (signatures, and which values cross the layer's edge) share a layout."""
@@ -267,10 +282,7 @@ class IntraLayers:
         if found is None:
             return None
         chosen, calls = found
-        ops = self._row_ops(ic, row, chosen, tp_axis.size, scale)
-        if ops is None:
-            return None
-        priced, saved, temporary, attention = ops
+        priced, saved, temporary, attention = self._row_ops(ic, row, chosen, tp_axis.size, scale)
         forward, backward = sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
         params = self.row_params(row, tp_axis, chosen=chosen)
         levels = ("none", "selective", "full") if self.model.layers[row].repeated else ("none",)
@@ -307,28 +319,34 @@ class IntraLayers:
         """The loss's ops where Megatron-LM's vocabulary split runs them on split logits (`cost.vocab`)."""
         return self.vocab.region if self.vocab is not None and tp > 1 else frozenset()
 
-    def _row_ops(self, ic: IntraCost, row: int, chosen: dict[int, Candidate], tp: int,
-                 scale: float) -> tuple[list, float, float, list] | None:
-        """Row ``row``'s ops at ``scale`` times the traced batch, each as its block's candidate in ``chosen``
-        splits it: (op, its shard over the scale) for `sequence_seconds`, the bytes saved for backward, the largest
-        output, and its attention cores as (op, shard over the scale, output bytes kept); None where a block has no
-        cost."""
+    def _op_splits(self, ic: IntraCost, row: int, chosen: dict[int, Candidate],
+                   tp: int) -> Iterator[tuple[Node, Strategy | None, int]]:
+        """Row ``row``'s ops in order, each with how its block's candidate in ``chosen`` splits it: (op, its
+        strategy, the devices its work splits over), the strategy None where the op is split evenly that many
+        ways (whole: on parameters or model inputs alone; tp: in Megatron-LM's vocabulary region). Every block
+        has a cost under ``chosen`` (`_row_calls` returned it)."""
         blocks, region = self.bg.blocks, self._vocab_region(tp)
-        priced, attention = [], []
-        saved = temporary = 0.0
         for node in self.model.layers[row].nodes:
             b, pos = self.place[node.id]
-            if node.id in blocks[b].branch:  # on parameters or model inputs alone: whole
-                shard, kept, out = 1, node.saved_bytes, node.output_bytes
+            if node.id in blocks[b].branch:
+                yield node, None, 1
             elif node.id in region:
-                shard = tp
+                yield node, None, tp
+            else:
+                strategy = ic.block_cost(blocks[b], chosen[b]).strategies[pos]
+                yield node, strategy, strategy.shard
+
+    def _row_ops(self, ic: IntraCost, row: int, chosen: dict[int, Candidate], tp: int,
+                 scale: float) -> tuple[list, float, float, list]:
+        """Row ``row``'s ops at ``scale`` times the traced batch, each as its block's candidate in ``chosen``
+        splits it (`_op_splits`): (op, its shard over the scale) for `sequence_seconds`, the bytes saved for
+        backward, the largest output, and its attention cores as (op, shard over the scale, output bytes kept)."""
+        priced, attention = [], []
+        saved = temporary = 0.0
+        for node, strategy, shard in self._op_splits(ic, row, chosen, tp):
+            if strategy is None:
                 kept, out = node.saved_bytes / shard, node.output_bytes / shard
             else:
-                bc = ic.block_cost(blocks[b], chosen[b])
-                if bc is None:
-                    return None
-                strategy = bc.strategies[pos]
-                shard = strategy.shard
                 kept = node.saved_bytes * ic.saved_fraction(node, strategy)
                 out = node.output_bytes / ic.ways(strategy.outputs[0]) if strategy.outputs else 0.0
             priced.append((node, shard / scale))
@@ -353,19 +371,13 @@ class IntraLayers:
             raise ValueError(f"{self.model.layers[row].name or 'the model'}: Megatron's layout over tp "
                              f"{tp_axis.size} does not apply to it")
         chosen = found[0]
-        blocks, region, tp = self.bg.blocks, self._vocab_region(tp_axis.size), tp_axis.size
         nodes = self.model.layers[row].nodes
         saved, passing = [], []
-        for node in nodes:
-            b, pos = self.place[node.id]
-            if node.id in blocks[b].branch:
-                saved.append(float(node.saved_bytes))
-                passing.append(op_transient(node))
-            elif node.id in region:
-                saved.append(node.saved_bytes / tp)
-                passing.append(op_transient(node) / tp)
+        for node, strategy, ways in self._op_splits(ic, row, chosen, tp_axis.size):
+            if strategy is None:
+                saved.append(node.saved_bytes / ways)
+                passing.append(op_transient(node) / ways)
             else:
-                strategy = ic.block_cost(blocks[b], chosen[b]).strategies[pos]
                 saved.append(node.saved_bytes * ic.saved_fraction(node, strategy))
                 passing.append(op_transient(node, outputs=[ic.ways(x) for x in strategy.outputs],
                                             inputs=[ic.ways(x) for x in strategy.gradients]))
@@ -389,17 +401,7 @@ class IntraLayers:
         ic = self._cost(tp_axis, False)
         sizes = {}
         for info in self.model._row_params[row]:
-            owner = ic.param_owner.get(info.fqn)
-            if owner is None:  # read by no op: held whole
-                sizes[info.fqn] = float(info.tensor.numel)
-                continue
-            block = self.bg.blocks[owner]
-            candidate = chosen.get(owner)
-            if candidate is None:
-                blocks = self.rows[block.layer]
-                candidate = self._megatron_choice(ic, block.layer)[blocks.index(block)]
-            bc = ic.block_cost(block, candidate)
-            use = None if bc is None else next((p for p in bc.params if ic.locate(block, p.key) == info.fqn), None)
+            use = self._param_use(ic, info.fqn, chosen)  # None: read by no op, held whole
             sizes[info.fqn] = float(info.tensor.numel if use is None else use.local)
         return sizes
 
