@@ -217,14 +217,19 @@ def test_pipelines_of_sliding_window_models_match_one_process(tmp_path, model_ty
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "overrides", "schedule"),
-    [("gpt3-125m", GPT4, "1f1b"), ("llama-7b", LLAMA4, "gpipe"), ("hf:llama-tiny", HF, "1f1b")],
+    ("name", "overrides", "schedule", "zero"),
+    [("gpt3-125m", GPT4, "1f1b", 1), ("llama-7b", LLAMA4, "gpipe", 1), ("hf:llama-tiny", HF, "1f1b", 1),
+     ("gpt3-125m", GPT4, "gpipe", 2), ("llama-7b", LLAMA4, "1f1b", 3), ("hf:llama-tiny", HF, "gpipe", 3),
+     ("llama-7b", LLAMA4, "interleaved", 3), ("hf:gpt2", {"layers": 4, "hidden": 64, "heads": 4}, "1f1b", 3)],
 )
-def test_pipelines_under_zero_1_match_one_process_and_the_predicted_collectives(
-    tmp_path, name, overrides, schedule
+def test_pipelines_under_zero_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, schedule, zero
 ) -> None:
-    """2 stages x dp 2, FSDP2 over dp inside each stage; the schedule reduce-scatters once a step."""
-    path = _pipeline_plan(tmp_path, name, overrides, tp=1, dp=2, pp=2, zero=1, schedule=schedule)
+    """2 stages x dp 2, FSDP2 over dp inside each stage; the schedule reduce-scatters once a step under ZeRO 1,
+    after every micro-batch under ZeRO 2 and 3 (and ZeRO 3 gathers the weights for every forward and backward):
+    the counts `--check-comm` compares differ between the three."""
+    chunks = 2 if schedule == "interleaved" else 1
+    path = _pipeline_plan(tmp_path, name, overrides, tp=1, dp=2, pp=2, zero=zero, schedule=schedule, chunks=chunks)
     data = _run(path, 4)
     kinds = {(row["kind"], row["axis"]) for row in data["check_comm"]["ranks"][0]["rows"]}
     assert {("all_gather", "dp"), ("reduce_scatter", "dp"), ("send_recv", "pp")} <= kinds
@@ -341,6 +346,45 @@ def test_dryrun_matches_the_prediction_on_a_fake_process_group(tmp_path, capsys)
                for r in out["rows"]]
     result = compare(counted, stage_predictions(dataclasses.replace(plan, zero=0))[0])
     assert not result["ok"] and result["message"].startswith("all_gather on dp: 10 calls")
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "pp", "tp", "dp", "zero", "chunks", "schedule"),
+    [
+        ("llama-7b", LLAMA4, 2, 1, 2, 3, 1, "1f1b"),  # FSDP2 inside stages, reduce-scattering per micro-batch
+        ("gpt3-125m", GPT4, 2, 2, 2, 1, 1, "gpipe"),  # tp inside stages, the tied head summed over the ends
+        ("llama-7b", dict(LLAMA, layers=8), 4, 2, 4, 0, 2, "1f1b"),  # 32 ranks, interleaved: 8 chunks
+        ("hf:llama-tiny", HF, 2, 1, 2, 2, 1, "1f1b"),
+    ],
+)
+def test_dryrun_of_a_pipeline_rehearses_each_stage_on_a_fake_process_group(
+    tmp_path, capsys, monkeypatch, name, overrides, pp, tp, dp, zero, chunks, schedule
+) -> None:
+    """Each pipeline stage's first rank runs the schedule on a fake process group (sends and receives move
+    nothing; the stages' shapes are worked out on the meta device) and is compared with its stages' prediction."""
+    path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero, pp=pp, chunks=chunks,
+                          schedule=schedule)
+    assert main(["dryrun", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["world_size"] == pp * dp * tp
+    assert [r["rank"] for r in out["ranks"]] == [d * dp * tp for d in range(pp)] and all(r["ok"] for r in out["ranks"])
+    sends = [row for rank in out["ranks"] for row in rank["rows"] if row["kind"] == "send_recv"]
+    assert len(sends) == pp and all(row["counted"] == row["predicted"] > 0 for row in sends)
+    # a prediction one call short for the last stage is found, and the rank named
+    from autopar.runtime import comm, dryrun
+
+    real = comm.stage_predictions
+
+    def short(plan):  # noqa: ANN001, ANN202
+        stages = real(plan)
+        last = stages[-1]
+        row = next(r for r in last if r["kind"] == "send_recv")
+        return [*stages[:-1], [r if r is not row else {**r, "count": r["count"] - 1} for r in last]]
+
+    monkeypatch.setattr(dryrun, "stage_predictions", short)
+    assert main(["dryrun", path]) != 0
+    last_rank = ((len(load_plan(path).stages) - 1) % pp) * dp * tp
+    assert f"rank {last_rank}: send_recv on pp" in capsys.readouterr().err
 
 
 @pytest.mark.slow

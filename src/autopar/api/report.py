@@ -14,9 +14,9 @@ from autopar.cluster.spec import Cluster
 from autopar.plan import Plan
 from autopar.search.pipeline import Found
 
-# who runs a plan, and how to ask the planner for one it can run: the command line's words, and Python's
-COMMAND_LINE = ("`autopar run`", "--runnable")
-PYTHON = ("autopar.parallelize", "runnable_only=True")
+# who runs a plan, and how to ask the planner for plans it cannot run: the command line's words, and Python's
+COMMAND_LINE = ("`autopar run`", "--allow-unrunnable")
+PYTHON = ("autopar.parallelize", "runnable_only=False")
 
 
 def pipeline_report(searched: Searched, *, model: str, config: dict[str, Any], cluster: Cluster,
@@ -41,7 +41,19 @@ def pipeline_report(searched: Searched, *, model: str, config: dict[str, Any], c
         "interrupted": searched.interrupted,
         "runners_up": [_layout(f, chosen) for f in chosen.runners_up],
         "not_runnable": searched.not_runnable,  # why the runtime refuses it, or null
+        "faster_unrunnable": _faster(searched),
     }
+
+
+def _faster(searched: Searched) -> dict[str, Any] | None:
+    """The fastest plan the search found where the runtime cannot run it and the plan given is the best it can
+    (`Searched.faster`): its plan and estimate, why it cannot run, and its time over the plan's; or None."""
+    faster = searched.faster
+    if faster is None:
+        return None
+    ratio = (faster.chosen.result.estimate.iteration_seconds
+             / searched.chosen.result.estimate.iteration_seconds)
+    return {**entry(faster.plan), "not_runnable": faster.not_runnable, "vs_plan": ratio}
 
 
 def entry(plan: Plan) -> dict[str, Any]:
@@ -85,11 +97,23 @@ def render_pipeline(data: dict[str, Any], *, out: str | None = None, timeline: s
         *_stages(plan),
     ]
     if data.get("not_runnable"):
-        lines += [f"note: {runner[0]} cannot run this plan yet: {data['not_runnable']} ({runner[1]} returns the "
-                  "best plan it can run)", ""]
+        advice = ("the search was stopped before it looked for one it can run" if data.get("interrupted")
+                  else f"planned with {runner[1]}; without it the plan is the best it can run")
+        lines += [f"note: {runner[0]} cannot run this plan yet: {data['not_runnable']} ({advice})", ""]
+    faster = data.get("faster_unrunnable")
+    if faster:
+        lines += [f"note: the fastest plan found, {_shape(faster['plan'])} on "
+                  f"{stage_grids(_grids(faster['plan']))}, takes {faster['estimate']['iteration_seconds']:.3f} s "
+                  f"({faster['vs_plan']:.2f}x this plan's time), but {runner[0]} cannot run it yet: "
+                  f"{faster['not_runnable']} ({runner[1]} offers it)", ""]
     lines += [*profile_line(data), estimate_text(data["estimate"]), ""]
     written = [f"timeline written to {timeline}", ""] if timeline else []
     return "\n".join(lines + _runners_up(data) + written + comparison(data, out))
+
+
+def _grids(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan's stages as `stage_grids` reads a runner-up's."""
+    return {"dp_x_tp": [[s["dp"], s["tp"]] for s in plan["stages"]], "intra": [s.get("intra") for s in plan["stages"]]}
 
 
 def _searched_by(data: dict[str, Any]) -> str:

@@ -10,6 +10,10 @@
 3. the chosen plan, when it fits, is checked against the model itself (``Subject.check``: the runtime's own checks,
    `refusal`); with ``runnable_only`` the runners-up are tried in order when it would be refused, and when none can
    run the answer is an error naming the reason, never a plan that fails on the ranks.
+
+With ``runnable_only`` the whole space is searched first: when its best plan runs, that is the answer; when it does
+not, the search is repeated within what the runtime runs, and the faster plan it could not offer is kept beside
+the answer (`Searched.faster`), so that what the limit costs is shown, never hidden.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from autopar.search.workers import Beside, beside, in_worker, share_out
 log = logging.getLogger(__name__)
 
 PIPELINE_SEARCHES = ("auto", "aceso", "mcmc", "exhaustive", "megatron", "dp", "fsdp")
+BASELINE_SEARCHES = ("megatron", "dp", "fsdp")  # one point each: no wider space to search first
 MAX_BUDGET_S = 86_400.0
 
 
@@ -115,6 +120,9 @@ class Searched:
     not_runnable: str | None
     interrupted: bool
     seconds: float
+    # with ``runnable_only``: the whole space's best plan where the runtime cannot run it and it is faster than
+    # ``plan`` (its ``not_runnable`` says why); None otherwise
+    faster: Searched | None = None
 
     @property
     def fits(self) -> bool:
@@ -130,9 +138,24 @@ def search_pipeline(
     ``should_stop`` ends the search early, keeping the best plan found so far. ``Searched.seconds`` count from
     ``started`` (a `time.perf_counter` reading; default: this call) to the end of the simulation. ``profile``
     (an `autopar.profiling.ProfileDB`): layers it measured are priced by its times."""
+    start = time.perf_counter() if started is None else started
     with gc_paused():
-        return _search_pipeline(subject, cluster, options, progress=progress, should_stop=should_stop,
-                                start=time.perf_counter() if started is None else started, profile=profile)
+        if not options.runnable_only or options.search in BASELINE_SEARCHES:
+            return _search_pipeline(subject, cluster, options, progress=progress, should_stop=should_stop,
+                                    start=start, profile=profile)
+        free = _search_pipeline(subject, cluster, replace(options, runnable_only=False), progress=progress,
+                                should_stop=should_stop, start=start, profile=profile)
+        if (free.fits and free.not_runnable is None) or should_stop():
+            return free  # the best plan runs (or the user stopped the search: the best so far, its note says why)
+        if progress is not None:
+            progress("the best plan cannot run: searching the plans autopar can run")
+        left = max(options.budget_s - (time.perf_counter() - start), 1.0)
+        limited = _search_pipeline(subject, cluster, replace(options, budget_s=left), progress=progress,
+                                   should_stop=should_stop, start=start, profile=profile)
+        if free.fits and limited.fits and (free.chosen.result.estimate.iteration_seconds
+                                           < limited.chosen.result.estimate.iteration_seconds):
+            limited.faster = free
+        return limited
 
 
 def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions, *,

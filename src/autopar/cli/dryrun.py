@@ -14,11 +14,12 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "dryrun",
         help="apply a plan at its full world size on a fake process group and compare rank 0's collectives "
-        "with the prediction",
+        "(each pipeline stage's first rank's) with the prediction",
         description="Build the plan's model on the meta device, apply PLAN.json on a fake process group of the "
         "plan's world size (64 ranks and more, one process), run one training step on fake tensors and compare "
         "the collectives rank 0 issues (kind, mesh axis, calls, bytes) with the cost model's prediction for its "
-        "stage. Exits non-zero on a mismatch.",
+        "stage; for a pipeline, the first rank of each pipeline stage in turn, each running the plan's schedule. "
+        "Exits non-zero on a mismatch.",
     )
     parser.add_argument("plan", metavar="PLAN.json", help="a plan written by autopar plan --out")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -37,9 +38,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise RuntimeError(result["message"])
     if args.json:
         return result
-    return "\n".join([
-        f"{args.plan}: rank 0 of {result['world_size']} on a fake process group ({result['seconds']:.1f} s)",
-        "collectives in one step (counted / predicted)",
-        comm_table(result["rows"]),
-        f"dryrun: {result['message']}",
-    ])
+    ranks = result["ranks"]
+    if len(ranks) == 1:
+        return "\n".join([
+            f"{args.plan}: rank 0 of {result['world_size']} on a fake process group ({result['seconds']:.1f} s)",
+            "collectives in one step (counted / predicted)",
+            comm_table(result["rows"]),
+            f"dryrun: {result['message']}",
+        ])
+    lines = [f"{args.plan}: ranks {', '.join(str(r['rank']) for r in ranks)} of {result['world_size']} (the first "
+             f"of each pipeline stage) on a fake process group ({result['seconds']:.1f} s)"]
+    for entry in ranks:
+        lines += ["", f"rank {entry['rank']}: collectives in one step (counted / predicted)", comm_table(entry["rows"])]
+    return "\n".join([*lines, "", f"dryrun: {result['message']}"])

@@ -63,9 +63,14 @@ def register(subparsers: Any) -> None:
                         "the search converges within its budget")
     add_kernels_argument(parser)
     add_profile_argument(parser)
-    parser.add_argument("--runnable", action="store_true",
-                        help="search only plans `autopar run` can run (one dp x tp grid for every stage; pipelines "
-                        "under ZeRO 0-1)")
+    runnable = parser.add_mutually_exclusive_group()
+    runnable.add_argument("--runnable", action="store_true",
+                          help="the default for pipeline searches: offer only plans `autopar run` can run on this "
+                          "model (one dp x tp grid for every stage, Megatron's layouts, pipelines without sequence "
+                          "parallelism), checked on the model; a faster plan it cannot run is named beside it")
+    runnable.add_argument("--allow-unrunnable", action="store_true",
+                          help="offer the fastest plan whatever `autopar run` can run (intra-op stages, pipelines "
+                          "with sequence parallelism); such a plan says why it cannot run (`not_runnable`)")
     parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
     parser.add_argument("--timeline", metavar="FILE",
                         help="pipeline searches: draw the plan's simulated iteration per device to FILE (.svg or "
@@ -250,7 +255,7 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - the model and its trace a
 
 def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     """The pipeline searches (`autopar.api.search`): trace once at batch 1 (costs scale with the batch), search,
-    simulate the best, price the baselines; keep a plan `autopar run` can run with --runnable."""
+    simulate the best, price the baselines; keep to plans `autopar run` can run unless --allow-unrunnable."""
     if args.gpus is None:
         raise ValueError("give --gpus N")
     traced = _load(args)
@@ -263,7 +268,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     work = workload(args, zoo)
     subject = Subject.of(graph, zoo.module, name=zoo.config.name, check=_checked_on(graph), workload=work)
     options = SearchOptions(search=args.search, batch=args.batch, budget_s=args.budget_s,
-                            runnable_only=args.runnable, kernels=args.kernels, dtype=args.dtype, seed=args.seed)
+                            runnable_only=not args.allow_unrunnable, kernels=args.kernels, dtype=args.dtype, seed=args.seed)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         try:
             searched = search_pipeline(subject, cluster, options, progress=_progress(show, start),

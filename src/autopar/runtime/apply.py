@@ -14,7 +14,7 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
 - tp x dp: FSDP2 over dp for ZeRO 1-3; under ZeRO 0 (DDP does not take tensor-parallel parameters) the
   gradients are all-reduced over dp by hand after the last micro-batch, in DDP-sized buckets;
 - pipelines (`autopar.runtime.pipeline`): each rank keeps its stage's modules, TP inside, dp by hand (ZeRO 0) or
-  FSDP2 (ZeRO 1), GPipe, 1F1B or interleaved 1F1B;
+  FSDP2 (ZeRO 1 reduce-scatters once a step, ZeRO 2-3 after every micro-batch), GPipe, 1F1B or interleaved 1F1B;
 - recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
   ``selective``);
 - ``kernels: compiled``: each repeated layer (every child of an ``nn.ModuleList``) is compiled in place with
@@ -22,8 +22,8 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   a layer dynamo cannot capture whole raises instead of running partly eager.
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out, pipelines under ZeRO 2-3 or with
-sequence parallelism are refused with an error that says so.
+Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out and pipelines with sequence parallelism
+are refused with an error that says so.
 """
 
 from __future__ import annotations
@@ -284,8 +284,8 @@ def check_supported(plan: Plan) -> None:
 def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False,
                 compiled_selective: bool = False) -> str | None:
     """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
-    planner's ``--runnable`` keeps its search to shapes this accepts. ``compiled_selective``: the plan compiles its
-    layers and recomputes attention selectively in a stage with tp > 1."""
+    planner keeps its search to shapes this accepts (unless ``--allow-unrunnable``). ``compiled_selective``: the
+    plan compiles its layers and recomputes attention selectively in a stage with tp > 1."""
     if compiled_selective:
         return ("the plan recomputes attention selectively under tensor parallelism with compiled kernels, which "
                 "torch.compile cannot compile here (AOT autograd saves a DeviceMesh among the checkpoint's tensors); "
@@ -293,9 +293,6 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
     if intra:
         return ("the plan lays layers out by the intra-op planner (a stage marked intra); the runtime applies "
                 "Megatron's column/row layouts only so far")
-    if stages > 1 and zero > 1:
-        return (f"the plan pipelines over {stages} stages under ZeRO {zero}; pipelines run with ZeRO 0 and 1 so far "
-                "(the schedule reduce-scatters once a step)")
     if sp and max(dp for dp, _ in grids) > 1 and zero > 0:
         return f"the plan combines sequence parallelism with ZeRO {zero}; it runs with ZeRO 0 only so far"
     if stages > 1 and sp:
@@ -307,7 +304,7 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
 
 def parallelize(
     model: nn.Module, plan: Plan, *, mesh: Any = None, units: Iterable[nn.Module] = (), ddp: bool = True,
-    compile: bool = True,  # noqa: A002
+    compile: bool = True, example: Mapping[str, torch.Tensor] | None = None,  # noqa: A002
 ) -> ParallelModel:
     """Wrap ``model`` for ``plan`` on this rank, in place; train it through the returned `ParallelModel`.
 
@@ -323,7 +320,9 @@ def parallelize(
     With ``ddp=False``, ZeRO 0 all-reduces gradients by hand (`ParallelModel.finish_backward`, the same buckets)
     instead of wrapping the model in DDP. Needs an initialised default process group of the plan's size; ``mesh``
     (a `DeviceMesh` with dims ``("dp", "tp")``, or ``("pp", "dp", "tp")`` for a pipeline, of the plan's sizes) is made
-    when not given."""
+    when not given. ``example``: one of this rank's micro-batches, needed only for a pipeline whose ``model`` is on
+    the meta device (a rehearsal on a fake process group): its stages' shapes are worked out from it there, since
+    stages on a fake process group cannot exchange them."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -351,8 +350,11 @@ def parallelize(
     sizes = dict(zip(names, mesh.shape))
     spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
-    parallel = _pipelined(model, plan, mesh, axes) if pp > 1 else _one_stage(model, plan, mesh, axes, units=units,
-                                                                               ddp=ddp)
+    if pp > 1:
+        ids = example.get(PIPELINE_INPUTS[0]) if example is not None else None
+        parallel = _pipelined(model, plan, mesh, axes, example=ids)
+    else:
+        parallel = _one_stage(model, plan, mesh, axes, units=units, ddp=ddp)
     parallel.plan, parallel.rank = plan, dist.get_rank()
     if tp > 1:
         parallel.random = _tp_random(mesh, device)
@@ -424,7 +426,8 @@ def _ddp(module: nn.Module) -> nn.Module:
     )
 
 
-def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) -> ParallelModel:
+def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
+               example: torch.Tensor | None = None) -> ParallelModel:
     """This rank's stage: its modules, tensor parallelism over tp, gradients all-reduced over dp after the
     schedule's last backward (by hand, in DDP-sized buckets: DDP's reducer cannot follow GPipe's forwards of
     every micro-batch before the first backward), and the plan's schedule over pp."""
@@ -433,7 +436,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
     dp, tp = plan.grid
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     heads: list[nn.Parameter] = []
-    sharded = plan.zero == 1 and dp > 1
+    sharded = plan.zero > 0 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
 
     def wrap(part: nn.Module) -> nn.Module:
@@ -441,16 +444,16 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str]) ->
         if tp > 1:
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
-        if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward
+        if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
             layers = pipeline.stage_stack(part)._modules.values()
-            _fully_shard(part, layers, mesh["dp"], 1)
+            _fully_shard(part, layers, mesh["dp"], plan.zero)
         if names:  # by name, once wrapped (FSDP2 replaces the parameters)
             params = dict(part.named_parameters())
             heads.extend(params[name] for name in names)
         return part
 
     wrapped, part_names, pipe, groups = pipeline.build(model, plan, mesh, wrap=wrap,
-                                                       micro_batches=plan.micro_batches)
+                                                       micro_batches=plan.micro_batches, example=example)
     # one chunk: the stage itself; interleaved: the chunks side by side (parameter names gain "k.")
     if len(wrapped) == 1:
         module, names = wrapped[0], part_names[0]

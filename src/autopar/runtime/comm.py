@@ -163,13 +163,19 @@ def stages_of_rank(plan: Plan, rank: int) -> list[int]:
     return list(range(rank // per_stage, len(plan.stages), plan.pp))
 
 
+def rank_prediction(plan: Plan, expected: list[list[dict[str, Any]]], rank: int) -> list[dict[str, Any]]:
+    """What ``rank`` should issue, from the per-stage predictions ``expected`` (`stage_predictions`): its stage's,
+    or its chunks' added up when interleaved."""
+    mine = (row for stage in stages_of_rank(plan, rank) for row in expected[stage])
+    return _summary((r["kind"], r["axis"], r["count"], r["bytes"]) for r in mine)
+
+
 def check_ranks(plan: Plan, counted: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Compare every rank's counted collectives with its stage's prediction; the first mismatch is named."""
     expected = stage_predictions(plan)
     results = []
     for rank, summary in enumerate(counted):
-        mine = (row for stage in stages_of_rank(plan, rank) for row in expected[stage])  # interleaved: chunks added
-        result = compare(summary, _summary((r["kind"], r["axis"], r["count"], r["bytes"]) for r in mine))
+        result = compare(summary, rank_prediction(plan, expected, rank))
         results.append({"rank": rank, **result})
         if not result["ok"]:
             return {"ok": False, "message": f"rank {rank}: {result['message']}", "ranks": results}

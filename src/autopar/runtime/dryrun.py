@@ -4,7 +4,10 @@ and compare rank 0's collectives with the cost model's prediction.
 The model is built on the meta device, parallelised exactly as `autopar run` does, then materialised as fake
 tensors (no memory, no arithmetic); one training step runs through the same forward, backward and optimizer code.
 The fake process group completes every collective at once without moving data, so a 64-way plan of a billion-
-parameter model checks in seconds. Rank 0 holds the first stage, so its prediction is stage 0's.
+parameter model checks in seconds. Rank 0 holds the first stage, so its prediction is stage 0's. A pipeline is
+rehearsed once per pipeline device, as the first rank of each (its stage, or its chunks when interleaved), each
+running the plan's schedule with sends and receives that move nothing, and each compared with its own stages'
+prediction.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from typing import Any
 
 from autopar.plan import Plan
-from autopar.runtime.comm import compare, stage_predictions
+from autopar.runtime.comm import compare, rank_prediction, stage_predictions
 from autopar.runtime.validate import check_runnable, rehearsal
 
 
@@ -22,10 +25,18 @@ def dryrun(plan: Plan, *, checked: bool = False) -> dict[str, Any]:
     has passed already, without its rehearsal, which this is)."""
     if not checked:
         check_runnable(plan, rehearse=False)
-    if len(plan.stages) > 1:
-        raise NotImplementedError("dryrun of pipeline plans is not supported yet (the schedule exchanges shapes "
-                                  "with real peers); check them with autopar run --check-comm")
     start = time.perf_counter()
-    counted = rehearsal(plan, count=True)
-    result = compare(counted, stage_predictions(plan)[0])
-    return {"world_size": plan.devices, "seconds": time.perf_counter() - start, **result}
+    expected = stage_predictions(plan)
+    per_device = plan.grid[0] * plan.grid[1]
+    ranks = []
+    for device in range(plan.pp if plan.is_pipeline else 1):
+        rank = device * per_device
+        result = compare(rehearsal(plan, count=True, rank=rank), rank_prediction(plan, expected, rank))
+        ranks.append({"rank": rank, **result})
+        if not result["ok"]:
+            result = {**result, "message": f"rank {rank}: {result['message']}"}
+            break
+    first = ranks[0]
+    return {"world_size": plan.devices, "seconds": time.perf_counter() - start, "ok": result["ok"],
+            "rows": first["rows"], "message": result["message"] if not result["ok"] else first["message"],
+            "ranks": ranks}

@@ -365,10 +365,16 @@ class Pipeline:
 
 
 def build(
-    model: nn.Module, plan: Plan, mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int
+    model: nn.Module, plan: Plan, mesh: Any, *, wrap: Callable[[nn.Module], nn.Module], micro_batches: int,
+    example: torch.Tensor | None = None,
 ) -> tuple[list[nn.Module], list[dict[str, str]], Pipeline, dict[str, str]]:
     """This rank's stage modules (one, or one per chunk when interleaved) after ``wrap`` (TP, FSDP), each one's
-    parameter names in the whole model, its pipeline and the process-group names of the groups it made."""
+    parameter names in the whole model, its pipeline and the process-group names of the groups it made.
+
+    ``example``: the input ids of one of this rank's micro-batches, for a ``model`` on the meta device (a rehearsal
+    on a fake process group, which moves no data: stages could not tell each other their shapes at the first step
+    as they do on live ranks); each stage's input and output shapes are then worked out from it by running the
+    chain on the meta device (`stage_shapes`)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -379,6 +385,7 @@ def build(
     mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
     layers = stage_layers(model, plan)
     parts = [StageModule(model, layers[v], first=v == 0, last=v == virtual - 1) for v in mine]
+    shapes = stage_shapes(model, layers, example) if example is not None else None
     # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
     groups: dict[str, str] = {}
     tied = []
@@ -399,7 +406,12 @@ def build(
         params = dict(part.named_parameters())
         tied += [(params[name], tied_group) for name in twins if name in params]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    stages = [PipelineStage(w, v, virtual, device, group=mesh.get_group("pp")) for w, v in zip(wrapped, mine)]
+    stage_class = _sharded_stage(plan.zero) if plan.zero > 1 else PipelineStage
+    if shapes:
+        stage_class = type(f"Rehearsed{stage_class.__name__}", (_Rehearsed, stage_class), {})
+    stages = [stage_class(w, v, virtual, device, group=mesh.get_group("pp"),
+                          **(dict(zip(("input_args", "output_args"), shapes[v])) if shapes else {}))
+              for w, v in zip(wrapped, mine)]
     loss = shifted_lm_loss if parts[0].kind in HF_CHAINS else lm_loss
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
@@ -407,6 +419,74 @@ def build(
         schedule_class = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     return wrapped, names, Pipeline(index, pp, schedule, tied), groups
+
+
+def stage_shapes(model: nn.Module, layers: list[list[int]],
+                 example: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's input and output (meta tensors) for the micro-batch of input ids ``example``: the chain of
+    stages of ``model`` (on the meta device, every stage's modules still in it) run one after another on the meta
+    device, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
+    packed sequences, are skipped on fake tensors as when it is traced)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("stage shapes are worked out on the meta device: build the model there")
+    seen = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(example.shape, dtype=example.dtype, device="meta")
+        for v, indices in enumerate(layers):  # with autograd: a stage sends gradients back for what requires them
+            out = StageModule(model, indices, first=v == 0, last=v == len(layers) - 1)(x)
+            seen.append((x, out))
+            x = out
+
+    def meta(t: torch.Tensor) -> torch.Tensor:  # a plain meta tensor of the fake one's kind
+        return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+
+    return [(meta(a), meta(b)) for a, b in seen]
+
+
+class _Rehearsed:
+    """A stage on a fake process group, built with its shapes (`stage_shapes`). Before the first step, live stages
+    vote along the pipeline on whether every stage knows its shapes (a send and a receive each way); on a fake
+    group a receive brings nothing, so each stage would read a "no" and ask its peers for shapes that never come.
+    Here every stage knows them, so the vote is taken as it would end, without the messages of the first step's
+    warm-up, which a live rank sends once and its counted steps do not hold."""
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        return _static_vote()
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return _static_vote()
+
+
+def _static_vote() -> torch.Tensor:
+    """The vote's outcome, "every stage's shapes are known": a constant, which the schedule can read also under
+    a fake tensor mode (it keeps the value of a tensor made from data)."""
+    return torch.tensor([1], dtype=torch.int32)
+
+
+def _sharded_stage(zero: int) -> type:
+    """A `PipelineStage` whose FSDP2 units reduce-scatter their gradients after every micro-batch's backward, as
+    ZeRO 2 and 3 do and the cost model prices them (`autopar.cost.memory.gradient_sync`); under ZeRO 3 they also
+    drop their gathered weights after each backward (each forward and backward gathers again), under ZeRO 2 only
+    after the last. PyTorch's own stage keeps every FSDP2 module's gradients whole until the last backward and
+    reduce-scatters once (ZeRO 1), whatever the module was sharded for."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
+
+    class ShardedStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False):  # noqa: ANN202
+            if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            self.submod.set_is_last_backward(True)  # FSDP2 finishes its reduce-scatters after each backward
+            self.submod.set_reshard_after_backward(zero == 3 or last_backward)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+
+    ShardedStage.__name__ = ShardedStage.__qualname__ = f"ZeRO{zero}Stage"
+    return ShardedStage
 
 
 def _tied_names(model: nn.Module, part: nn.Module | None) -> list[str]:

@@ -53,6 +53,38 @@ from autopar.runtime.thin import thin, thins
 from autopar.runtime.train import LEARNING_RATE, Workload
 
 
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions. They are keyed by device meshes, which compare equal whatever
+    the rank they were made on (the same layout of all ranks), and they hold those meshes: after a rehearsal as
+    one rank, a rehearsal as another would find the first rank's meshes there, and issue its collectives on the
+    first rank's process groups. (`autopar run` makes one mesh per process; the caches serve it as they are.)"""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    sharding = getattr(getattr(propagator, "propagate_op_sharding", None), "cache", None)
+    if hasattr(sharding, "cache_clear"):
+        sharding.cache_clear()
+    meta = getattr(type(propagator), "_propagate_tensor_meta_cached", None)  # cached per class
+    if hasattr(meta, "cache_clear"):
+        meta.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's own cache
+    if native is not None:
+        native()
+
+
+def _pipeline_example(plan: Plan, source: ModelSource) -> dict[str, torch.Tensor]:
+    """One micro-batch of a rank's input ids on the meta device: the shapes a pipeline's stages are built for."""
+    from autopar.runtime.apply import PIPELINE_INPUTS
+
+    ids = source.batch(plan.micro_batch_size)[PIPELINE_INPUTS[0]]
+    rows = plan.micro_batch_size // plan.grid[0]
+    return {PIPELINE_INPUTS[0]: torch.empty((rows, *ids.shape[1:]), dtype=ids.dtype, device="meta")}
+
+
 def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | None = None) -> None:
     """Raise ValueError (or NotImplementedError for what the runtime cannot apply yet) naming the module and the
     reason if ``plan`` cannot train exactly what one process trains. With ``rehearse``, a single-stage plan is
@@ -126,11 +158,16 @@ def _seq(source: ModelSource) -> int:
     return int(ids.shape[1]) if ids is not None and ids.dim() == 2 else 0
 
 
-@contextlib.contextmanager
 def fake_errors_quiet() -> Any:
     """Inside, PyTorch's fake-tensor mode does not log the traceback of an op it cannot run (the caller handles the
     error: a first try in one dtype, then another)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    return _quiet("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Any:
+    """Inside, the logger ``name`` logs only what is critical: errors the caller reports in its own words."""
+    logger = logging.getLogger(name)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
@@ -191,13 +228,14 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = None,
               dtype: torch.dtype = torch.float32, whole: bool = True, model: nn.Module | None = None,
-              traced: TracedShapes | None = None) -> list[dict[str, Any]] | None:
-    """Apply a single-stage ``plan`` as rank 0 of a fake process group of the plan's world size, on fake tensors
+              traced: TracedShapes | None = None, rank: int = 0) -> list[dict[str, Any]] | None:
+    """Apply ``plan`` as ``rank`` of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
     default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
     workload's). Without ``whole``, the step runs each kind of layer once (`autopar.runtime.thin`) and the first
     and last micro-batches only, so that a 1,000-layer model costs about what a 10-layer one does; ``count``
-    needs the whole step.
+    needs the whole step. A pipeline's rank holds its own stage (or chunks) and runs the plan's schedule, its
+    sends and receives moving no data; its stages' shapes are worked out on the meta device (`pipeline.build`).
 
     The model is built on the meta device and parallelised exactly as `autopar run` does, except that DDP, whose
     constructor reads weight values, is replaced by the by-hand all-reduce in the same buckets, and that a plan's
@@ -222,12 +260,17 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     if dist.is_initialized():
         raise RuntimeError("a rehearsal needs its own fake process group; a process group is already initialised")
     source = source or ModelSource.of_workload(Workload.of(plan))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
+    if plan.pp > 1 and not (whole or count):
+        raise ValueError("a pipeline is rehearsed whole: each of its ranks runs the plan's schedule")
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     try:
         model = source.meta() if model is None else model
         applied = plan if whole or count else thin(model, plan)
         model = model.to(dtype)  # thinned first: a 1,000-layer model's cast alone took a second
-        parallel = parallelize(model, applied, ddp=False, compile=False)  # kernels: the preflight in `check_runnable`
+        example = _pipeline_example(plan, source) if plan.pp > 1 else None
+        # kernels: the preflight in `check_runnable`
+        parallel = parallelize(model, applied, ddp=False, compile=False, example=example)
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
             _materialise(parallel.module)  # FSDP and DTensor shard meta weights; their shards become fakes here
@@ -238,8 +281,11 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             compiled = plan.kernels == "compiled"
             tp = plan.grid[1]
             shapes = _AttentionShapes(where, traced, tp) if traced and tp > 1 else contextlib.nullcontext()
-            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes:
-                local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), 0)
+            # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
+            schedule = _quiet("torch.distributed.pipelining.schedules")
+            with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes, \
+                    schedule:
+                local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), rank)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
                     local = dataclasses.replace(local, micro_batches=ends)
@@ -270,7 +316,7 @@ def _reshape_hint(exc: BaseException, plan: Plan) -> str:
         return ""
     return (f"; under tp {plan.grid[1]} a rank holds 1/{plan.grid[1]} of the features a split projection makes, "
             "and code that reshapes them by the model's whole head count or width fails so: plan with tp 1 "
-            "(--runnable finds one)")
+            "(`autopar plan` finds one)")
 
 
 def _raised_by_autopar(exc: BaseException) -> bool:
@@ -343,7 +389,7 @@ class _AttentionShapes(TorchDispatchMode):
                     f"x {size} per rank, where a rank's share of the model's ({whole}) is {share or 'whole heads'}: "
                     "its code forms heads from the model's full head count (as view(bsz, -1, num_heads, head_dim) "
                     "does), so each rank would attend over the wrong features and train a different model; plan "
-                    "with tp 1 (--runnable finds one)")
+                    "with tp 1 (`autopar plan` finds one)")
         elif self.traced.products and str(func) in _PRODUCTS and torch.is_grad_enabled():
             operands = args[1:3] if str(func) == "aten.baddbmm.default" else args[:2]
             a, b = (getattr(x, "_local_tensor", x) for x in operands)
@@ -356,7 +402,7 @@ class _AttentionShapes(TorchDispatchMode):
                     f"under tp {self.tp} module {module!r} multiplies {rows} x {inner} by {inner} x {cols} matrices "
                     f"per rank, a product the model never forms in one process ({known}): its code forms heads from "
                     "the model's full head count (as view(..., num_heads, -1) does), so each rank would attend over "
-                    "a different head size and train a different model; plan with tp 1 (--runnable finds one)")
+                    "a different head size and train a different model; plan with tp 1 (`autopar plan` finds one)")
         return func(*args, **(kwargs or {}))
 
 
@@ -445,7 +491,7 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module,  # noqa: ANN001 - 
                 f"under tp {tp} the runtime takes {norm!r}, the only norm in block {block!r} over its projections' "
                 f"input features, for a norm of the block's input and hands its output to module {node.module!r} "
                 f"as the replicated input the block's projections share, but the model feeds {node.module!r} from "
-                f"{read}; plan with tp 1 (--runnable finds one), or move that norm out of the block")
+                f"{read}; plan with tp 1 (`autopar plan` finds one), or move that norm out of the block")
 
 
 def _activation_sources(graph, node, block: str) -> list:  # noqa: ANN001 - a traced Graph and its Nodes
@@ -593,8 +639,8 @@ def _consumers(nodes: list) -> dict[int, list]:
 
 def tensor_parallel_refusal(graph, model: nn.Module) -> str | None:  # noqa: ANN001 - a traced Graph
     """Why no plan with tp > 1 can run ``model`` exactly (any of its projections may be split by output features,
-    and one has its output cut along them: `cut_projections`), or None. The planner's ``--runnable`` keeps its
-    search to tp 1 then."""
+    and one has its output cut along them: `cut_projections`), or None. The planner keeps its search to tp 1
+    then (unless ``--allow-unrunnable``)."""
     found = cut_projections(graph, model, [name for name, info in graph.state.items()
                                            if name.endswith(".weight") and len(info.tensor.shape) == 2])
     return _cut_message(*found[0], tp="tp") if found else None
@@ -604,7 +650,7 @@ def _cut_message(module: str, cut, *, tp: str) -> str:  # noqa: ANN001 - the gra
     return (f"module {module!r} would be split by output features over {tp}, but the model cuts its output along "
             f"those features ({cut.op} in {cut.module or '<root>'!r}) before forming heads, as a fused q/k/v "
             "projection split by .split()/.chunk() does: each rank would cut its shard in the wrong places and train "
-            "a different model; plan with tp 1 (--runnable finds one), or project q, k and v with separate Linear "
+            "a different model; plan with tp 1 (`autopar plan` finds one), or project q, k and v with separate Linear "
             "layers")
 
 
