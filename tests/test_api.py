@@ -284,3 +284,44 @@ def test_plan_once_shares_rank_0s_plan_and_its_errors() -> None:
     failed = run_ranks(api_ranks.plan_once, 2, args=(3, "dp"))
     assert failed[0] == failed[1] == {"error": "batch 3 does not divide over the 2 devices: no dp plan exists for "
                                                "it"}
+
+
+def test_a_faster_plan_that_cannot_run_is_named_beside_the_plan_that_can() -> None:
+    """Pipeline searches offer only plans the runtime runs: when the fastest plan found is refused, the search runs
+    again within what runs, and the faster plan comes back beside it with its reason and its time."""
+    from autopar.api.report import COMMAND_LINE, pipeline_report, render_pipeline
+    from autopar.api.search import SearchOptions, Subject, search_pipeline
+    from autopar.capture import trace
+    from autopar.cluster import load_cluster
+    from autopar.zoo import load
+
+    zoo = load("gpt3-125m", batch=1, seq=64, layers=4, hidden=128, heads=4, vocab=256)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    cluster = load_cluster("a100-80g-sxm").with_devices(8)
+
+    def shape(plan):  # noqa: ANN001, ANN202
+        return plan.pp, plan.grid, plan.micro_batch_size, plan.zero
+
+    free = search_pipeline(Subject(graph=graph, name="gpt", check=lambda plan: None), cluster,
+                           SearchOptions(batch=64, budget_s=10, runnable_only=False))
+    assert free.not_runnable is None and free.faster is None  # the best runs: one search, nothing beside it
+    refused = shape(free.plan)
+    why = "refused here: the shape of the fastest plan"
+
+    def check(plan):  # noqa: ANN001, ANN202
+        return why if shape(plan) == refused else None
+
+    got = search_pipeline(Subject(graph=graph, name="gpt", check=check), cluster, SearchOptions(batch=64, budget_s=10))
+    assert got.not_runnable is None and shape(got.plan) != refused
+    assert got.faster is not None and shape(got.faster.plan) == refused and got.faster.not_runnable == why
+    data = pipeline_report(got, model="gpt", config={"batch": 64, "seq": 64}, cluster=cluster, params=1)
+    faster = data["faster_unrunnable"]
+    assert faster["not_runnable"] == why and faster["vs_plan"] < 1
+    assert faster["estimate"]["iteration_seconds"] == free.chosen.result.estimate.iteration_seconds
+    text = render_pipeline(data, runner=COMMAND_LINE)
+    assert f"but `autopar run` cannot run it yet: {why} (--allow-unrunnable offers it)" in text
+    assert "cannot run this plan" not in text
+    # asked for the fastest whatever runs: that plan, with its reason, and nothing beside it
+    anyway = search_pipeline(Subject(graph=graph, name="gpt", check=check), cluster,
+                             SearchOptions(batch=64, budget_s=10, runnable_only=False))
+    assert shape(anyway.plan) == refused and anyway.not_runnable == why and anyway.faster is None
