@@ -1,6 +1,7 @@
 """The Python API: planning a model of one's own, plan files, which rows a rank trains, and one's own training loop
 on gloo ranks matching one process (examples/train_llama.py)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def test_a_plan_saves_and_loads_without_its_report(tmp_path, planned) -> None:
 def test_autopar_run_points_a_python_plan_to_parallelize(planned) -> None:
     from autopar.runtime import check_runnable
 
-    with pytest.raises(ValueError, match=r"made from Python \(autopar.plan\), which runs in one's own script with "
+    with pytest.raises(ValueError, match=r"made from Python \(autopar.plan\), or written by an older autopar; name "
+                                         r"its model with --model .* or run it in your own script with "
                                          r"autopar.parallelize\(model, plan\)"):
         check_runnable(planned)
 
@@ -325,3 +327,52 @@ def test_a_faster_plan_that_cannot_run_is_named_beside_the_plan_that_can() -> No
     anyway = search_pipeline(Subject(graph=graph, name="gpt", check=check), cluster,
                              SearchOptions(batch=64, budget_s=10, runnable_only=False))
     assert shape(anyway.plan) == refused and anyway.not_runnable == why and anyway.faster is None
+
+
+_NET = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+
+
+def build(batch):
+    return Net(), {"x": torch.randn(batch, 16), "y": torch.randint(0, 4, (batch,))}
+"""
+
+
+@pytest.mark.slow
+def test_a_plan_made_from_python_runs_from_the_command_line_given_its_model(tmp_path, capsys, monkeypatch) -> None:
+    """``autopar run --model`` rebuilds the model of a plan that names none, as ``autopar plan`` names models, and
+    checks the plan against it like any other: the model the user names, or a refusal naming the module."""
+    import importlib.util
+
+    from autopar.cli.main import main
+
+    (tmp_path / "net.py").write_text(_NET)
+    spec = importlib.util.spec_from_file_location("user_net", tmp_path / "net.py")
+    net = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(net)
+    model, inputs = net.build(4)
+    path = tmp_path / "py.json"
+    autopar.plan(model, inputs, cluster="cpu", gpus=2, batch=8, budget_s=5).save(path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(path), "--nproc", "2", "--steps", "3", "--check", "--check-comm", "--json",
+                 "--model", "net.py:build"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["check"]["ok"] and out["check_comm"]["ok"]
+    assert main(["dryrun", str(path), "--model", "net.py:build"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--nproc", "2", "--model", "gpt3-125m", "--layers", "2", "--hidden", "64",
+                 "--heads", "4"]) == 2  # not the model it was planned for: refused before any rank starts
+    assert "which the model does not have" in capsys.readouterr().err
+    assert main(["run", str(path), "--nproc", "2", "--layers", "2"]) == 2
+    assert "go with --model" in capsys.readouterr().err

@@ -151,7 +151,7 @@ def search_pipeline(
             progress("the best plan cannot run: searching the plans autopar can run")
         left = max(options.budget_s - (time.perf_counter() - start), 1.0)
         limited = _search_pipeline(subject, cluster, replace(options, budget_s=left), progress=progress,
-                                   should_stop=should_stop, start=start, profile=profile)
+                                   should_stop=should_stop, start=start, profile=profile, model=free.model)
         if free.fits and limited.fits and (free.chosen.result.estimate.iteration_seconds
                                            < limited.chosen.result.estimate.iteration_seconds):
             limited.faster = free
@@ -160,10 +160,13 @@ def search_pipeline(
 
 def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions, *,
                      progress: Callable[[str], None] | None, should_stop: Callable[[], bool], start: float,
-                     profile) -> Searched:  # noqa: ANN001
-    precision = Precision.of(options.dtype, optimizer=options.optimizer)
-    model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
-                          screen=True, precision=precision, profile=profile)  # searches: the closed form
+                     profile, model: PipelineModel | None = None) -> Searched:  # noqa: ANN001
+    """One search as the module docstring says; ``model``: the cost model of an earlier search of the same
+    subject and options, whose prices (its caches of stages and layers) this one reuses."""
+    if model is None:
+        precision = Precision.of(options.dtype, optimizer=options.optimizer)
+        model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
+                              screen=True, precision=precision, profile=profile)  # searches: the closed form
     limit = _limit(subject.pipelines, options.kernels, subject.no_tp)
     found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
                               progress=progress, should_stop=should_stop,

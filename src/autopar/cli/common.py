@@ -14,7 +14,7 @@ import torch
 
 from autopar.capture import CaptureError, Graph, trace
 from autopar.files import check_writable
-from autopar.plan import Plan, load_plan
+from autopar.plan import Plan, Workload, load_plan
 from autopar.plan.records import KERNELS, MAX_BATCH, MAX_DEVICES, MAX_SEQ, OVERRIDE_LIMITS
 from autopar.zoo import ZooModel, load
 
@@ -89,6 +89,42 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=bounded_int(MAX_SEQ), default=None,
                         help="sequence length (default: the model's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (default bf16)")
+    _add_overrides(parser)
+
+
+MODEL_HELP = ("the model the plan is for, named as autopar plan names it (zoo name, hf:<model_type>, "
+              "hf:path/to/config.json, path/to/file.py:function), with --seq and the model overrides it was planned "
+              "with: for a plan made from Python (autopar.plan), which does not name its model")
+
+
+def add_rebuild_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` (with ``--seq`` and the model overrides): how to rebuild the model of a plan that names none."""
+    parser.add_argument("--model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--seq", type=bounded_int(MAX_SEQ), default=None,
+                        help="with --model: sequence length (default: the model's)")
+    _add_overrides(parser)
+
+
+def rebuild_workload(args: argparse.Namespace, path: str) -> Workload | None:
+    """The workload ``--model`` names for the plan at ``path`` (None without --model): its model as `autopar plan`
+    would record it (a file's path made absolute), its sequence, and the plan's own global batch; the plan then
+    checks against that model as against its own."""
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
+    if args.model is None:
+        if overrides or args.seq is not None:
+            raise ValueError("--seq and the model overrides go with --model (for a plan made from Python); a plan "
+                             "written by autopar plan rebuilds its model as it was planned")
+        return None
+    plan = load_plan(path)
+    if plan.workload is not None:
+        raise ValueError(f"{path} names its model ({plan.workload.model}); --model is for a plan made from Python, "
+                         "which names none: leave --model out")
+    zoo = load(args.model, batch=1, seq=args.seq, dtype=torch.float32, **overrides)
+    return Workload(model=zoo.config.name, overrides=tuple(sorted(overrides.items())), seq=zoo.seq,
+                    batch=plan.micro_batch_size * plan.micro_batches, dtype="fp32")
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model overrides")
     group.add_argument("--layers", type=bounded_int(MAX_LAYERS), help="number of layers (Wide-ResNet: depth)")
     group.add_argument("--hidden", type=bounded_int(MAX_HIDDEN), help="hidden size (Wide-ResNet: stem width)")
@@ -191,12 +227,15 @@ def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> Tra
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype, note=note)
 
 
-def load_runnable(path: str, *, rehearse: bool = True) -> Plan:
+def load_runnable(path: str, *, rehearse: bool = True, workload: Workload | None = None) -> Plan:
     """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model (and, with
-    ``rehearse``, applied on a fake process group) before any rank starts; every error names the file."""
+    ``rehearse``, applied on a fake process group) before any rank starts; every error names the file.
+    ``workload``: the model of a plan that names none (`rebuild_workload`)."""
     from autopar.runtime import check_runnable
 
     plan = load_plan(path)
+    if workload is not None:
+        plan = plan.with_workload(workload)
     with naming(path):
         check_runnable(plan, rehearse=rehearse)
     return plan

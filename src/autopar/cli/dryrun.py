@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from autopar.cli.run import comm_table
-from autopar.cli.common import load_runnable, naming
+from autopar.cli.common import add_rebuild_arguments, load_runnable, naming, rebuild_workload
 
 
 def register(subparsers: Any) -> None:
@@ -23,13 +23,15 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("plan", metavar="PLAN.json", help="a plan written by autopar plan --out")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_rebuild_arguments(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     from autopar.runtime.dryrun import dryrun
 
-    plan = load_runnable(args.plan, rehearse=False)  # dryrun's own step is the rehearsal
+    # dryrun's own step is the rehearsal
+    plan = load_runnable(args.plan, rehearse=False, workload=rebuild_workload(args, args.plan))
     with naming(args.plan):
         result = {"plan": args.plan, **dryrun(plan, checked=True)}
     if not result["ok"]:

@@ -41,9 +41,10 @@ class Workload:
         work = plan.workload
         if work is None:
             raise ValueError("the plan has no workload (model, overrides, seq, batch) to rebuild its model from: it "
-                             "was made from Python (autopar.plan), which runs in one's own script with "
-                             "autopar.parallelize(model, plan), or written by an older autopar; plan with autopar "
-                             "plan --out")
+                             "was made from Python (autopar.plan), or written by an older autopar; name its model "
+                             "with --model (a zoo name, hf:<type> or path/to/file.py:function, with the --seq and "
+                             "model overrides it was planned with), or run it in your own script with "
+                             "autopar.parallelize(model, plan)")
         return cls(model=work.model, overrides=work.override_map, seq=work.seq, batch=work.batch,
                    micro_batch=plan.micro_batch_size, micro_batches=plan.micro_batches)
 
