@@ -323,6 +323,12 @@ def test_a_faster_plan_that_cannot_run_is_named_beside_the_plan_that_can() -> No
     text = render_pipeline(data, runner=COMMAND_LINE)
     assert f"but `autopar run` cannot run it yet: {why} (--allow-unrunnable offers it)" in text
     assert "cannot run this plan" not in text
+    from autopar.report.build import plan_report
+
+    report = plan_report({**data, "search": "auto", "gpus": 8, "cluster": cluster.name}, simulation=None)
+    beside = [row for row in report.comparisons if row.label.startswith("fastest found")]
+    assert len(beside) == 1 and beside[0].iteration_seconds == faster["estimate"]["iteration_seconds"]
+    assert any(why in note and "--allow-unrunnable" in note for note in report.notes)
     # asked for the fastest whatever runs: that plan, with its reason, and nothing beside it
     anyway = search_pipeline(Subject(graph=graph, name="gpt", check=check), cluster,
                              SearchOptions(batch=64, budget_s=10, runnable_only=False))

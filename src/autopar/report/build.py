@@ -16,6 +16,12 @@ def plan_report(data: dict[str, Any], *, simulation: Any) -> Report:
     e = data["estimate"]
     rows = [Comparison(label=f"plan ({data['search']})", role=Role.PLAN, iteration_seconds=e["iteration_seconds"],
                        memory_bytes=e["memory"]["total"], fits=e["memory"]["fits"])]
+    faster = data.get("faster_unrunnable")
+    if faster:  # the fastest plan found, which the runtime cannot run: beside the plan, so its cost is seen
+        f = faster["estimate"]
+        rows.append(Comparison(label="fastest found (autopar run cannot run it yet)", role=Role.RUNNER_UP,
+                               iteration_seconds=f["iteration_seconds"], memory_bytes=f["memory"]["total"],
+                               fits=f["memory"]["fits"]))
     for k, r in enumerate(data.get("runners_up") or [], start=1):
         rows.append(Comparison(label=f"runner-up {k}: {_layout(r)}", role=Role.RUNNER_UP,
                                iteration_seconds=r["iteration_seconds"], fits=r["fits"]))
@@ -27,6 +33,9 @@ def plan_report(data: dict[str, Any], *, simulation: Any) -> Report:
         rows.append(Comparison(label=kind, role=Role.BASELINE, iteration_seconds=b["iteration_seconds"],
                                memory_bytes=b["memory"]["total"], fits=b["memory"]["fits"]))
     notes = [f"autopar run cannot run this plan yet: {data['not_runnable']}"] if data.get("not_runnable") else []
+    if faster:
+        notes.append(f"The fastest plan found takes {faster['vs_plan']:.2f}x this plan's time, but autopar run cannot "
+                     f"run it yet: {faster['not_runnable']} (autopar plan --allow-unrunnable offers it).")
     if data.get("interrupted"):
         notes.append("The search was interrupted: this is the best plan found so far.")
     return Report(title=_title(data, plan), subtitle=_subtitle(data), plan=plan, comparisons=tuple(rows),
