@@ -72,17 +72,18 @@ class BlockCost:
     entries: dict[Key, tuple[Layout, Layout]] = field(default_factory=dict)  # value -> (layout needed, gradient)
     exits: dict[Key, Layout] = field(default_factory=dict)
     collectives: list[CommCall] = field(default_factory=list)  # per micro-batch, one call each, forward or backward
-    # the same calls by conversion: (position of the op that needs it, the value converted, layout needed, gradient
-    # layout, its calls)
-    conversions: list[tuple[int, tuple[int, int], Layout, Layout, tuple[CommCall, ...]]] = field(default_factory=list)
+    # the same calls by conversion: (position of the op that needs it, the value converted as a key relative to the
+    # block, layout needed, gradient layout, its calls)
+    conversions: list[tuple[int, Key, Layout, Layout, tuple[CommCall, ...]]] = field(default_factory=list)
     strategies: dict[int, Strategy] = field(default_factory=dict)  # position in the block -> the op's strategy
 
     @property
     def seconds(self) -> float:
         return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward
 
-    def add(self, transfer: Transfer, position: int, value: tuple[int, int], need: Layout, grad: Layout) -> None:
-        """The conversion of ``value`` to ``need`` (its gradient from ``grad``) the op at ``position`` needs."""
+    def add(self, transfer: Transfer, position: int, value: Key, need: Layout, grad: Layout) -> None:
+        """The conversion of ``value`` (named relative to the block, as every block of its signature names it) to
+        ``need`` (its gradient from ``grad``) the op at ``position`` needs."""
         self.comm_forward += transfer.forward
         self.comm_backward += transfer.backward
         self.collectives.extend(transfer.collectives)
@@ -249,6 +250,7 @@ class IntraCost:
         axes = candidate[:-1] if gathered else candidate
         position = {i: pos for pos, i in enumerate(block.nodes)}
         versions: dict[tuple[int, int], dict[Layout, None]] = {}  # layouts a value is available in, in the block
+        named: dict[tuple[int, int], Key] = {}  # a value read from another block -> the key of its first read
         priced: list[tuple[Node, float]] = []  # the block's nodes with their shard, priced together at the end
         for i in block.nodes:
             node = self.nodes[i]
@@ -275,15 +277,17 @@ class IntraCost:
                 value = (src.node, src.index)
                 if self.bg.owner[src.node] != block.id and value not in versions:
                     cost.entries[("in", position[i], j)] = (need, grad)
+                    named[value] = ("in", position[i], j)
                     versions[value] = {need: None}
                     continue
-                self._convert(cost, versions[value], info, need, grad, position[i], value)
+                key = named.get(value) or ("out", position[src.node], src.index)
+                self._convert(cost, versions[value], info, need, grad, position[i], key)
             for o, layout in enumerate(strategy.outputs):
                 versions[(i, o)] = {layout: None}
                 cost.exits[("out", position[i], o)] = layout
             if i == block.leader and gathered:  # its output whole at once; its gradient a slice of a whole one
                 whole = (REPLICATE,) * len(self.sizes)
-                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i], (i, 0))
+                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i], ("out", position[i], 0))
                 versions[(i, 0)] = {whole: None}
                 cost.exits[("out", position[i], 0)] = whole
             priced.append((node, strategy.shard))
@@ -295,7 +299,7 @@ class IntraCost:
         return cost
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001
-                 position: int, value: tuple[int, int]) -> None:
+                 position: int, value: Key) -> None:
         if need in have and grad == need:
             return
         itemsize = info.nbytes // max(info.numel, 1)

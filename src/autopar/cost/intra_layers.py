@@ -115,8 +115,9 @@ class _Part:
     forward: float
     backward: float
     # per conversion: (position of the op it runs at, what it converts or None, its calls); what it converts is
-    # (the value as `IntraCost.origin` names it, layout needed, gradient layout): a value several ops of one module
-    # need in one layout (q, k and v projections of one input) is converted once (`IntraLayers._placed_calls`)
+    # (the value as a key relative to the block, layout needed, gradient layout), since blocks of one signature share
+    # a part: a value several ops of one module need in one layout (q, k and v projections of one input) is
+    # converted once (`IntraLayers._placed_calls`, which names the value by `IntraCost.origin` in its own block)
     calls: list[tuple[int, tuple | None, tuple[CommCall, ...]]]
     saved: float
     temporary: float
@@ -425,7 +426,8 @@ class IntraLayers:
             index = {b.id: v for v, b in enumerate(blocks)}
             for k, (block, cand, part) in enumerate(zip(blocks, choice, parts)):
                 scope = _scope(ic, block)
-                conversions = list(part.calls)
+                conversions = [(pos, what if what is None else (ic.origin(ic.locate(block, what[0])), *what[1:]), calls)
+                               for pos, what, calls in part.calls]  # the values this block converts, by origin
                 for key_in, producer in self._inner_inputs(ic, block, [cand], index):  # from the row's other blocks
                     need, grad = ic.block_cost(block, cand).entries[key_in]
                     move = ic.transfer(block, key_in, producer, choice[index[producer.id]], cand)
@@ -587,7 +589,7 @@ class IntraLayers:
         bc = ic.block_cost(block, cand)
         part = None
         if bc is not None:
-            calls = [(pos, (ic.origin(value), need, grad), tuple(c.scaled(scale) for c in moved))
+            calls = [(pos, (value, need, grad), tuple(c.scaled(scale) for c in moved))
                      for pos, value, need, grad, moved in bc.conversions]
             # values from other layers arrive in the layout between layers; values other layers read leave in it
             for key_in, (need, grad) in bc.entries.items():
@@ -601,8 +603,7 @@ class IntraLayers:
                     if not math.isfinite(move.seconds):
                         self._parts[key] = None
                         return None
-                    calls.append((key_in[1], (ic.origin(value), need, grad),
-                                  tuple(c.scaled(scale) for c in move.collectives)))
+                    calls.append((key_in[1], (key_in, need, grad), tuple(c.scaled(scale) for c in move.collectives)))
             leaving = self.leaving.get(row, set())
             for (kind, pos, index), have in bc.exits.items():
                 value = (block.nodes[pos], index)
