@@ -348,6 +348,42 @@ def test_dryrun_matches_the_prediction_on_a_fake_process_group(tmp_path, capsys)
     assert not result["ok"] and result["message"].startswith("all_gather on dp: 10 calls")
 
 
+GEMMA2 = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2}  # post-norms, alternating sliding-window layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "schedule", "chunks"),
+    [
+        ("llama-7b", LLAMA4, "1f1b", 1),
+        ("gpt3-125m", GPT4, "gpipe", 1),  # the tied head: the last stage gathers the sequence before it
+        ("llama-7b", LLAMA4, "interleaved", 2),  # each chunk sums its norms' gradients over tp, as priced
+        ("hf:gemma2", GEMMA2, "1f1b", 1),  # masks and rotary tables made for the whole sequence on every stage
+        ("hf:qwen3", GEMMA2, "1f1b", 1),  # q/k norms per head, summed over tp
+    ],
+)
+def test_pipelines_with_sequence_parallelism_match_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, schedule, chunks
+) -> None:
+    """2 stages x tp 2 under SP: the first stage scatters the stream, stages hand each other sequence shards (a
+    tp rank sends its own 1/tp), the last gathers it for the head."""
+    path = _pipeline_plan(tmp_path, name, overrides, tp=2, dp=1, pp=2, sp=True, schedule=schedule, chunks=chunks)
+    data = _run(path, 4)
+    sends = [row for row in data["check_comm"]["ranks"][0]["rows"] if row["kind"] == "send_recv"]
+    plain = _run(_pipeline_plan(tmp_path, name, overrides, tp=2, dp=1, pp=2, schedule=schedule, chunks=chunks), 4)
+    whole = [row for row in plain["check_comm"]["ranks"][0]["rows"] if row["kind"] == "send_recv"]
+    assert sends[0]["counted_bytes"] * 2 == whole[0]["counted_bytes"]  # sequence shards cross, not the stream
+
+
+def test_dryrun_of_a_pipeline_with_sequence_parallelism(tmp_path, capsys) -> None:
+    path = _pipeline_plan(tmp_path, "hf:gemma2", GEMMA2, tp=2, dp=1, pp=2, sp=True)
+    assert main(["dryrun", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and [r["rank"] for r in out["ranks"]] == [0, 2]
+    kinds = {(r["kind"], r["axis"]) for r in out["ranks"][1]["rows"]}
+    assert {("reduce_scatter", "tp"), ("all_gather", "tp"), ("send_recv", "pp")} <= kinds
+
+
 @pytest.mark.parametrize(
     ("name", "overrides", "pp", "tp", "dp", "zero", "chunks", "schedule"),
     [

@@ -66,11 +66,12 @@ def register(subparsers: Any) -> None:
     runnable = parser.add_mutually_exclusive_group()
     runnable.add_argument("--runnable", action="store_true",
                           help="the default for pipeline searches: offer only plans `autopar run` can run on this "
-                          "model (one dp x tp grid for every stage, Megatron's layouts, pipelines without sequence "
-                          "parallelism), checked on the model; a faster plan it cannot run is named beside it")
+                          "model (one dp x tp grid for every stage, Megatron's layouts, sequence parallelism with "
+                          "ZeRO 0 only where dp > 1), checked on the model; a faster plan it cannot run is named "
+                          "beside it")
     runnable.add_argument("--allow-unrunnable", action="store_true",
-                          help="offer the fastest plan whatever `autopar run` can run (intra-op stages, pipelines "
-                          "with sequence parallelism); such a plan says why it cannot run (`not_runnable`)")
+                          help="offer the fastest plan whatever `autopar run` can run (intra-op stages, say); such a "
+                          "plan says why it cannot run (`not_runnable`)")
     parser.add_argument("--out", help="write the plan and its estimate to this JSON file")
     parser.add_argument("--timeline", metavar="FILE",
                         help="pipeline searches: draw the plan's simulated iteration per device to FILE (.svg or "

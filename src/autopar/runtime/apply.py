@@ -13,8 +13,9 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   the norms run on sequence shards;
 - tp x dp: FSDP2 over dp for ZeRO 1-3; under ZeRO 0 (DDP does not take tensor-parallel parameters) the
   gradients are all-reduced over dp by hand after the last micro-batch, in DDP-sized buckets;
-- pipelines (`autopar.runtime.pipeline`): each rank keeps its stage's modules, TP inside, dp by hand (ZeRO 0) or
-  FSDP2 (ZeRO 1 reduce-scatters once a step, ZeRO 2-3 after every micro-batch), GPipe, 1F1B or interleaved 1F1B;
+- pipelines (`autopar.runtime.pipeline`): each rank keeps its stage's modules, TP inside (under sequence
+  parallelism stages hand each other sequence shards), dp by hand (ZeRO 0) or FSDP2 (ZeRO 1 reduce-scatters once
+  a step, ZeRO 2-3 after every micro-batch), GPipe, 1F1B or interleaved 1F1B;
 - recomputation per layer (`torch.utils.checkpoint`: the whole layer for ``full``, the attention core for
   ``selective``);
 - ``kernels: compiled``: each repeated layer (every child of an ``nn.ModuleList``) is compiled in place with
@@ -22,8 +23,8 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   a layer dynamo cannot capture whole raises instead of running partly eager.
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out and pipelines with sequence parallelism
-are refused with an error that says so.
+Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out, stages of different dp x tp and
+sequence parallelism with ZeRO 1-3 across dp are refused with an error that says so.
 """
 
 from __future__ import annotations
@@ -178,13 +179,26 @@ class ParallelModel:
 
     def finish_backward(self) -> None:
         """After the last micro-batch: sum the partial gradients sequence parallelism leaves (norm weights) over tp
-        in one all-reduce, then all-reduce gradients over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
+        in one all-reduce (per chunk of an interleaved stage, as each chunk is priced), then all-reduce gradients
+        over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
+        summed = {id(p) for p in self.tp_partial}
+        for chunk in self.chunks or [self.module]:
+            params = list(chunk.parameters())
+            self._sum_over_tp(params, [p for p in params if id(p) in summed])
+        if self.dp_group is None:
+            return
+        for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
+            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
+
+    def _sum_over_tp(self, params: list[nn.Parameter], replicated: list[nn.Parameter]) -> None:
+        """Sum over tp, in one all-reduce, the gradients of ``params`` that sequence parallelism leaves partial and
+        those of ``replicated`` (weights kept whole on the heads tp splits: `tp_partial`)."""
         import torch.distributed as dist
 
-        partial = [p for p in self.module.parameters() if p.grad is not None and hasattr(p.grad, "placements")
+        partial = [p for p in params if p.grad is not None and hasattr(p.grad, "placements")
                    and any(pl.is_partial() for pl in p.grad.placements)]
         # q/k norms per head: each rank's gradient (or its ZeRO shard of it) covers its own heads
-        heads = [_local(p.grad) for p in self.tp_partial if p.grad is not None]
+        heads = [_local(p.grad) for p in replicated if p.grad is not None]
         if partial or heads:
             from torch.distributed.tensor import DTensor, Replicate
 
@@ -199,10 +213,6 @@ class ParallelModel:
             for g in heads:
                 g.copy_(flat[offset : offset + g.numel()].view(g.shape))
                 offset += g.numel()
-        if self.dp_group is None:
-            return
-        for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
-            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
 
     def _all_reduce_dp(self, grads: list[torch.Tensor]) -> None:
         """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices."""
@@ -228,6 +238,13 @@ class ParallelModel:
         in the whole model."""
         inner = getattr(self.module, "module", self.module)  # DDP wraps the model
         return self._whole((name, p.grad) for name, p in inner.named_parameters() if p.grad is not None)
+
+    def replace_parameters(self, new: Mapping[int, nn.Parameter]) -> None:
+        """Follow parameters the module replaced (``new``: by the old one's id), where this object holds them
+        itself: the weights whose gradients it sums over tp, and the pipeline's tied weights."""
+        self.tp_partial = [new.get(id(p), p) for p in self.tp_partial]
+        if self.pipeline is not None:
+            self.pipeline.tied = [(new.get(id(p), p), group) for p, group in self.pipeline.tied]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Copies of the parameters this rank holds (a pipeline stage's, or all of them), whole (FSDP and tensor
@@ -295,8 +312,6 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
                 "Megatron's column/row layouts only so far")
     if sp and max(dp for dp, _ in grids) > 1 and zero > 0:
         return f"the plan combines sequence parallelism with ZeRO {zero}; it runs with ZeRO 0 only so far"
-    if stages > 1 and sp:
-        return "the plan pipelines with sequence parallelism; pipelines run without it so far"
     if len(grids) > 1:
         return "the plan's stages have different dp x tp; the runtime needs one grid for all"
     return None
@@ -795,9 +810,13 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
 
     named = list(module.named_modules())
     split = list(styles)
+    from autopar.runtime.pipeline import StageModule
+
     # the stack: the list of layers holding the split modules (the zoo's and LLaMA's ``layers``, GPT-2's ``h``,
-    # BERT's ``layer``, a user's nn.Sequential); pipelines (whose stages hold a ModuleDict) run without SP
-    stack = next((name for name, m in named if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+    # BERT's ``layer``, a user's nn.Sequential; a pipeline stage's ModuleDict of its layers)
+    stage = module if isinstance(module, StageModule) else None
+    lists = (nn.ModuleList, nn.Sequential, nn.ModuleDict) if stage is not None else (nn.ModuleList, nn.Sequential)
+    stack = next((name for name, m in named if isinstance(m, lists) and len(m)
                   and any(fqn.startswith(f"{name}.") for fqn in split)), None)
     if stack is None:
         raise NotImplementedError("sequence parallelism scatters the stream where it enters the model's list of "
@@ -820,7 +839,8 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
             break
         if within and type(norm).__name__.endswith(("LayerNorm", "RMSNorm")) and fqn not in inside:
             styles[fqn] = SequenceParallel(use_local_output=True)
-    _relayout_input(dict(named)[stack][0], mesh, Replicate(), Shard(1), local=True)
+    if stage is None or stage.first:  # a later pipeline stage is handed the shards the stage before it made
+        _relayout_input(next(iter(dict(named)[stack].children())), mesh, Replicate(), Shard(1), local=True)
     try:
         chain = HF_CHAINS.get(chain_kind(module))
     except NotImplementedError:

@@ -66,6 +66,9 @@ class StageModule(nn.Module):
         super().__init__()
         self.kind = chain_kind(model)
         self.first, self.last = first, last
+        # under sequence parallelism, the shards of the sequence a stage after the first is handed (its tp size):
+        # positions, masks and rotary tables are made for the whole sequence, which attention gathers
+        self.shards = 1
         stack = _layers(model)
         chosen = nn.ModuleDict({str(i): stack[i] for i in layers})
         if getattr(stack, "_autopar_spans", None):  # the plan's checkpointed runs, those inside this stage
@@ -106,7 +109,7 @@ class StageModule(nn.Module):
             x = self.embed(ids)
             if self.kind == "gpt":
                 x = self.drop(x + self.pos.weight[: ids.shape[1]])
-        extra = self.rotary(x.shape[1]) if self.kind == "llama" else ()
+        extra = self.rotary(self._length(x)) if self.kind == "llama" else ()
         for layer in self.layers.values():
             x = layer(x, *extra)
         if self.last:
@@ -123,16 +126,17 @@ class StageModule(nn.Module):
             multiplier = getattr(config, "embedding_multiplier", None)  # Granite scales its embeddings
             if multiplier is not None:
                 x = x * multiplier
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
+        whole = self._whole(x)
         types = getattr(config, "layer_types", None)
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
         for key, layer in inner.layers.items():
             kind = types[int(key)] if types else _one_attention_type(config)
             if kind not in masks:
-                masks[kind] = _attention_mask(config, kind, x, positions)
-                rotary[kind] = (inner.rotary_emb(x, positions, kind) if _rotary_by_type(inner.rotary_emb)
-                                else inner.rotary_emb(x, position_ids=positions))
+                masks[kind] = _attention_mask(config, kind, whole, positions)
+                rotary[kind] = (inner.rotary_emb(whole, positions, kind) if _rotary_by_type(inner.rotary_emb)
+                                else inner.rotary_emb(whole, position_ids=positions))
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
         if self.last:
             return self._logits(self.lm_head(inner.norm(x)))
@@ -142,15 +146,26 @@ class StageModule(nn.Module):
         """The stage's share of a GPT-2-style forward: token and position embeddings summed and dropped out, the
         layers under the causal mask the whole model builds, the final norm and the head."""
         inner = self.transformer
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
         if self.first:
             x = inner.drop(inner.wte(x) + inner.wpe(positions))
-        mask = _attention_mask(self.config, "full_attention", x, positions)
+        mask = _attention_mask(self.config, "full_attention", self._whole(x), positions)
         for layer in inner.h.values():
             x = layer(x, attention_mask=mask, position_ids=positions)
         if self.last:
             return self._logits(self.lm_head(inner.ln_f(x)))
         return x
+
+    def _length(self, x: torch.Tensor) -> int:
+        """The whole sequence's length, where the stage's input ``x`` (token ids on the first stage, the stream
+        after it) may hold one shard of it (`shards`)."""
+        return x.shape[1] * (1 if self.first else self.shards)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as long as the whole sequence, for what reads only its shape, dtype and device (a mask maker, a
+        rotary table): a view repeating its first position, no copy, where ``x`` is one shard."""
+        length = self._length(x)
+        return x if x.shape[1] == length else x[:, :1].expand(x.shape[0], length, *x.shape[2:])
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as the causal LM's forward ends it: scaled (Cohere's ``logit_scale``, Granite's
@@ -385,7 +400,10 @@ def build(
     mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
     layers = stage_layers(model, plan)
     parts = [StageModule(model, layers[v], first=v == 0, last=v == virtual - 1) for v in mine]
-    shapes = stage_shapes(model, layers, example) if example is not None else None
+    shards = plan.grid[1] if plan.sp else 1
+    for part in parts:
+        part.shards = shards
+    shapes = stage_shapes(model, layers, example, shards=shards) if example is not None else None
     # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
     groups: dict[str, str] = {}
     tied = []
@@ -421,11 +439,12 @@ def build(
     return wrapped, names, Pipeline(index, pp, schedule, tied), groups
 
 
-def stage_shapes(model: nn.Module, layers: list[list[int]],
-                 example: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tensor, *,
+                 shards: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each stage's input and output (meta tensors) for the micro-batch of input ids ``example``: the chain of
     stages of ``model`` (on the meta device, every stage's modules still in it) run one after another on the meta
-    device, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
+    device; ``shards``: the sequence shards a stage hands on under sequence parallelism (tp), its boundaries' dim
+    1 divided by them, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
     packed sequences, are skipped on fake tensors as when it is traced)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -439,10 +458,12 @@ def stage_shapes(model: nn.Module, layers: list[list[int]],
             seen.append((x, out))
             x = out
 
-    def meta(t: torch.Tensor) -> torch.Tensor:  # a plain meta tensor of the fake one's kind
-        return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+    def meta(t: torch.Tensor, shards: int = 1) -> torch.Tensor:  # a plain meta tensor of the fake one's kind
+        shape = (t.shape[0], t.shape[1] // shards, *t.shape[2:]) if shards > 1 else t.shape
+        return torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
 
-    return [(meta(a), meta(b)) for a, b in seen]
+    last = len(seen) - 1
+    return [(meta(a, 1 if v == 0 else shards), meta(b, 1 if v == last else shards)) for v, (a, b) in enumerate(seen)]
 
 
 class _Rehearsed:

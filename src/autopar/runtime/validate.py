@@ -273,7 +273,8 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         parallel = parallelize(model, applied, ddp=False, compile=False, example=example)
         where = _track_modules(parallel.module)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            _materialise(parallel.module)  # FSDP and DTensor shard meta weights; their shards become fakes here
+            # FSDP and DTensor shard meta weights; their shards become fakes here
+            parallel.replace_parameters(_materialise(parallel.module))
             optimizer = parallel.make_optimizer(torch.optim.SGD, lr=LEARNING_RATE)
             counter = CollectiveCounter(parallel.axes)
             # layers stay eager here; a compiled layer's recomputation replays its whole forward (one compiled
@@ -425,8 +426,9 @@ def _track_modules(root: nn.Module) -> list[str]:
     return stack
 
 
-def _materialise(module: nn.Module) -> None:
-    """Meta weights to fake ones, keeping weights that several modules share shared."""
+def _materialise(module: nn.Module) -> dict[int, nn.Parameter]:
+    """Meta weights to fake ones, keeping weights that several modules share shared; returns each old parameter's
+    replacement by the old one's id."""
     owners = [(m, key, p) for m in module.modules() for key, p in m._parameters.items() if p is not None]
     module.to_empty(device="cpu")
     first: dict[int, nn.Parameter] = {}
@@ -435,6 +437,7 @@ def _materialise(module: nn.Module) -> None:
             m._parameters[key] = first[id(old)]
         else:
             first[id(old)] = m._parameters[key]
+    return first
 
 
 def _check_chain(plan: Plan, graph: Graph) -> None:
