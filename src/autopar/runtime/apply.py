@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -152,12 +153,16 @@ class ParallelModel:
             raise ValueError(f"a pipeline plan feeds input_ids to its first stage and labels to its loss; the batch "
                              f"holds {sorted(inputs)}")
         pipe, losses = self.pipeline, []
-        if pipe.first:
-            pipe.schedule.step(inputs["input_ids"])
-        elif pipe.last:
-            pipe.schedule.step(target=inputs["labels"], losses=losses)
-        else:
-            pipe.schedule.step()
+        with warnings.catch_warnings():
+            # FSDP2 warns that a stage returning a view would lose its pre-backward hook to an in-place op on it;
+            # what a stage returns is only sent to the next stage or read by the loss, neither in place
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) returned a view")
+            if pipe.first:
+                pipe.schedule.step(inputs["input_ids"])
+            elif pipe.last:
+                pipe.schedule.step(target=inputs["labels"], losses=losses)
+            else:
+                pipe.schedule.step()
         pipe.sync_tied()
         if not losses:
             return torch.zeros(())
