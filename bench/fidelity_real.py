@@ -115,7 +115,7 @@ def summary(label: str, rows: list[tuple[str, float, float]]) -> None:
     fastest_p = min(rows, key=lambda r: r[1])[0]
     fastest_m = min(rows, key=lambda r: r[2])[0]
     same = "the same" if fastest_p == fastest_m else f"not the measured fastest ({fastest_m})"
-    print(f"{label}: {len(rows)} plans, MAPE {mape:.0%}, Spearman {spearman(predicted, measured):+.2f}; predicted "
+    print(f"{label}: {len(rows)} plans, MAPE {mape:.1%}, Spearman {spearman(predicted, measured):+.2f}; predicted "
           f"fastest {fastest_p}: {same}")
 
 

@@ -80,7 +80,8 @@ def plan(
     stops sooner once it converges).
     ``runnable_only``: only plans `autopar.parallelize` can run on this model, checked on the model itself as
     ``autopar plan`` checks them (when the best would be refused its runners-up are tried; when none can run, a
-    ValueError says why; a faster plan it cannot run is named in the report). ``kernels``: eager, or compiled (``torch.compile`` per repeated layer).
+    ValueError says why; a faster plan it cannot run is named in the report). ``kernels``: eager, or compiled
+    (``torch.compile`` per repeated layer).
     ``optimizer``: sgd, momentum or adam, whose state the memory estimate holds (bf16 and fp16 models are priced as
     mixed precision, with an fp32 master copy). ``name``: the model's name in reports (default: its class).
 

@@ -109,7 +109,8 @@ def rebuild_workload(args: argparse.Namespace, path: str) -> Workload | None:
     """The workload ``--model`` names for the plan at ``path`` (None without --model): its model as `autopar plan`
     would record it (a file's path made absolute), its sequence, and the plan's own global batch; the plan then
     checks against that model as against its own."""
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
+    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()
+                 if getattr(args, flag) is not None}
     if args.model is None:
         if overrides or args.seq is not None:
             raise ValueError("--seq and the model overrides go with --model (for a plan made from Python); a plan "

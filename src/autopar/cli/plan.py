@@ -269,7 +269,8 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     work = workload(args, zoo)
     subject = Subject.of(graph, zoo.module, name=zoo.config.name, check=_checked_on(graph), workload=work)
     options = SearchOptions(search=args.search, batch=args.batch, budget_s=args.budget_s,
-                            runnable_only=not args.allow_unrunnable, kernels=args.kernels, dtype=args.dtype, seed=args.seed)
+                            runnable_only=not args.allow_unrunnable, kernels=args.kernels, dtype=args.dtype,
+                            seed=args.seed)
     with _stop_on_interrupt() as stop:  # Ctrl-C ends the search, keeping the best plan
         try:
             searched = search_pipeline(subject, cluster, options, progress=_progress(show, start),

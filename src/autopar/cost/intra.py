@@ -287,7 +287,8 @@ class IntraCost:
                 cost.exits[("out", position[i], o)] = layout
             if i == block.leader and gathered:  # its output whole at once; its gradient a slice of a whole one
                 whole = (REPLICATE,) * len(self.sizes)
-                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i], ("out", position[i], 0))
+                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i],
+                              ("out", position[i], 0))
                 versions[(i, 0)] = {whole: None}
                 cost.exits[("out", position[i], 0)] = whole
             priced.append((node, strategy.shard))

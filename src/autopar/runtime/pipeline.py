@@ -443,9 +443,9 @@ def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tenso
                  shards: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each stage's input and output (meta tensors) for the micro-batch of input ids ``example``: the chain of
     stages of ``model`` (on the meta device, every stage's modules still in it) run one after another on the meta
-    device; ``shards``: the sequence shards a stage hands on under sequence parallelism (tp), its boundaries' dim
-    1 divided by them, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
-    packed sequences, are skipped on fake tensors as when it is traced)."""
+    device, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
+    packed sequences, are skipped on fake tensors, as when it is traced). ``shards``: the sequence shards a stage
+    hands on under sequence parallelism (its tp), which divide its boundaries' dim 1."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if any(p.device.type != "meta" for p in model.parameters()):
@@ -497,7 +497,9 @@ def _sharded_stage(zero: int) -> type:
     from torch.distributed.pipelining._backward import stage_backward
 
     class ShardedStage(PipelineStage):
-        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False):  # noqa: ANN202
+        def backward_maybe_with_nosync(  # noqa: ANN202
+            self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False,
+        ):
             if backward_type != "full" or not isinstance(self.submod, FSDPModule):
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             self.submod.set_is_last_backward(True)  # FSDP2 finishes its reduce-scatters after each backward

@@ -231,7 +231,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
               traced: TracedShapes | None = None, rank: int = 0) -> list[dict[str, Any]] | None:
     """Apply ``plan`` as ``rank`` of a fake process group of the plan's world size, on fake tensors
     (no memory, no arithmetic), and run one training step with the model in ``dtype`` (the runtime's fp32 by
-    default); with ``count``, the collectives rank 0 issued. ``source``: the model the plan is for (default: its
+    default); with ``count``, the collectives ``rank`` issued. ``source``: the model the plan is for (default: its
     workload's). Without ``whole``, the step runs each kind of layer once (`autopar.runtime.thin`) and the first
     and last micro-batches only, so that a 1,000-layer model costs about what a 10-layer one does; ``count``
     needs the whole step. A pipeline's rank holds its own stage (or chunks) and runs the plan's schedule, its
