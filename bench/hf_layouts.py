@@ -1,16 +1,17 @@
 """Hugging Face types x parallel layouts, as a user runs them: every plan either trains what one process trains, with
 the predicted collectives, or is refused when it is planned.
 
-Run: python bench/hf_layouts.py [--types gemma,opt,...] [--layouts dp,z3,tp,tpsp,pp,pptp] [--timeout 300]
+Run: python bench/hf_layouts.py [--types gemma,opt,...] [--layouts dp,z3,tp,tpsp,pp,pptp,pptpsp,ppz3] [--timeout 300]
 
 Each type is built from its default config at 2 layers, hidden 64, 4 heads (2 key/value heads where the config
 groups them; Mistral with a sliding window of 16 at sequence 32), and each layout is written as a plan by
 ``autopar estimate ... --cluster cpu --batch 8 --mbs 2 --out PLAN.json`` and then, if a plan was written, run by
-``autopar run PLAN.json --nproc N --steps 5 --check --check-comm`` (2 ranks, 4 for pp x tp), one at a time with one
+``autopar run PLAN.json --nproc N --steps 5 --check --check-comm`` (2 ranks; 4 for pp x tp, with or without SP,
+and pp x dp under ZeRO 3), one at a time with one
 thread per rank. A cell is ``pass`` (both checks pass), ``refused`` (estimate exits 2 with a reason: the plan is
 refused when planned), or a bug: ``run refused`` (a plan was written that the ranks refuse), ``mismatch`` (a check
 fails) or ``crash`` (anything else, a timeout included). Prints one row per type and, for every cell that is not
-``pass``, its reason; exits 1 if any cell is a bug. The 108 cells took 35 to 57 minutes on 2 cores.
+``pass``, its reason; exits 1 if any cell is a bug. The first six layouts (108 cells) took 26 to 57 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ LAYOUTS = {  # name: (estimate options, ranks)
     "tpsp": (["--tp", "2", "--pp", "1", "--dp", "1", "--sp"], 2),
     "pp": (["--tp", "1", "--pp", "2", "--dp", "1"], 2),
     "pptp": (["--tp", "2", "--pp", "2", "--dp", "1"], 4),
+    "pptpsp": (["--tp", "2", "--pp", "2", "--dp", "1", "--sp"], 4),
+    "ppz3": (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3"], 4),
 }
 SIZE = ["--layers", "2", "--hidden", "64", "--heads", "4"]
 GROUPED = {"mixtral"}  # default configs with more key/value heads than 4 query heads allow
