@@ -105,18 +105,21 @@ def add_rebuild_arguments(parser: argparse.ArgumentParser) -> None:
     _add_overrides(parser)
 
 
-def rebuild_workload(args: argparse.Namespace, path: str) -> Workload | None:
-    """The workload ``--model`` names for the plan at ``path`` (None without --model): its model as `autopar plan`
-    would record it (a file's path made absolute), its sequence, and the plan's own global batch; the plan then
-    checks against that model as against its own."""
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()
-                 if getattr(args, flag) is not None}
+def model_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The model overrides given on the command line (--layers, --hidden, ...), by their ModelConfig field."""
+    return {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
+
+
+def rebuild_workload(args: argparse.Namespace, path: str, plan: Plan) -> Workload | None:
+    """The workload ``--model`` names for ``plan`` (read from ``path``; None without --model): its model as
+    `autopar plan` would record it (a file's path made absolute), its sequence, and the plan's own global batch;
+    the plan then checks against that model as against its own."""
+    overrides = model_overrides(args)
     if args.model is None:
         if overrides or args.seq is not None:
             raise ValueError("--seq and the model overrides go with --model (for a plan made from Python); a plan "
                              "written by autopar plan rebuilds its model as it was planned")
         return None
-    plan = load_plan(path)
     if plan.workload is not None:
         raise ValueError(f"{path} names its model ({plan.workload.model}); --model is for a plan made from Python, "
                          "which names none: leave --model out")
@@ -228,13 +231,15 @@ def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> Tra
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype, note=note)
 
 
-def load_runnable(path: str, *, rehearse: bool = True, workload: Workload | None = None) -> Plan:
+def load_runnable(path: str, *, rehearse: bool = True, args: argparse.Namespace | None = None) -> Plan:
     """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model (and, with
     ``rehearse``, applied on a fake process group) before any rank starts; every error names the file.
-    ``workload``: the model of a plan that names none (`rebuild_workload`)."""
+    ``args``: the command's --model and model overrides, the model of a plan that names none
+    (`rebuild_workload`)."""
     from autopar.runtime import check_runnable
 
     plan = load_plan(path)
+    workload = rebuild_workload(args, path, plan) if args is not None else None
     if workload is not None:
         plan = plan.with_workload(workload)
     with naming(path):

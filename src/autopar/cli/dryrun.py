@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from autopar.cli.run import comm_table
-from autopar.cli.common import add_rebuild_arguments, load_runnable, naming, rebuild_workload
+from autopar.cli.common import add_rebuild_arguments, load_runnable, naming
 
 
 def register(subparsers: Any) -> None:
@@ -30,8 +30,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     from autopar.runtime.dryrun import dryrun
 
-    # dryrun's own step is the rehearsal
-    plan = load_runnable(args.plan, rehearse=False, workload=rebuild_workload(args, args.plan))
+    plan = load_runnable(args.plan, rehearse=False, args=args)  # dryrun's own step is the rehearsal
     with naming(args.plan):
         result = {"plan": args.plan, **dryrun(plan, checked=True)}
     if not result["ok"]:

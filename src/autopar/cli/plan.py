@@ -18,8 +18,8 @@ from autopar.api.search import (  # noqa: F401 - simulated: bench/pipeline.py re
 )
 from autopar.capture import trace
 from autopar.cli.common import (
-    MAX_BUDGET_S, MAX_DEVICES, MODEL_OVERRIDES, add_kernels_argument, add_model_arguments, add_profile_argument,
-    bounded_int, bounded_seconds, check_out, load_and_trace, load_profile, mesh_shape, profile_data,
+    MAX_BUDGET_S, MAX_DEVICES, add_kernels_argument, add_model_arguments, add_profile_argument,
+    bounded_int, bounded_seconds, check_out, load_and_trace, load_profile, mesh_shape, model_overrides, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
 from autopar.cli.render import Outcome, estimate_text, table
@@ -234,7 +234,7 @@ def _progress(show: bool, start: float):  # noqa: ANN202
 def workload(args: argparse.Namespace, zoo: Any) -> Workload:
     """What `autopar run` needs to rebuild the model and its batches (the model as the zoo names it: a file's path
     made absolute)."""
-    overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items() if getattr(args, flag) is not None}
+    overrides = model_overrides(args)
     return Workload(model=zoo.config.name, overrides=tuple(sorted(overrides.items())), seq=zoo.seq, batch=args.batch,
                     dtype=args.dtype)
 

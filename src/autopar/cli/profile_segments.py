@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autopar.cli.common import MODEL_OVERRIDES, add_model_arguments, load_and_trace
+from autopar.cli.common import add_model_arguments, load_and_trace, model_overrides
 from autopar.cli.render import table
 from autopar.files import check_writable
 from autopar.profiling.db import ProfileDB, this_device
@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--tp {bad[0]} does not divide --nproc {args.nproc} and the model's heads and "
                          f"column-parallel widths {sorted(model.split_widths)}")
     sizes = [t for t in sizes if t not in bad]
-    overrides = tuple(sorted((field, getattr(args, flag)) for flag, field in MODEL_OVERRIDES.items()
-                             if getattr(args, flag) is not None))
+    overrides = tuple(sorted(model_overrides(args).items()))
     if shallow is not None:
         overrides = tuple(sorted({**dict(overrides), "layers": zoo.config.layers}.items()))
     groups: list[list[tuple[Layout, Any]]] = []

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autopar.cli.common import add_rebuild_arguments, load_runnable, rebuild_workload
+from autopar.cli.common import add_rebuild_arguments, load_runnable
 from autopar.cli.render import binary_bytes, table
 from autopar.cluster.ranks import prestart
 from autopar.runtime import Workload, reference, run_plan
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--check-comm counts the last step and needs --steps 3 or more (got {args.steps}): "
                          "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
     prestart()  # what the ranks import, imported beside the plan's checks
-    plan = load_runnable(args.plan, workload=rebuild_workload(args, args.plan))
+    plan = load_runnable(args.plan, args=args)
     ref = reference(Workload.of(plan), steps=args.steps) if args.check else None
     if ref is not None and ref.random_draws:  # refused before any rank starts: the comparison could not hold
         raise ValueError(random_refusal(ref.random_draws))
