@@ -6,10 +6,15 @@ and the pipeline schedules' sends. (``CommDebugMode`` counts the same calls, but
 their process group, and its module tracker raises under DDP.) Each call is recorded as (kind, mesh axis, bytes),
 bytes being the whole buffer: the gathered output of an all-gather, the input of a reduce-scatter, the tensor of an
 all-reduce or a send, as the cost model prices them. A receive is not counted: its send is, on the other rank.
+
+DTensor converts an op's inputs inside its own dispatch, where no dispatch mode sees the collectives; those are
+counted where DTensor calls the functional collectives (`CollectiveCounter._count_functional`). Calls of one
+scalar (`SCALAR_BYTES`) are counted apart and not compared.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -47,7 +52,34 @@ _KINDS = {
     "send": "send_recv",
 }
 
+# the functional collectives DTensor converts values with (`CollectiveCounter._count_functional`)
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_tensor": "all_gather",
+    "all_gather_tensor_autograd": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_autograd": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "all_to_all_single_autograd": "all_to_all",
+}
+
+
+def _mesh_group(bound: dict[str, Any]) -> Any:
+    return (bound["mesh"], bound["mesh_dim"])
+
+
+def _on_cpu(*args: Any, **kwargs: Any) -> bool:
+    mesh = args[3] if len(args) > 3 else kwargs.get("mesh")
+    return getattr(mesh, "device_type", None) == "cpu"
+
+
 BYTES_TOLERANCE = 0.05  # FSDP pads shards to equal sizes; layer inputs a stage boundary does not send (rotary)
+# A call moving at most this many bytes carries a scalar: the element count a mean over a split batch divides by,
+# which DTensor sums for a loss's backward. The cost model prices tensors, not these; they are counted apart
+# (`CollectiveCounter.scalars`) and left out of the comparison.
+SCALAR_BYTES = 8
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -59,7 +91,81 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.axes = axes
         self.calls: list[tuple[str, str, int]] = []
+        self.scalars: list[tuple[str, str, int]] = []  # calls of one scalar (`SCALAR_BYTES`), not compared
         self.enabled = True
+        self._inside = 0  # > 0 within a functional collective counted by its wrapper (`_functional_counted`)
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        self._count_functional()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._restore()
+
+    def _count_functional(self) -> None:
+        """Count DTensor's own conversions too. DTensor converts an op's inputs (a split value gathered for a norm,
+        a pending sum reduced for a non-linear op) inside its dispatch, where no dispatch mode sees the collectives
+        it issues; it issues them through the functional collectives, which are counted here, where they are
+        called. A functional collective called where the mode sees its op is counted once, by its wrapper."""
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.tensor.placement_types as placements
+
+        for name, kind in _FUNCTIONAL.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                self._saved.append((funcol, name, original))
+                setattr(funcol, name, self._functional_counted(original, kind))
+        original = getattr(placements, "shard_dim_alltoall", None)
+        if original is not None:  # CUDA's all-to-all (on CPU it gathers, through `all_gather_single`: counted so)
+            self._saved.append((placements, "shard_dim_alltoall", original))
+            placements.shard_dim_alltoall = self._functional_counted(original, "all_to_all", group=_mesh_group,
+                                                                     unless=_on_cpu)
+
+    def _restore(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+
+    def _functional_counted(self, original: Any, kind: str, *, group: Any = None, unless: Any = None) -> Any:
+        signature = inspect.signature(original)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._inside or (unless is not None and unless(*args, **kwargs)):
+                return original(*args, **kwargs)
+            self._inside += 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._inside -= 1
+            if self.enabled:
+                bound = signature.bind(*args, **kwargs).arguments
+                tensors = [t for t in (*bound.values(), out) if isinstance(t, torch.Tensor)]
+                nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+                where = group(bound) if group is not None else bound.get("group")
+                self._record(kind, self._group_axis(where), nbytes)
+            return out
+
+        return counted
+
+    def _record(self, kind: str, axis: str, nbytes: int) -> None:
+        (self.scalars if nbytes <= SCALAR_BYTES else self.calls).append((kind, axis, nbytes))
+
+    def _group_axis(self, group: Any) -> str:
+        import torch.distributed._functional_collectives as funcol
+
+        try:
+            name = funcol._resolve_group_name(group)
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            return "?"
+        return self.axes.get(name, f"group {name}")
 
     supports_higher_order_operators = True  # a compiled checkpoint's HOPs pass through (none is a collective)
 
@@ -74,10 +180,10 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         kind = _KINDS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") else None
-        if kind is not None and self.enabled:
+        if kind is not None and self.enabled and not self._inside:
             flat, _ = tree_flatten((args, kwargs, out))
             nbytes = max((t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor)), default=0)
-            self.calls.append((kind, self._axis(flat), nbytes))
+            self._record(kind, self._axis(flat), nbytes)
         return out
 
     def _axis(self, flat: Iterable[Any]) -> str:
@@ -142,11 +248,14 @@ def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
     from autopar.capture import trace
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
+    from autopar.runtime.source import ModelSource
     from autopar.runtime.train import Workload
     from autopar.search.pipeline import config_of
     from autopar.zoo import load
 
     work = Workload.of(plan)
+    if not plan.is_pipeline:
+        return [intra_prediction(plan, ModelSource.of_workload(work).traced_at(plan.micro_batch_size))]
     zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
     devices = plan.devices
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
@@ -156,9 +265,35 @@ def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
             for report in result.stages]
 
 
+def intra_prediction(plan: Plan, graph: Any, *, gloo: bool | None = None) -> list[dict[str, Any]]:
+    """The collectives every device of an intra-op plan issues in an iteration, as the cost model predicts them for
+    ``graph`` (the plan's model traced in fp32 at the plan's micro-batch size), its blocks split as the plan says. On gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor gathers the whole value
+    instead and keeps its own part: each predicted all-to-all is counted as that all-gather."""
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.search.intra import build_space, choice_of, estimate_choice
+
+    cluster = load_cluster("cpu").with_devices(plan.devices)
+    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(plan.mesh.shape)})
+    space = build_space(graph, mesh, cluster, kernels=plan.kernels, scatter_partials=plan.kind != "megatron")
+    estimate = estimate_choice(space, choice_of(space, plan.blocks), zero=plan.zero, micro_batches=plan.micro_batches,
+                               global_batch=plan.micro_batch_size * plan.micro_batches, dtype="fp32")
+    if gloo is None:
+        gloo = not torch.cuda.is_available()
+    sizes = dict(zip(plan.mesh.axes, plan.mesh.shape))
+    rows = []
+    for c in estimate.collectives:
+        kind, nbytes = c.kind, c.bytes
+        if gloo and kind == "all_to_all":
+            kind, nbytes = "all_gather", nbytes * sizes.get(c.axis, 1)
+        rows.append({"kind": kind, "axis": c.axis, "bytes": nbytes, "count": c.count})
+    return predicted(rows)
+
+
 def stages_of_rank(plan: Plan, rank: int) -> list[int]:
     """Ranks fill device 0's dp x tp grid first, then device 1's, and so on; device ``d`` of ``pp`` runs stage ``d``
-    (and, interleaved, stages ``d + pp``, ``d + 2 pp``, ...)."""
+    (and, interleaved, stages ``d + pp``, ``d + 2 pp``, ...). An intra-op plan is one stage of every rank."""
+    if not plan.is_pipeline:
+        return [0]
     per_stage = plan.grid[0] * plan.grid[1]
     return list(range(rank // per_stage, len(plan.stages), plan.pp))
 
