@@ -29,6 +29,7 @@ from autopar.cluster import load_cluster
 from autopar.plan import FieldError, Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
+from autopar.search.intra import ZERO_STAGES
 
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
@@ -131,14 +132,30 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
             "the batch does not divide over the devices"
         )
     name = zoo.config.name
-    baselines = {kind: (entry(p.to_plan(name)) if p is not None else None)
-                 for kind, p in found.items() if kind != args.search}
     fits = chosen.estimate.memory.fits
     plan = chosen.to_plan(name).with_workload(workload(args, zoo))  # built once: reported, written and checked
+    reason = refusal(plan) if fits else None
+    faster = None
+    if reason and not args.allow_unrunnable:  # the fastest plan that runs, and this one named
+        options = [p for p in found.values() if p is not None and p is not chosen]
+        if chosen.zero > 0 and args.search == "ilp":  # the programme again, within what the runtime runs
+            again, _ = _anytime_intra(args, zoo, cluster, shape, _progress(show, start), kinds=("ilp",),
+                                      zero_stages=(0,))
+            options += [p for p in again.values() if p is not None]
+        for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
+            offered = other.to_plan(name).with_workload(workload(args, zoo))
+            if refusal(offered) is None:
+                faster = {**entry(plan), "not_runnable": reason,
+                          "vs_plan": chosen.estimate.iteration_seconds / other.estimate.iteration_seconds}
+                chosen, plan, reason = other, offered, None
+                break
+    baselines = {kind: (entry(p.to_plan(name)) if p is not None else None)
+                 for kind, p in found.items() if p is not chosen}
     data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=plan,
                    baselines=baselines, seconds=seconds, fits=fits)
     data["interrupted"] = interrupted
-    data["not_runnable"] = refusal(plan) if fits else None
+    data["not_runnable"] = reason
+    data["faster_unrunnable"] = faster
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}
@@ -150,8 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     return _no_fit(args, data, render(data, out=None))
 
 
-def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tuple[int, ...],
-                   progress: Any) -> tuple[dict[str, Any], bool]:
+def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tuple[int, ...], progress: Any, *,
+                   kinds: tuple[str, ...] = (*BASELINES, "ilp"),
+                   zero_stages: tuple[int, ...] = ZERO_STAGES) -> tuple[dict[str, Any], bool]:
     """The intra-op search, the quick baselines first; Ctrl-C ends it at the next step, keeping the best plan of
     each kind found so far (a solve under way finishes first, within its share of the budget; a second Ctrl-C
     interrupts at once). The solver stays in this thread: HiGHS cannot be stopped mid-solve, and one left running
@@ -159,8 +177,9 @@ def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tupl
     with _stop_on_interrupt() as stop:
         found = plan_intra(
             lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
-            cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=(*BASELINES, "ilp"),
+            cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=kinds,
             time_limit=args.budget_s, progress=progress, should_stop=stop.is_set, kernels=args.kernels,
+            zero_stages=zero_stages,
         )
     return found, stop.is_set()
 
@@ -345,5 +364,10 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
     ]
     if data.get("not_runnable"):
         lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']}", ""]
+    faster = data.get("faster_unrunnable")
+    if faster:
+        lines += [f"note: the fastest plan found, {faster['plan']['kind']}, takes "
+                  f"{faster['estimate']['iteration_seconds']:.3f} s ({faster['vs_plan']:.2f}x this plan's time), but "
+                  f"`autopar run` cannot run it yet: {faster['not_runnable']} (--allow-unrunnable offers it)", ""]
     lines += [estimate_text(e), ""]
     return "\n".join(lines + comparison(data, out))

@@ -293,7 +293,10 @@ def loss_of(output: Any) -> torch.Tensor:
 def check_supported(plan: Plan) -> None:
     """Raise ``NotImplementedError`` naming what the runtime cannot apply yet."""
     if not plan.is_pipeline:
-        raise NotImplementedError("intra-op (--search ilp) plans cannot be run yet; plan with a pipeline search")
+        reason = intra_unsupported(plan)
+        if reason:
+            raise NotImplementedError(reason)
+        return
     stages = plan.stages
     compiled_selective = plan.kernels == "compiled" and any(
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
@@ -301,6 +304,16 @@ def check_supported(plan: Plan) -> None:
                          intra=any(s.intra for s in stages), compiled_selective=compiled_selective)
     if reason:
         raise NotImplementedError(reason)
+
+
+def intra_unsupported(plan: Plan) -> str | None:
+    """Why the runtime cannot run an intra-op plan (`autopar.runtime.intra`), or None."""
+    if plan.zero > 0:
+        return (f"the intra-op plan shards model states with ZeRO {plan.zero}; intra-op plans run with ZeRO 0 only "
+                "so far (a pipeline search plans ZeRO 1-3 that run)")
+    if plan.kernels == "compiled":
+        return "the intra-op plan compiles its layers; intra-op plans run eager only so far (plan with --kernels eager)"
+    return None
 
 
 def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False,
@@ -348,6 +361,10 @@ def parallelize(
 
     check_supported(plan)
     check_matches(model, plan)
+    if not plan.is_pipeline:
+        from autopar.runtime.intra import parallelize_intra
+
+        return parallelize_intra(model, plan, mesh=mesh)
     stages = plan.stages
     pp, (dp, tp) = plan.pp, plan.grid
     if dist.get_world_size() != pp * dp * tp:

@@ -34,7 +34,7 @@ def _rank_main(
                     counter=counter)
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
-        if check and rank % math.prod(plan.grid) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
+        if check and plan.is_pipeline and rank % math.prod(plan.grid) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
             torch.save(log.grads, f"{out}.grads{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)

@@ -33,6 +33,8 @@ class ModelSource:
     meta: Callable[[], nn.Module]
     chain: Callable[[], Graph]
     batch: Callable[[int], dict[str, torch.Tensor]]
+    traced_at: Callable[[int], Graph] | None = None  # the whole model traced at a batch of that many rows
+
 
     @classmethod
     def of_workload(cls, work: Workload) -> ModelSource:
@@ -48,7 +50,12 @@ class ModelSource:
             planned = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
             return trace_chain(planned.module, planned.inputs)
 
-        return cls(meta=lambda: build("meta"), chain=chain, batch=lambda rows: global_batch(work, 0))
+        def traced_at(rows: int) -> Graph:
+            planned = load(work.model, batch=rows, seq=work.seq, dtype=torch.float32, **work.overrides)
+            return trace(planned.module, example_kwargs=planned.inputs)
+
+        return cls(meta=lambda: build("meta"), chain=chain, batch=lambda rows: global_batch(work, 0),
+                   traced_at=traced_at)
 
     @classmethod
     def of_module(cls, module: nn.Module, example_inputs: Mapping[str, torch.Tensor], *,
@@ -68,7 +75,10 @@ class ModelSource:
             return {key: torch.zeros(value.shape, dtype=value.dtype).expand(count, *value.shape[1:])
                     for key, value in rows.items()}
 
-        return cls(meta=lambda: copy.deepcopy(meta), chain=chain, batch=batch)
+        def traced_at(count: int) -> Graph:
+            return trace(meta, example_kwargs={k: v.to("meta") for k, v in batch(count).items()})
+
+        return cls(meta=lambda: copy.deepcopy(meta), chain=chain, batch=batch, traced_at=traced_at)
 
 
 def trace_chain(module: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Graph:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.capture import Graph
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
+from autopar.plan.batch import split_batch
 from autopar.runtime.apply import (
     check_matches, check_supported, checkpoint_segments, column_groups, fused_qkv, norms_before_columns,
     out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names, tp_role,
@@ -100,6 +102,12 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     # the model as the runtime trains it, and (its chain of layers) as the planner traced it
     model = source.meta()
     check_matches(model, plan)
+    if not plan.is_pipeline:  # an intra-op plan: DTensor carries its layouts (`runtime.intra`); rehearsed whole
+        _check_batch_norm(model, plan)
+        _check_sequence(model, source)
+        if rehearse:
+            _check_intra(plan, source, model)
+        return
     placements = {}
     if any(stage.tp > 1 for stage in plan.stages):  # every stage's, before any rank builds its own
         placements = tensor_parallel_placements(model, plan)
@@ -126,6 +134,32 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     if plan.pp > 1:
         stage_layers(model, plan)
         check_stage_forward(model, seq=_seq(source))
+
+
+def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
+    """Rehearse an intra-op plan whole on a fake process group, as rank 0, for one micro-batch and the gradient
+    synchronisation, and compare the collectives it issues with the plan's prediction for the same: DTensor converts a value wherever the plan's layouts do not carry through an op,
+    and a plan whose run would then communicate other than it was priced is refused, with the difference."""
+    from autopar.runtime.comm import compare, intra_prediction
+
+    # one micro-batch: every micro-batch issues the same collectives, and the gradients synchronise once a step
+    plan = dataclasses.replace(plan, micro_batches=1)
+    counted = None
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 where a fake kernel refuses fp32 (see `_rehearse`)
+        try:
+            with fake_errors_quiet():
+                counted = rehearsal(plan, count=True, source=source, dtype=dtype, model=model)
+            break
+        except ValueError:
+            if dtype == torch.bfloat16:
+                raise
+        model = None
+    assert counted is not None
+    result = compare(counted, intra_prediction(plan, source.traced_at(plan.micro_batch_size)))
+    if not result["ok"]:
+        raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
+                         f"DTensor on a fake process group, rank 0 issues other collectives than priced "
+                         f"({result['message']})")
 
 
 def tensor_parallel_proxy(plan: Plan) -> Plan:
@@ -280,13 +314,15 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # layers stay eager here; a compiled layer's recomputation replays its whole forward (one compiled
             # function), which checkpointing without early stop does too, collectives alike
             compiled = plan.kernels == "compiled"
-            tp = plan.grid[1]
+            tp = plan.grid[1] if plan.is_pipeline else 1  # an intra-op plan's heads: DTensor's own propagation
             shapes = _AttentionShapes(where, traced, tp) if traced and tp > 1 else contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
             schedule = _quiet("torch.distributed.pipelining.schedules")
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes, \
-                    schedule:
-                local = plan.local_batch(_cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype), rank)
+                    schedule, _strided_shards_on_real_indices():
+                batch = _cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype)
+                local = plan.local_batch(batch, rank) if plan.is_pipeline else split_batch(
+                    batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, dp=1, dp_rank=0)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
                     local = dataclasses.replace(local, micro_batches=ends)
@@ -310,10 +346,31 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
     return counter.summary() if count else None
 
 
+@contextlib.contextmanager
+def _strided_shards_on_real_indices() -> Iterator[None]:
+    """Inside, DTensor works out a strided split's shard sizes on real index tensors. It does so with ``arange``
+    and ``tolist`` while choosing how to convert a value; under the rehearsal's fake-tensor mode those indices
+    would be fake, their values unknown, and a plan the ranks run would fail here."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _StridedShard.__dict__["local_shard_size_and_offset"]
+
+    def on_real_indices(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(self, *args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = on_real_indices
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
+
+
 def _reshape_hint(exc: BaseException, plan: Plan) -> str:
     """Why a reshape fails under tp, where it does: the model's code reshapes a tensor tp splits by the model's
     whole width or head count (``view(b, s, num_heads, 3, head_dim)``), which a rank's share does not have."""
-    if plan.grid[1] == 1 or not isinstance(exc, RuntimeError) or "is invalid for input of size" not in str(exc):
+    if not plan.is_pipeline or plan.grid[1] == 1 or not isinstance(exc, RuntimeError) or "is invalid for input of size" not in str(exc):
         return ""
     return (f"; under tp {plan.grid[1]} a rank holds 1/{plan.grid[1]} of the features a split projection makes, "
             "and code that reshapes them by the model's whole head count or width fails so: plan with tp 1 "

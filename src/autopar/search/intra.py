@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -372,8 +372,10 @@ def plan_intra(
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     kernels: str = "eager",
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
 ) -> dict[str, IntraPlan | None]:
-    """Best plan of each kind on a mesh of ``mesh_shape``; ``trace_at(micro_batch_size)`` traces the model, whose
+    """Best plan of each kind on a mesh of ``mesh_shape``, the programme's (``ilp``) with a ZeRO stage among
+    ``zero_stages``; ``trace_at(micro_batch_size)`` traces the model, whose
     memory-bound ops run as ``kernels`` says.
 
     Fewer micro-batches mean larger ones: faster per sample but more activation memory. For each kind a binary
@@ -387,7 +389,7 @@ def plan_intra(
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
         return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
-                           kernels=kernels)
+                           kernels=kernels, zero_stages=zero_stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +412,7 @@ def _plan_intra(
     progress: Callable[[str], None] | None,
     *,
     kernels: str,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
 ) -> dict[str, IntraPlan | None]:
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
@@ -438,7 +441,8 @@ def _plan_intra(
         def attempt(i: int, kind: str = kind, tried: dict = tried) -> IntraPlan | None:
             m = counts[i]
             if m not in tried:
-                tried[m] = _best_of_kind(space_at(m, kind), kind, m, global_batch // m, global_batch, dtype, deadline)
+                tried[m] = _best_of_kind(space_at(m, kind), kind, m, global_batch // m, global_batch, dtype, deadline,
+                                         zero_stages)
                 candidates = [p for p in tried.values() if p is not None]
                 best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far
             return tried[m]
@@ -474,9 +478,12 @@ def _rank(plan: IntraPlan) -> tuple:
 
 
 def _best_of_kind(
-    space: Space, kind: str, m: int, size: int, global_batch: int, dtype: str, deadline: float
+    space: Space, kind: str, m: int, size: int, global_batch: int, dtype: str, deadline: float,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
 ) -> IntraPlan | None:
     stages = (3,) if kind == "fsdp" else (0,) if kind in ("dp", "megatron") else ZERO_STAGES
+    if kind == "ilp":  # the baselines keep their own stage: they are what the plan is compared with
+        stages = tuple(z for z in stages if z in zero_stages)
     best: IntraPlan | None = None
     lowest = math.inf
     for zero in stages:
@@ -548,6 +555,38 @@ def _axis_labels(space: Space, choice: tuple[int, ...]) -> tuple[str, ...]:
     if len(set(names)) < len(names):  # two axes of one kind: number them, outermost first
         names = [f"{n}{i}" for i, n in enumerate(names)]
     return tuple(names)
+
+
+def plan_of_choice(space: Space, choice: tuple[int, ...], *, global_batch: int, micro_batches: int = 1, zero: int = 0,
+                   dtype: str = "bf16", kind: str = "ilp") -> IntraPlan:
+    """The intra-op plan of one assignment (``choice``: a candidate per variable of ``space``, traced at the
+    micro-batch size), priced: what a search would return had it chosen that assignment. Tests and benchmarks
+    use it to run assignments no search would pick."""
+    estimate = estimate_choice(space, choice, zero=zero, micro_batches=micro_batches, global_batch=global_batch,
+                               dtype=dtype)
+    return IntraPlan(kind=kind, space=space, choice=tuple(choice), zero=zero, micro_batches=micro_batches,
+                     micro_batch_size=global_batch // micro_batches, estimate=estimate)
+
+
+def choice_of(space: Space, blocks: Sequence[Block]) -> tuple[int, ...]:
+    """The candidate per variable that an intra-op plan's ``blocks`` name (by each block's split): the inverse of
+    `intra_plan`. Raises ValueError naming the first block the space does not have, or whose split it cannot
+    make (a plan made for another model or mesh)."""
+    ic = space.cost
+    by_id = {b.id: b for b in blocks}
+    choice: list[int | None] = [None] * len(space.candidates)
+    for block in space.blocks.blocks:
+        named = by_id.get(block.id)
+        leader = space.graph.node(block.leader).module
+        if named is None or named.module != leader:
+            raise ValueError(f"the plan has no block {block.id} at module {leader!r}: was it made for another model?")
+        v = space.var_of[block.id]
+        found = next((k for k, c in enumerate(space.candidates[v]) if ic.describe(block, c) == named.split), None)
+        if found is None or choice[v] not in (None, found):
+            raise ValueError(f"the plan splits module {leader!r} as {named.split!r}, which this mesh and model do "
+                             "not offer (or not alike in every layer)")
+        choice[v] = found
+    return tuple(c if c is not None else 0 for c in choice)
 
 
 def axis_names(plan: IntraPlan) -> tuple[str, ...]:

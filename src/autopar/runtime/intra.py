@@ -1,0 +1,360 @@
+"""Run an intra-op plan (``--search ilp``, and the dp/megatron/fsdp layouts priced beside it) with DTensor.
+
+An intra-op plan gives every parameter a layout on the plan's mesh (`ModuleLayout.params`) and every leading op
+(a linear layer, an embedding) the layout of the activation it reads (`ModuleLayout.input`). The runtime applies
+exactly that, and lets DTensor carry the layouts through everything else:
+
+- each parameter becomes a DTensor in its planned layout, cut from the whole weight every rank built with one seed
+  (no communication); tied parameters stay one parameter; buffers (rotary tables, masks) become replicated
+  DTensors;
+- the model's inputs enter replicated on every rank (every rank reads the global micro-batch); a forward pre-hook
+  on each planned module redistributes its input into the layout the plan gives it (a batch split of a replicated
+  value is a local slice, a gather of a split one a collective);
+- between planned modules, DTensor's own sharding propagation runs each op on the layouts it is given, so a
+  split head, a fused projection cut by ``split`` or ``chunk``, a reshape or a loss is computed as one process
+  computes it whatever the model's code looks like: where a layout cannot be kept, DTensor converts it;
+- after the last micro-batch's backward, the gradients DTensor leaves pending (``Partial``: the data-parallel sums)
+  are all-reduced over each mesh axis in one flat buffer per axis, as the cost model prices them
+  (`autopar.cost.intra.sync_seconds`), and every gradient is put in its parameter's layout for the optimizer.
+
+What the runtime issues is counted and compared with the plan's prediction by ``autopar run --check-comm`` and by
+the plan-time rehearsal: where DTensor converts a value the plan did not price, the counts differ and the plan is
+refused, never run on a different cost in silence.
+
+CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) has no DTensor rule in PyTorch; `attention_rules`
+registers one: the batch and head dims split, the sequence and head dims whole, as CUDA's flash attention rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.plan import Plan
+from autopar.plan.batch import LocalBatch, split_batch
+from autopar.runtime.apply import ParallelModel, loss_of
+
+_REGISTERED = False
+
+
+def attention_rules() -> None:
+    """Register DTensor sharding rules for CPU's fused attention and its backward (once per process): every
+    tensor split alike on the batch (dim 0) or the heads (dim 1), or all whole. A mask of one row or one head is
+    read whole by every shard."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    def mask(attn_mask: Any, dim: int | None) -> list:
+        if attn_mask is None:
+            return []
+        if dim is None or attn_mask.shape[dim] == 1:
+            return [Replicate()]
+        return [Shard(dim)]
+
+    def options(tensors_in: int, tensors_out: int, attn_mask: Any, scalars: int) -> list:
+        found = []
+        for dim in (None, 0, 1):
+            place = Replicate() if dim is None else Shard(dim)
+            if attn_mask is not None and dim is not None and attn_mask.ndim < 4:
+                continue  # a mask broadcast from fewer dims: whole only
+            found.append(([place] * tensors_out, [place] * tensors_in + [None] * scalars + mask(attn_mask, dim)))
+        return found
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def _forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):  # noqa: ANN001, ANN202, ARG001
+        return options(3, 2, attn_mask, 2)
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,  # noqa: ANN001, ANN202, ARG001
+                  scale=None):  # noqa: ANN001
+        return options(6, 3, attn_mask, 2)
+
+    _REGISTERED = True
+
+
+class _WholeNorms(torch.overrides.TorchFunctionMode):
+    """Inside, ``rms_norm`` reads its normalised dims whole.
+
+    DTensor runs ``rms_norm`` (a composite op) as its decomposition, which adds eps in place to the mean of the
+    squares: over a split feature dim that mean is a pending average, which an in-place op cannot keep, and the
+    step fails. The input is gathered over the normalised dims first (one process computes the norm over all the
+    features), then the decomposition runs on whole rows."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        kwargs = kwargs or {}
+        if func in (torch.rms_norm, torch.nn.functional.rms_norm) and args and isinstance(args[0], DTensor):
+            x = args[0]
+            shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+            first = x.ndim - len(shape)
+            placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim >= first) else p
+                          for p in x.placements]
+            if placements != list(x.placements):
+                args = (x.redistribute(x.device_mesh, placements), *args[1:])
+        return func(*args, **kwargs)
+
+
+def _views_copy_where_needed() -> None:
+    """Let ``view`` copy where a DTensor's own shard cannot be viewed (once per process).
+
+    DTensor decides that a ``reshape`` is a view from the whole tensor's strides; a value it has redistributed
+    holds a contiguous shard under the strides the value had before (a transposed attention output gathered over
+    heads, say), and the view then fails on the shard although one process would have copied. There the view is
+    made of a contiguous copy of the shard: the same values, not an alias (model code writing in place into a view
+    to change its source would not see the change; one process's ``reshape`` gives no such guarantee either)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    view = torch.ops.aten.view.default
+    if view in handlers:
+        return
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        del handlers[view]  # the default dispatch, this once
+        try:
+            try:
+                return op_call(*args, **kwargs)
+            except (RuntimeError, ValueError) as exc:
+                text = str(exc)
+                if "view size is not compatible" not in text and "Cannot view a tensor" not in text:
+                    raise
+                x = args[0]  # DTensor thinks it contiguous already: the copy is of its shard
+                shard = DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
+                                           shape=x.shape, stride=x.stride())
+                return op_call(shard, *args[1:], **kwargs)
+        finally:
+            handlers[view] = handler
+
+    handlers[view] = handler
+
+
+class IntraParallelModel(ParallelModel):
+    """A model laid out by an intra-op plan: DTensor parameters, inputs entering replicated, hooks converting the
+    planned modules' inputs, and the gradients' pending sums reduced per mesh axis after the last micro-batch."""
+
+    mesh: Any = None
+    loss_divisor: int = 1  # ranks whose local losses add up to one copy of the loss (`average_loss`)
+
+    def forward_backward(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> torch.Tensor:
+        """Forward and backward over the plan's micro-batches of the global ``batch`` (every rank reads all of
+        each micro-batch, replicated; the plan's layouts split it), each loss scaled by 1 / micro-batches, then
+        the gradient sums (`finish_backward`). Returns this rank's share of the mean loss (`average_loss` adds
+        the shares up)."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        plan = self.plan
+        assert plan is not None and self.mesh is not None
+        if isinstance(batch, LocalBatch):
+            micro = batch.micro_batches
+        else:
+            micro = split_batch(batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches,
+                                dp=1, dp_rank=0).micro_batches
+        whole = [Replicate()] * self.mesh.ndim
+        losses = []
+        m = len(micro)
+        for inputs in micro:
+            placed = {k: DTensor.from_local(v, self.mesh, whole, run_check=False) if isinstance(v, torch.Tensor) else v
+                      for k, v in inputs.items()}
+            with _WholeNorms():
+                loss = loss_of(self.module(**placed)) / m
+            if isinstance(loss, DTensor):
+                self.loss_divisor = _copies(loss.placements, self.mesh.shape)
+                # the whole loss is the sum (or mean) of the ranks' shares; its gradient on each is that of the
+                # whole loss, replicated
+                local = loss.to_local(grad_placements=_share_gradient(loss.placements))
+            else:
+                self.loss_divisor, local = self.mesh.size(), loss
+            local.backward()
+            losses.append(local.detach())
+        self.finish_backward()
+        return torch.stack(losses).sum()
+
+    def average_loss(self, local: torch.Tensor) -> float:
+        import torch.distributed as dist
+
+        if self.plan is None or not dist.is_initialized():
+            return float(local)
+        total = local.detach().to(dtype=torch.float64).reshape(1)
+        if dist.get_backend() == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total)
+        return float(total) / self.loss_divisor
+
+    def finish_backward(self) -> None:
+        """The gradients' pending sums over each mesh axis in one all-reduce per axis (the plan's gradient
+        synchronisation), then each gradient put in its parameter's layout."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        for axis in range(self.mesh.ndim):
+            pending = [p for p in params if isinstance(p.grad, DTensor) and isinstance(p.grad.placements[axis], Partial)]
+            if not pending:
+                continue
+            for p in pending:
+                if p.grad.placements[axis].reduce_op != "sum":
+                    raise NotImplementedError(f"the gradient of a parameter is a pending {p.grad.placements[axis]}"
+                                              " on a mesh axis; only sums are reduced")
+            flat = torch.cat([p.grad.to_local().reshape(-1) for p in pending])
+            dist.all_reduce(flat, group=self.mesh.get_group(axis))
+            offset = 0
+            for p in pending:
+                grad = p.grad
+                local = flat[offset : offset + grad.to_local().numel()].view(grad.to_local().shape)
+                offset += local.numel()
+                placements = list(grad.placements)
+                placements[axis] = Replicate()
+                p.grad = DTensor.from_local(local, grad.device_mesh, placements, run_check=False,
+                                            shape=grad.shape, stride=grad.stride())
+        for p in params:
+            if isinstance(p, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def _copies(placements: Any, sizes: tuple[int, ...]) -> int:
+    """How many ranks hold one copy of a value in ``placements``: the sizes of the axes it is replicated on (or
+    averaged over); a pending sum's shares add up to one copy."""
+    from torch.distributed.tensor import Partial
+
+    n = 1
+    for p, size in zip(placements, sizes):
+        if not (isinstance(p, Partial) and p.reduce_op == "sum"):
+            n *= size
+    return n
+
+
+def _share_gradient(placements: Any) -> list:
+    """The layout of a scalar loss's gradient as each rank's share receives it: whole (Replicate) for a replicated
+    loss or a pending sum, a pending mean's 1 / n (``Partial("avg")`` read back as its share)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    return [Partial("avg") if isinstance(p, Partial) and p.reduce_op == "avg" else Replicate() for p in placements]
+
+
+def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> IntraParallelModel:
+    """Lay ``model`` out as the intra-op ``plan`` says, in place (see the module's docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    attention_rules()
+    _views_copy_where_needed()
+    shape, names = tuple(plan.mesh.shape), tuple(plan.mesh.axes)
+    if dist.get_world_size() != math.prod(shape):
+        raise ValueError(f"the plan needs {math.prod(shape)} ranks, this process group has {dist.get_world_size()}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if mesh is None:
+        mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    elif tuple(mesh.shape) != shape:
+        raise ValueError(f"the plan needs a mesh of shape {shape}, got {tuple(mesh.shape)}")
+    _place_state(model, plan, mesh)
+    _hook_inputs(model, plan, mesh)
+    _reduce_masked_lookups(model)
+    axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
+    spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
+    axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
+    parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: cls(model.parameters(), **kw), axes=axes)
+    parallel.mesh, parallel.plan, parallel.rank = mesh, plan, dist.get_rank()
+    return parallel
+
+
+def _place_state(model: nn.Module, plan: Plan, mesh: Any) -> None:
+    """Every parameter in its planned layout (replicated where the plan names none), buffers replicated; every rank
+    cuts its own shard of the whole tensor it holds, so nothing is sent."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    layouts = {p.name: tuple(p.placements) for entry in plan.modules for p in entry.params}
+    whole = (Replicate(),) * mesh.ndim
+    made: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) not in made:
+                fqn = f"{prefix}.{name}" if prefix else name
+                placed = distribute_tensor(param.detach(), mesh, layouts.get(fqn, whole), src_data_rank=None)
+                made[id(param)] = nn.Parameter(placed, requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and not isinstance(buffer, DTensor):
+                module._buffers[name] = DTensor.from_local(buffer, mesh, whole, run_check=False)
+
+
+def _hook_inputs(model: nn.Module, plan: Plan, mesh: Any) -> None:
+    """A forward pre-hook per planned module that puts its activation input in the layout the plan gives the
+    module's leading op. The leading op of a linear layer reads the input flattened to (tokens, features): a split
+    of its tokens is a split of the input's first dim where that divides evenly, a split of its features one of the
+    last dim. Where the plan's layout has no such counterpart on the input, the module is left to DTensor."""
+    modules = dict(model.named_modules())
+    for entry in plan.modules:
+        if entry.input is None or entry.fqn not in modules:
+            continue
+        module = modules[entry.fqn]
+        module.register_forward_pre_hook(_converter(tuple(entry.input), mesh, flattened=isinstance(module, nn.Linear)))
+
+
+def _reduce_masked_lookups(model: nn.Module) -> None:
+    """A forward hook on every embedding: a lookup in a table split by rows leaves its output a masked pending sum
+    (DTensor's ``MaskPartial``), which DTensor can sum (all-reduce) but cannot reduce-scatter into a split; the
+    sum is made at once, so that whatever reads the output next may split it."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
+
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        if isinstance(output, DTensor) and any(isinstance(p, MaskPartial) for p in output.placements):
+            placements = [Replicate() if isinstance(p, MaskPartial) else p for p in output.placements]
+            return output.redistribute(output.device_mesh, placements)
+        return None
+
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.register_forward_hook(hook)
+
+
+def _converter(target: tuple, mesh: Any, *, flattened: bool) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+        if not args or not isinstance(args[0], DTensor):
+            return None
+        x = args[0]
+        placements = _lift(target, x.shape, mesh.shape, flattened=flattened, shard=Shard)
+        if placements is None or tuple(x.placements) == placements:
+            return None
+        return (x.redistribute(mesh, placements), *args[1:])
+
+    return hook
+
+
+def _lift(target: tuple, shape: torch.Size, sizes: tuple[int, ...], *, flattened: bool, shard: type) -> tuple | None:
+    """``target`` (the leading op's input layout) as a layout of the module's input of ``shape``; None where it has
+    none (a strided split, a split that does not divide the input's dim)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    out = []
+    ways: dict[int, int] = {}
+    for p, size in zip(target, sizes):
+        if isinstance(p, (Replicate, Partial)):
+            out.append(p)
+            continue
+        if type(p) is not shard:
+            return None  # a strided split
+        dim = p.dim
+        if flattened and len(shape) > 2:
+            dim = 0 if dim == 0 else len(shape) - 1 if dim == 1 else None
+        if dim is None or dim >= len(shape):
+            return None
+        ways[dim] = ways.get(dim, 1) * size
+        if shape[dim] % ways[dim]:
+            return None
+        out.append(shard(dim))
+    return tuple(out)

@@ -1,0 +1,130 @@
+"""Intra-op assignments for the multi-process tests of tests/test_intra_runtime.py (ranks import this by name):
+random legal per-block layouts of a tiny model, applied by `autopar.runtime.intra` and trained with AdamW beside
+one process training the same model on the same batches."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import torch
+
+MODELS = {
+    "gpt": ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256}),
+    "llama": ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "ffn": 128}),
+}
+SEQ = 32
+
+
+def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (2, 2), batch: int = 8,
+                micro_batches: tuple[int, ...] = (1, 2)) -> list[dict[str, Any]]:
+    """``count`` plans (as dicts) of the tiny ``family`` model on ``mesh``: each block's split drawn at random
+    among its legal candidates, the micro-batch count at random among ``micro_batches`` (the first plan keeps
+    the programme's Megatron layout, the second pure data parallelism)."""
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan import Workload
+    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
+    from autopar.zoo import load
+
+    name, overrides = MODELS[family]
+    rng = random.Random(seed)
+    cluster = load_cluster("a100-80g-sxm").with_devices(math.prod(mesh))
+    axes = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)})
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
+    spaces = {}
+    plans = []
+    for k in range(count):
+        m = rng.choice(micro_batches)
+        if m not in spaces:
+            zoo = load(name, batch=batch // m, seq=SEQ, dtype=torch.float32, **overrides)
+            spaces[m] = build_space(trace(zoo.module, example_kwargs=zoo.inputs), axes, cluster)
+        space = spaces[m]
+        choice = baseline_choice(space, "megatron") if k == 0 else baseline_choice(space, "dp") if k == 1 else None
+        if choice is None:
+            choice = tuple(rng.randrange(len(c)) for c in space.candidates)
+        intra = plan_of_choice(space, choice, global_batch=batch, micro_batches=m, dtype="fp32")
+        plans.append(intra.to_plan(name, work).to_dict())
+    return plans
+
+
+def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int, *,
+               catch: bool = False) -> list[dict[str, Any]]:
+    """On each rank, every plan in turn: ``steps`` AdamW steps of the plan's model and, in this process alone, of
+    the same model on the same batches. Per plan: ``loss``, the largest difference between the losses;
+    ``grads``, the largest difference between the first step's whole gradients; ``drift``, the largest
+    difference after the last step between copies of a parameter's shard that ranks hold replicated (0 unless
+    replicas drifted apart). With ``catch``, a plan that raises gives ``error`` instead (every rank raises at
+    the same op: the layouts are the same on all)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from autopar.plan import Plan
+    from autopar.plan.batch import split_batch
+    from autopar.runtime import parallelize
+    from autopar.runtime.train import Workload, build_model, global_batch
+
+    torch.set_num_threads(1)
+    rendezvous.join(rank, backend="gloo")
+    results = []
+    try:
+        for data in plans:
+            try:
+                results.append(_compare(Plan.from_dict(data), steps, parallelize, Workload, build_model,
+                                        global_batch, split_batch, DTensor, Replicate, dist))
+            except Exception as exc:
+                if not catch:
+                    raise
+                import traceback
+
+                results.append({"error": f"{type(exc).__name__}: {exc}"[:300], "where": traceback.format_exc()[-1500:]})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _compare(plan, steps, parallelize, Workload, build_model, global_batch, split_batch, DTensor, Replicate,  # noqa: ANN001, ANN202, N803
+             dist):  # noqa: ANN001
+    work = Workload.of(plan)
+    reference = build_model(work)
+    parallel = parallelize(build_model(work), plan)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ours = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    loss_gap = grad_gap = 0.0
+    for step in range(steps):
+        batch = global_batch(work, step)
+        ours.zero_grad(set_to_none=True)
+        loss = parallel.step(batch)
+        theirs.zero_grad(set_to_none=True)
+        total = 0.0
+        for inputs in split_batch(batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches,
+                                  dp=1, dp_rank=0).micro_batches:
+            one = reference(**inputs) / plan.micro_batches
+            one.backward()
+            total += float(one.detach())
+        if step == 0:
+            whole = parallel.full_gradients()
+            grad_gap = max(float((whole[name] - p.grad).abs().max()) for name, p in reference.named_parameters())
+        ours.step()
+        theirs.step()
+        loss_gap = max(loss_gap, abs(loss - total))
+    drift = 0.0
+    for p in parallel.module.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for axis, placement in enumerate(p.placements):
+            if isinstance(placement, Replicate) and p.device_mesh.size(axis) > 1:
+                local = p.to_local().detach()
+                high, low = local.clone(), local.clone()
+                group = p.device_mesh.get_group(axis)
+                dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+                drift = max(drift, float((high - low).abs().max()))
+    return {"loss": loss_gap, "grads": grad_gap, "drift": drift}
+
+
+def _catching(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """`train_each` with ``catch`` (for run_ranks, which passes positional arguments only)."""
+    return train_each(rank, rendezvous, plans, steps, catch=True)

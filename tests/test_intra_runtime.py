@@ -1,0 +1,132 @@
+"""Intra-op plans run (`autopar.runtime.intra`): any legal per-block assignment of a tiny GPT and LLaMA trains what
+one process trains on 4 gloo ranks, the plan-time rehearsal refuses a plan whose collectives differ from its
+estimate, and the estimate counts a tied weight's gradient once."""
+
+from __future__ import annotations
+
+import intra_ranks
+import pytest
+import torch
+
+from autopar.cluster.ranks import run_ranks
+from autopar.plan import Plan
+
+
+def _rehearsed(plans: list[dict]) -> tuple[list[dict], list[str]]:
+    """The plans whose rehearsal on a fake process group passes, and why the others were refused."""
+    from autopar.runtime.validate import rehearsal
+
+    passed, refused = [], []
+    for data in plans:
+        try:
+            rehearsal(Plan.from_dict(data))
+            passed.append(data)
+        except ValueError as exc:
+            refused.append(str(exc))
+    return passed, refused
+
+
+def _train_as_one_process(family: str, count: int, seed: int) -> None:
+    plans, refused = _rehearsed(intra_ranks.assignments(family, count, seed=seed))
+    # DTensor cannot run a few layouts (a table split by rows on two axes, tied to the head): refused, saying why
+    assert len(plans) >= count * 0.8, refused
+    assert all(why.startswith("the plan fails") for why in refused), refused
+    results = run_ranks(intra_ranks.train_each, 4, args=(plans, 3))
+    for k, plan in enumerate(plans):
+        splits = [b["split"] for b in plan["blocks"]]
+        for rank, per_plan in enumerate(results):
+            got = per_plan[k]
+            assert got["loss"] < 1e-4, (splits, rank, got)
+            assert got["grads"] < 1e-4, (splits, rank, got)
+            assert got["drift"] == 0.0, (splits, rank, got)  # replicated weights stay identical, bit for bit
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_random_intra_op_assignments_train_as_one_process(family: str) -> None:
+    """Megatron's layout, pure data parallelism and 4 random assignments (layouts and micro-batches) per model."""
+    _train_as_one_process(family, 6, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fifty_random_intra_op_assignments_train_as_one_process(family: str) -> None:
+    _train_as_one_process(family, 50, seed=1)
+
+
+def test_a_data_parallel_intra_op_plan_runs_with_the_collectives_it_priced(tmp_path) -> None:
+    """`autopar plan --search ilp` of a tiny GPT on a 2 x 2 mesh offers a plan that runs, and `autopar run --check
+    --check-comm` trains it as one process does, issuing the collectives its estimate counted."""
+    from autopar.cli.main import main
+    from autopar.runtime.launch import run_plan
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32",
+                 "--search", "ilp", "--mesh", "2x2", "--batch", "8", "--out", str(out)])
+    assert code == 0
+    plan = Plan.load(out)
+    assert not plan.is_pipeline and plan.zero == 0
+    log = run_plan(plan, nproc=4, steps=3, check=True, check_comm=True)
+    from autopar.runtime.comm import check_ranks
+
+    assert check_ranks(plan, log.collectives)["ok"]
+
+
+def _tiny_space(family: str, m: int = 1):  # noqa: ANN202
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.search.intra import build_space
+    from autopar.zoo import load
+
+    name, overrides = intra_ranks.MODELS[family]
+    zoo = load(name, batch=8 // m, seq=intra_ranks.SEQ, dtype=torch.float32, **overrides)
+    cluster = load_cluster("a100-80g-sxm").with_devices(4)
+    return build_space(trace(zoo.module, example_kwargs=zoo.inputs), build_mesh(cluster, {"x0": 2, "x1": 2}), cluster)
+
+
+def test_a_tied_weight_is_synchronised_once() -> None:
+    """GPT's head reads the embedding's table: under data parallelism its gradient is summed with the embedding's
+    in the one bucketed all-reduce per axis, as the runtime does, not once more on its own."""
+    from autopar.search.intra import baseline_choice, estimate_choice
+
+    space = _tiny_space("gpt")
+    estimate = estimate_choice(space, baseline_choice(space, "dp"), zero=0, micro_batches=1, global_batch=8,
+                               dtype="fp32")
+    from autopar.zoo import load
+
+    calls = [(c.kind, c.axis, c.count) for c in estimate.collectives]
+    assert sorted(calls) == [("all_reduce", "dp0", 1), ("all_reduce", "dp1", 1)]
+    name, overrides = intra_ranks.MODELS["gpt"]
+    model = load(name, batch=1, seq=intra_ranks.SEQ, dtype=torch.float32, **overrides).module
+    weights = sum(p.numel() * 4 for p in model.parameters())  # every parameter once, the tied table too
+    assert all(c.bytes == weights for c in estimate.collectives)
+
+
+def test_a_plan_names_its_blocks_splits_back() -> None:
+    """`choice_of` reads a plan's blocks back into the assignment that made it, and refuses a split the model
+    does not offer."""
+    import random
+
+    from autopar.plan import Block
+    from autopar.search.intra import choice_of, plan_of_choice
+
+    space = _tiny_space("llama")
+    rng = random.Random(3)
+    for _ in range(5):
+        choice = tuple(rng.randrange(len(c)) for c in space.candidates)
+        plan = plan_of_choice(space, choice, global_batch=8).to_plan("llama-7b")
+        assert choice_of(space, plan.blocks) == choice
+    blocks = list(plan.blocks)
+    blocks[1] = Block(id=blocks[1].id, layer=blocks[1].layer, module=blocks[1].module, split="q,q")
+    with pytest.raises(ValueError, match="do not offer"):
+        choice_of(space, blocks)
+
+
+def test_an_intra_op_plan_whose_collectives_differ_is_refused_when_planned() -> None:
+    """Megatron's layout of the fused-QKV GPT: DTensor gathers the projection's output to split q, k and v (the
+    split does not fall on the shards), so the run would not communicate as priced: refused, with the counts."""
+    from autopar.runtime.validate import check_runnable
+
+    plan = Plan.from_dict(intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(1,))[0])
+    assert [b.split for b in plan.blocks][1] == "m,n"  # Megatron's column split of the fused QKV
+    with pytest.raises(ValueError, match="other collectives than priced"):
+        check_runnable(plan)
