@@ -130,3 +130,17 @@ def test_an_intra_op_plan_whose_collectives_differ_is_refused_when_planned() -> 
     assert [b.split for b in plan.blocks][1] == "m,n"  # Megatron's column split of the fused QKV
     with pytest.raises(ValueError, match="other collectives than priced"):
         check_runnable(plan)
+
+
+def test_a_data_parallel_intra_op_plan_of_two_micro_batches_passes_the_checks_and_the_dryrun() -> None:
+    """The plan-time check rehearses one micro-batch (each issues the same collectives; the gradients synchronise
+    once a step) against the prediction for one; `autopar dryrun` rehearses the whole step."""
+    from autopar.runtime.dryrun import dryrun
+    from autopar.runtime.validate import check_runnable
+
+    plan = Plan.from_dict(intra_ranks.assignments("llama", 2, seed=0, micro_batches=(2,))[1])
+    assert plan.micro_batches == 2 and {b.split for b in plan.blocks} <= {"batch,batch", "m,m"}
+    check_runnable(plan)
+    result = dryrun(plan, checked=True)
+    assert result["ok"], result["message"]
+    assert [(r["kind"], r["counted"]) for r in result["rows"]] == [("all_reduce", 1), ("all_reduce", 1)]

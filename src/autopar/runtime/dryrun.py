@@ -7,7 +7,7 @@ The fake process group completes every collective at once without moving data, s
 parameter model checks in seconds. Rank 0 holds the first stage, so its prediction is stage 0's. A pipeline is
 rehearsed once per pipeline device, as the first rank of each (its stage, or its chunks when interleaved), each
 running the plan's schedule with sends and receives that move nothing, and each compared with its own stages'
-prediction.
+prediction. An intra-op plan is one stage of every rank: rank 0 is rehearsed, every micro-batch of its step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def dryrun(plan: Plan, *, checked: bool = False) -> dict[str, Any]:
         check_runnable(plan, rehearse=False)
     start = time.perf_counter()
     expected = stage_predictions(plan)
-    per_device = plan.grid[0] * plan.grid[1]
+    per_device = plan.grid[0] * plan.grid[1] if plan.is_pipeline else plan.devices
     ranks = []
     for device in range(plan.pp if plan.is_pipeline else 1):
         rank = device * per_device

@@ -143,7 +143,12 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
     from autopar.runtime.comm import compare, intra_prediction
 
     # one micro-batch: every micro-batch issues the same collectives, and the gradients synchronise once a step
-    plan = dataclasses.replace(plan, micro_batches=1)
+    if plan.micro_batches > 1:
+        rows = plan.micro_batch_size
+        work = plan.workload and dataclasses.replace(plan.workload, batch=rows)
+        plan = dataclasses.replace(plan, micro_batches=1, workload=work)
+        whole = source.batch
+        source = dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()})
     counted = None
     for dtype in (torch.float32, torch.bfloat16):  # bf16 where a fake kernel refuses fp32 (see `_rehearse`)
         try:
