@@ -13,6 +13,7 @@ import torch
 MODELS = {
     "gpt": ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256}),
     "llama": ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "ffn": 128}),
+    "hf-llama": ("hf:llama-tiny", {}),  # Hugging Face's LlamaForCausalLM: q, k and v apart, its own rotary
 }
 SEQ = 32
 
@@ -87,6 +88,8 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
 
 def _compare(plan, steps, parallelize, Workload, build_model, global_batch, split_batch, DTensor, Replicate,  # noqa: ANN001, ANN202, N803
              dist):  # noqa: ANN001
+    from autopar.runtime.apply import loss_of
+
     work = Workload.of(plan)
     reference = build_model(work)
     parallel = parallelize(build_model(work), plan)
@@ -101,7 +104,7 @@ def _compare(plan, steps, parallelize, Workload, build_model, global_batch, spli
         total = 0.0
         for inputs in split_batch(batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches,
                                   dp=1, dp_rank=0).micro_batches:
-            one = reference(**inputs) / plan.micro_batches
+            one = loss_of(reference(**inputs)) / plan.micro_batches
             one.backward()
             total += float(one.detach())
         if step == 0:

@@ -318,8 +318,9 @@ def test_ctrl_c_during_the_intra_op_search_keeps_the_best_plan(capsys, tmp_path,
 
     monkeypatch.setattr(autopar.cli.plan, "plan_intra", interrupted_search)
     out_file = tmp_path / "plan.json"
+    # --allow-unrunnable: the programme's plan itself, whether or not `autopar run` could run it
     code, out, err = run_cli(capsys, "plan", *SMALL, "--gpus", "2", "--batch", "4", "--search", "ilp",
-                             "--out", str(out_file), "--json")
+                             "--allow-unrunnable", "--out", str(out_file), "--json")
     assert code == 0, err
     data = strict_json(out)
     assert data["interrupted"] is True and data["plan"]["kind"] == "ilp"

@@ -359,8 +359,11 @@ def parallelize(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.runtime.intra import linear_gradient_rules
+
     check_supported(plan)
     check_matches(model, plan)
+    linear_gradient_rules()
     if not plan.is_pipeline:
         from autopar.runtime.intra import parallelize_intra
 

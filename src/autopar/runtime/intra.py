@@ -81,6 +81,43 @@ def attention_rules() -> None:
     _REGISTERED = True
 
 
+_GRADIENT_RULES = False
+
+
+def linear_gradient_rules() -> None:
+    """Let an activation's backward keep a pending sum (once per process).
+
+    ``sigmoid_backward(grad, y)`` and its kin (tanh, SiLU, GELU, ReLU's threshold) are linear in the gradient: a
+    gradient that is a pending sum over tp (what column-parallel projections hand back to the ops before them)
+    passes through as one, to be reduced once where the cost model prices it. DTensor has no such rule for them
+    and reduces it there first, an all-reduce the plan never priced. Registered for every plan (tensor-parallel
+    stages apply DTensor too): each op keeps DTensor's own options (all whole, or split alike on any dim) and
+    gains (pending sum, whole) -> pending sum."""
+    global _GRADIENT_RULES
+    if _GRADIENT_RULES:
+        return
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    def options(grad: Any, extra: int) -> list:
+        found = [([Replicate()], [Replicate(), Replicate()] + [None] * extra),
+                 ([Partial()], [Partial(), Replicate()] + [None] * extra)]
+        found += [([Shard(d)], [Shard(d), Shard(d)] + [None] * extra) for d in range(grad.ndim)]
+        return found
+
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for op, extra in ((aten.sigmoid_backward.default, 0), (aten.tanh_backward.default, 0),
+                      (aten.silu_backward.default, 0), (aten.gelu_backward.default, 0),
+                      (aten.threshold_backward.default, 1)):
+        propagator.op_single_dim_strategy_funcs.pop(op, None)  # the pointwise rule, which DTensor tries first
+        register_sharding(op)(lambda grad_output, *rest, _extra=extra, **kw: options(grad_output, _extra))
+    _GRADIENT_RULES = True
+
+
 class _WholeNorms(torch.overrides.TorchFunctionMode):
     """Inside, ``rms_norm`` reads its normalised dims whole.
 
@@ -151,6 +188,7 @@ class IntraParallelModel(ParallelModel):
         the gradient sums (`finish_backward`). Returns this rank's share of the mean loss (`average_loss` adds
         the shares up)."""
         from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.experimental import implicit_replication
 
         plan = self.plan
         assert plan is not None and self.mesh is not None
@@ -165,7 +203,8 @@ class IntraParallelModel(ParallelModel):
         for inputs in micro:
             placed = {k: DTensor.from_local(v, self.mesh, whole, run_check=False) if isinstance(v, torch.Tensor) else v
                       for k, v in inputs.items()}
-            with _WholeNorms():
+            # a tensor the model makes in its forward (positions from arange, a mask) is read as replicated
+            with _WholeNorms(), implicit_replication():
                 loss = loss_of(self.module(**placed)) / m
             if isinstance(loss, DTensor):
                 self.loss_divisor = _copies(loss.placements, self.mesh.shape)
@@ -174,7 +213,8 @@ class IntraParallelModel(ParallelModel):
                 local = loss.to_local(grad_placements=_share_gradient(loss.placements))
             else:
                 self.loss_divisor, local = self.mesh.size(), loss
-            local.backward()
+            with implicit_replication():
+                local.backward()
             losses.append(local.detach())
         self.finish_backward()
         return torch.stack(losses).sum()
