@@ -146,3 +146,27 @@ def test_a_data_parallel_intra_op_plan_of_two_micro_batches_passes_the_checks_an
     result = dryrun(plan, checked=True)
     assert result["ok"], result["message"]
     assert [(r["kind"], r["counted"]) for r in result["rows"]] == [("all_reduce", 1), ("all_reduce", 1)]
+
+
+def test_plan_offers_the_fastest_intra_op_plan_that_runs_and_names_the_faster_one(capsys) -> None:
+    """The programme's plan of a small GPT on 2 devices splits layers DTensor would run on other collectives than
+    priced: `autopar plan --search ilp` offers the fastest plan that runs (pure data parallelism), names the
+    faster one and why it cannot run; `--allow-unrunnable` offers the programme's own."""
+    import json
+
+    from autopar.cli.main import main
+
+    argv = ["plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "2", "--batch", "4", "--search", "ilp"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["kind"] == "dp" and data["not_runnable"] is None
+    faster = data["faster_unrunnable"]
+    assert faster["plan"]["kind"] == "ilp" and faster["vs_plan"] < 1
+    assert "other collectives than priced" in faster["not_runnable"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "plan (dp, the fastest that runs of --search ilp)" in text and "note: the fastest plan found, the ilp" in text
+    assert main([*argv, "--allow-unrunnable", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["kind"] == "ilp" and "other collectives than priced" in data["not_runnable"]
+    assert data["faster_unrunnable"] is None

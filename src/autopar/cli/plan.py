@@ -345,6 +345,11 @@ def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     return rows, notes
 
 
+def _kind(data: dict[str, Any]) -> str:
+    kind, search = data["plan"]["kind"], data["search"]
+    return kind if kind == search else f"{kind}, the fastest that runs of --search {search}"
+
+
 def render(data: dict[str, Any], *, out: str | None = None) -> str:
     plan, e = data["plan"], data["estimate"]
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan["mesh"]["axes"], plan["mesh"]["shape"]))
@@ -352,7 +357,7 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
     lines = [
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}: mesh {mesh}",
-        f"plan ({data['search']}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
+        f"plan ({_kind(data)}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
         f"ZeRO {plan['zero']}{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; searched in "
         f"{data['search_seconds']:.1f} s"
         + (" (interrupted: best so far)" if data.get("interrupted") else ""),
@@ -366,7 +371,7 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         lines += [f"note: `autopar run` cannot run this plan yet: {data['not_runnable']}", ""]
     faster = data.get("faster_unrunnable")
     if faster:
-        lines += [f"note: the fastest plan found, {faster['plan']['kind']}, takes "
+        lines += [f"note: the fastest plan found, the {faster['plan']['kind']} plan, takes "
                   f"{faster['estimate']['iteration_seconds']:.3f} s ({faster['vs_plan']:.2f}x this plan's time), but "
                   f"`autopar run` cannot run it yet: {faster['not_runnable']} (--allow-unrunnable offers it)", ""]
     lines += [estimate_text(e), ""]
