@@ -1,7 +1,7 @@
 """Random intra-op assignments of a tiny GPT and a tiny grouped-query LLaMA, trained on 4 gloo ranks beside one
 process: does every plan the rehearsal accepts train what one process trains?
 
-Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama].
+Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama].
 For each family, `--count` plans on a 2 x 2 mesh (Megatron's layout, pure data parallelism, then per-block splits
 and micro-batch counts drawn at random; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
 those it accepts run `--steps` AdamW steps on 4 gloo ranks in one launch. Prints per family how many were refused
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--family", nargs="+", default=["gpt", "llama"], choices=sorted(intra_ranks.MODELS))
+    parser.add_argument("--family", nargs="+", default=["gpt", "llama", "hf-llama"], choices=sorted(intra_ranks.MODELS))
     args = parser.parse_args()
     bad = False
     for family in args.family:
