@@ -59,12 +59,8 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     replicas drifted apart). With ``catch``, a plan that raises gives ``error`` instead (every rank raises at
     the same op: the layouts are the same on all)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
 
     from autopar.plan import Plan
-    from autopar.plan.batch import split_batch
-    from autopar.runtime import parallelize
-    from autopar.runtime.train import Workload, build_model, global_batch
 
     torch.set_num_threads(1)
     rendezvous.join(rank, backend="gloo")
@@ -72,8 +68,7 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     try:
         for data in plans:
             try:
-                results.append(_compare(Plan.from_dict(data), steps, parallelize, Workload, build_model,
-                                        global_batch, split_batch, DTensor, Replicate, dist))
+                results.append(_compare(Plan.from_dict(data), steps))
             except Exception as exc:
                 if not catch:
                     raise
@@ -86,9 +81,14 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     return results
 
 
-def _compare(plan, steps, parallelize, Workload, build_model, global_batch, split_batch, DTensor, Replicate,  # noqa: ANN001, ANN202, N803
-             dist):  # noqa: ANN001
+def _compare(plan: Any, steps: int) -> dict[str, float]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from autopar.plan.batch import split_batch
+    from autopar.runtime import parallelize
     from autopar.runtime.apply import loss_of
+    from autopar.runtime.train import Workload, build_model, global_batch
 
     work = Workload.of(plan)
     reference = build_model(work)

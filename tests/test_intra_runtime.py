@@ -62,8 +62,8 @@ def test_a_data_parallel_intra_op_plan_runs_with_the_collectives_it_priced(tmp_p
     from autopar.runtime.launch import run_plan
 
     out = tmp_path / "plan.json"
-    code = main(["plan", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32",
-                 "--search", "ilp", "--mesh", "2x2", "--batch", "8", "--out", str(out)])
+    code = main(["plan", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256",
+                 "--seq", "32", "--search", "ilp", "--mesh", "2x2", "--batch", "8", "--out", str(out)])
     assert code == 0
     plan = Plan.load(out)
     assert not plan.is_pipeline and plan.zero == 0
@@ -165,7 +165,8 @@ def test_plan_offers_the_fastest_intra_op_plan_that_runs_and_names_the_faster_on
     assert "other collectives than priced" in faster["not_runnable"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "plan (dp, the fastest that runs of --search ilp)" in text and "note: the fastest plan found, the ilp" in text
+    assert "plan (dp, the fastest that runs of --search ilp)" in text
+    assert "note: the fastest plan found, the ilp" in text
     assert main([*argv, "--allow-unrunnable", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["kind"] == "ilp" and "other collectives than priced" in data["not_runnable"]

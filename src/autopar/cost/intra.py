@@ -462,7 +462,8 @@ class IntraCost:
             # its gradient over the owner's data-parallel axes join the owner's in the gradient synchronisation
             # (`sync_seconds`), as the runtime adds both uses' gradients before reducing them once
             use = next(p for p in produced.params if self.locate(producer, p.key) == value)
-            grad = tuple(REPLICATE if isinstance(g, Partial) and a in use.reduce_axes else g for a, g in enumerate(grad))
+            grad = tuple(REPLICATE if isinstance(g, Partial) and a in use.reduce_axes else g
+                         for a, g in enumerate(grad))
         return self.convert(value, have, need, grad)
 
     def _exit_key(self, producer: ParallelBlock, value: tuple[int, int] | str, cost: BlockCost) -> Key | None:

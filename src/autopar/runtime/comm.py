@@ -267,8 +267,9 @@ def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
 
 def intra_prediction(plan: Plan, graph: Any, *, gloo: bool | None = None) -> list[dict[str, Any]]:
     """The collectives every device of an intra-op plan issues in an iteration, as the cost model predicts them for
-    ``graph`` (the plan's model traced in fp32 at the plan's micro-batch size), its blocks split as the plan says. On gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor gathers the whole value
-    instead and keeps its own part: each predicted all-to-all is counted as that all-gather."""
+    ``graph`` (the plan's model traced in fp32 at the plan's micro-batch size), its blocks split as the plan says.
+    On gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor gathers the whole value instead and
+    keeps its own part: each predicted all-to-all is counted as that all-gather."""
     from autopar.cluster import build_mesh, load_cluster
     from autopar.search.intra import build_space, choice_of, estimate_choice
 

@@ -70,12 +70,13 @@ def attention_rules() -> None:
         return found
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
-    def _forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):  # noqa: ANN001, ANN202, ARG001
+    def _forward(query, key, value, dropout_p=0.0, is_causal=False, *,  # noqa: ANN001, ANN202, ARG001
+                 attn_mask=None, scale=None):  # noqa: ANN001
         return options(3, 2, attn_mask, 2)
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,  # noqa: ANN001, ANN202, ARG001
-                  scale=None):  # noqa: ANN001
+    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,  # noqa: ANN001, ANN202
+                  attn_mask=None, scale=None):  # noqa: ANN001, ARG001
         return options(6, 3, attn_mask, 2)
 
     _REGISTERED = True
@@ -238,7 +239,8 @@ class IntraParallelModel(ParallelModel):
 
         params = [p for p in self.module.parameters() if p.grad is not None]
         for axis in range(self.mesh.ndim):
-            pending = [p for p in params if isinstance(p.grad, DTensor) and isinstance(p.grad.placements[axis], Partial)]
+            pending = [p for p in params
+                       if isinstance(p.grad, DTensor) and isinstance(p.grad.placements[axis], Partial)]
             if not pending:
                 continue
             for p in pending:

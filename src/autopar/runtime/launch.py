@@ -34,7 +34,8 @@ def _rank_main(
                     counter=counter)
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
-        if check and plan.is_pipeline and rank % math.prod(plan.grid) == 0 and rank > 0:  # another stage's first rank: its stage's gradients
+        # another stage's first rank: its stage's gradients (an intra-op plan's rank 0 holds them all)
+        if check and plan.is_pipeline and rank % math.prod(plan.grid) == 0 and rank > 0:
             torch.save(log.grads, f"{out}.grads{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)

@@ -35,7 +35,6 @@ class ModelSource:
     batch: Callable[[int], dict[str, torch.Tensor]]
     traced_at: Callable[[int], Graph] | None = None  # the whole model traced at a batch of that many rows
 
-
     @classmethod
     def of_workload(cls, work: Workload) -> ModelSource:
         """The zoo model a plan's workload names, as `autopar run` builds it (fp32, dropout off)."""

@@ -138,8 +138,9 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
 
 def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
     """Rehearse an intra-op plan whole on a fake process group, as rank 0, for one micro-batch and the gradient
-    synchronisation, and compare the collectives it issues with the plan's prediction for the same: DTensor converts a value wherever the plan's layouts do not carry through an op,
-    and a plan whose run would then communicate other than it was priced is refused, with the difference."""
+    synchronisation, and compare the collectives it issues with the plan's prediction for the same: DTensor
+    converts a value wherever the plan's layouts do not carry through an op, and a plan whose run would then
+    communicate other than it was priced is refused, with the difference."""
     from autopar.runtime.comm import compare, intra_prediction
 
     # one micro-batch: every micro-batch issues the same collectives, and the gradients synchronise once a step
@@ -375,7 +376,8 @@ def _strided_shards_on_real_indices() -> Iterator[None]:
 def _reshape_hint(exc: BaseException, plan: Plan) -> str:
     """Why a reshape fails under tp, where it does: the model's code reshapes a tensor tp splits by the model's
     whole width or head count (``view(b, s, num_heads, 3, head_dim)``), which a rank's share does not have."""
-    if not plan.is_pipeline or plan.grid[1] == 1 or not isinstance(exc, RuntimeError) or "is invalid for input of size" not in str(exc):
+    if not plan.is_pipeline or plan.grid[1] == 1 or not isinstance(exc, RuntimeError) \
+            or "is invalid for input of size" not in str(exc):
         return ""
     return (f"; under tp {plan.grid[1]} a rank holds 1/{plan.grid[1]} of the features a split projection makes, "
             "and code that reshapes them by the model's whole head count or width fails so: plan with tp 1 "
