@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         )
     name = zoo.config.name
     fits = chosen.estimate.memory.fits
-    plan = chosen.to_plan(name).with_workload(workload(args, zoo))  # built once: reported, written and checked
+    work = workload(args, zoo)
+    plan = chosen.to_plan(name).with_workload(work)  # built once: reported, written and checked
     reason = refusal(plan) if fits else None
     faster = None
     if reason and not args.allow_unrunnable:  # the fastest plan that runs, and this one named
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                                       zero_stages=(0,))
             options += [p for p in again.values() if p is not None]
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
-            offered = other.to_plan(name).with_workload(workload(args, zoo))
+            offered = other.to_plan(name).with_workload(work)
             if refusal(offered) is None:
                 faster = {**entry(plan), "not_runnable": reason,
                           "vs_plan": chosen.estimate.iteration_seconds / other.estimate.iteration_seconds}

@@ -150,17 +150,7 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
         plan = dataclasses.replace(plan, micro_batches=1, workload=work)
         whole = source.batch
         source = dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()})
-    counted = None
-    for dtype in (torch.float32, torch.bfloat16):  # bf16 where a fake kernel refuses fp32 (see `_rehearse`)
-        try:
-            with fake_errors_quiet():
-                counted = rehearsal(plan, count=True, source=source, dtype=dtype, model=model)
-            break
-        except ValueError:
-            if dtype == torch.bfloat16:
-                raise
-        model = None
-    assert counted is not None
+    counted = _rehearse(plan, source, False, model=model, count=True)
     result = compare(counted, intra_prediction(plan, source.traced_at(plan.micro_batch_size)))
     if not result["ok"]:
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
@@ -217,7 +207,7 @@ def _quiet(name: str) -> Any:
 
 
 def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None,
-              traced: TracedShapes | None = None) -> None:
+              traced: TracedShapes | None = None, count: bool = False) -> list[dict[str, Any]] | None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
     fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
@@ -228,14 +218,14 @@ def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Modul
 
     ``model``: the source's meta model, already built, for the first rehearsal (it is changed); the others build
     their own. ``traced``: the traced model's attention and product shapes (`traced_shapes`), which each rank's
-    must match (`rehearsal`)."""
+    must match (`rehearsal`). ``count``: return the collectives rank 0 issued (a whole rehearsal)."""
     failed: ValueError | None = None
     for whole in (False, True) if thinned else (True,):
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 with fake_errors_quiet():
-                    rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, traced=traced)
-                return
+                    return rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, traced=traced,
+                                     count=count)
             except ValueError as exc:
                 if dtype == torch.float32:
                     failed = exc
