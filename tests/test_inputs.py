@@ -171,7 +171,7 @@ def test_calibrated_cluster_files_still_load(tmp_path) -> None:
         (["plan", "gpt3-125m", "--gpus", "4", "--search", "best"],
          "autopar plan: error: --search must be one of auto, aceso, mcmc, exhaustive, megatron, dp, fsdp, ilp, got 'best'"),
         (["analyze", "gpt3-125m", "--gpus", "0"], "autopar analyze: error: --gpus must be a positive integer up to 131,072, got '0'"),
-        (["frobnicate"], "autopar: error: COMMAND must be one of profile, profile-segments, estimate, analyze, plan, export, run, dryrun, calibrate, "
+        (["frobnicate"], "autopar: error: COMMAND must be one of profile, profile-ops, profile-segments, estimate, analyze, plan, export, run, dryrun, calibrate, "
                          "models, got 'frobnicate'"),
     ],
 )

@@ -150,8 +150,9 @@ def add_kernels_argument(parser: argparse.ArgumentParser) -> None:
 def add_profile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile-db", metavar="FILE",
-        help="price the layers this profile database measured (autopar profile-segments) by their measured times; "
-        "the rest by the roofline. The output says which share of the layer time was measured")
+        help="price the layers (autopar profile-segments) and ops (autopar profile-ops) this profile database "
+        "measured by their measured times; the rest by the roofline. The output says which share of the layer "
+        "time was measured")
 
 
 def load_profile(args: argparse.Namespace, cluster: Any) -> Any:

@@ -26,10 +26,10 @@ from autopar.cli.signals import SignalHandling
 
 def commands() -> tuple[ModuleType, ...]:
     from autopar.cli import (
-        analyze, calibrate, dryrun, estimate, export, models, plan, profile, profile_segments, run,
+        analyze, calibrate, dryrun, estimate, export, models, plan, profile, profile_ops, profile_segments, run,
     )
 
-    return (profile, profile_segments, estimate, analyze, plan, export, run, dryrun, calibrate, models)
+    return (profile, profile_ops, profile_segments, estimate, analyze, plan, export, run, dryrun, calibrate, models)
 
 
 class Parser(argparse.ArgumentParser):

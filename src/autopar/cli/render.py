@@ -57,6 +57,8 @@ def estimate_text(e: dict[str, Any]) -> str:
         [
             f"iteration {it:.3f} s, {e['throughput_samples_per_second']:.1f} samples/s, "
             f"{e['tflops_per_device']:.0f} TFLOP/s per device, MFU {e['mfu']:.1%}",
+            *([f"MFU above 100%: the cluster's peak is below what was measured on this device; measure its compute "
+               f"(autopar calibrate --nproc N --out FILE) and pass --cluster FILE"] if e["mfu"] > 1 else []),
             table(["time", "seconds", "share"], time_rows),
             "",
             "memory per device (busiest stage)",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.capture import Node, Ref
 from autopar.cluster import Device
@@ -68,17 +69,28 @@ def fusible(node: Node) -> bool:
 
 
 def sequence_seconds(
-    priced: Sequence[tuple[Node, float]], device: Device, *, kernels: str = "eager"
+    priced: Sequence[tuple[Node, float]], device: Device, *, kernels: str = "eager", ops: Any = None,
+    traced_batch: int = 1, tally: list[float] | None = None,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of ``priced``, nodes in execution order each with its shard factor (its work
     is split that many ways on the device), run as ``kernels`` says: ``eager`` sums `node_seconds`; ``compiled``
     prices every contraction and attention core by `node_seconds` and every maximal run of memory-bound ops
-    between them (views skipped, the ends of the sequence closing a run) by `chain_seconds`."""
+    between them (views skipped, the ends of the sequence closing a run) by `chain_seconds`.
+
+    ``ops`` (an `autopar.profiling.ops.OpTimes`, eager kernels only: ops were timed one kernel each): an op it
+    measured (the nodes traced at ``traced_batch`` samples) is priced by its measured times instead of
+    `node_seconds`. ``tally``: a one-element list the measured seconds (forward and backward) are added to."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     forward = backward = 0.0
     if kernels == "eager":
         for node, shard in priced:
+            found = ops.seconds(node, traced_batch=traced_batch, shard=shard) if ops else None
+            if found is not None:
+                forward, backward = forward + found[0], backward + found[1]
+                if tally is not None:
+                    tally[0] += found[0] + found[1]
+                continue
             forward += node_seconds(node, device, backward=False, shard=shard)
             backward += node_seconds(node, device, backward=True, shard=shard)
         return forward, backward

@@ -284,11 +284,31 @@ class IntraLayers:
             return None
         chosen, calls = found
         priced, saved, temporary, attention = self._row_ops(ic, row, chosen, tp_axis.size, scale)
-        forward, backward = sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
+        tally = [0.0, 0.0]  # seconds the op database measured, forward and backward
+        forward, backward = self._sequence(priced, tally)
         params = self.row_params(row, tp_axis, chosen=chosen)
         levels = ("none", "selective", "full") if self.model.layers[row].repeated else ("none",)
         return {level: self._assemble(row, level, forward, backward, [c.scaled(scale) for c in calls], saved,
-                                      temporary, params, attention, scale, tp_axis, sp) for level in levels}
+                                      temporary, params, attention, scale, tp_axis, sp, tally) for level in levels}
+
+    def _sequence(self, priced: list, tally: list[float] | None = None) -> tuple[float, float]:
+        """`sequence_seconds` of ``priced`` on the model's device, ops the profile database timed at their
+        measured times (their forward and backward seconds added to ``tally``)."""
+        ops = self.model.op_times
+        if tally is None or not ops:
+            return sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels, ops=ops,
+                                    traced_batch=self.model.traced_batch)
+        forward, backward = 0.0, 0.0
+        for node, shard in priced:  # one op at a time, to tell forward from backward in what was measured
+            found = ops.seconds(node, traced_batch=self.model.traced_batch, shard=shard)
+            f, b = sequence_seconds([(node, shard)], self.model.cluster.device, kernels=self.model.kernels, ops=ops,
+                                    traced_batch=self.model.traced_batch)
+            if found is not None and self.model.kernels == "eager":
+                tally[0], tally[1] = tally[0] + f, tally[1] + b
+            forward, backward = forward + f, backward + b
+        if self.model.kernels != "eager":  # fused chains span ops: price the sequence whole
+            return sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
+        return forward, backward
 
     def _row_calls(self, ic: IntraCost, row: int, tp_axis: AxisPlacement, sp: bool,
                    choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall]] | None:
@@ -448,8 +468,10 @@ class IntraLayers:
 
     def _assemble(self, row: int, level: str, forward: float, backward: float, calls: list[CommCall], saved: float,
                   temporary: float, params: float, attention: list, scale: float, tp_axis: AxisPlacement,
-                  sp: bool) -> LayerPrice:
-        """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued)."""
+                  sp: bool, tally: list[float] = (0.0, 0.0)) -> LayerPrice:
+        """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued;
+        ``tally``: the forward and backward seconds among them the profile database measured)."""
+        measured = tally[0] + tally[1]
         from autopar.cost.pipeline import LayerPrice
 
         layer, device = self.model.layers[row], self.model.cluster.device
@@ -459,6 +481,7 @@ class IntraLayers:
         if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
             # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
             backward += forward
+            measured += tally[0]
             replay = [c.during(Phase.BACKWARD) for c in forward_calls]
             if tail is not None:
                 replay.remove(tail.during(Phase.BACKWARD))
@@ -477,6 +500,7 @@ class IntraLayers:
             collectives=merge_calls(calls), forward_collectives=merge_calls(forward_calls), tail=tail,
             tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
                                                                      self.model.cluster),
+            measured_ops=measured,
         )
 
     # ---- choosing a layout -------------------------------------------------------------------------------------
@@ -619,7 +643,7 @@ class IntraLayers:
                 calls.append((pos, None, tuple(c.scaled(scale) for c in move.collectives)))
             priced = [(self.model.graph.node(n), (1 if n in block.branch else bc.strategies[pos].shard) / scale)
                       for pos, n in enumerate(block.nodes)]
-            forward, backward = sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
+            forward, backward = self._sequence(priced)
             part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale,
                          sum(p.local for p in bc.params), sum(p.local for p in bc.params if p.reduce_axes))
         self._parts[key] = part

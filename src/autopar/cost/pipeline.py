@@ -90,6 +90,7 @@ class LayerPrice:
     tail: CommCall | None = None
     tail_seconds: float = 0.0
     measured: bool = False  # forward and backward are a profile database's times (their collectives inside)
+    measured_ops: float = 0.0  # seconds of forward and backward the profile database's op times priced
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -281,11 +282,13 @@ class PipelineModel:
         self.vocab_parallel, self.scatter_gather_sends = vocab_parallel, scatter_gather_sends
         self.layers = analyse(graph)
         self.profile = profile
+        self.op_times = None  # the profile database's op times (`autopar.profiling.ops.OpTimes`), if it has any
         if profile is not None:
             from autopar.profiling.segments import row_fingerprints
 
             self._fingerprints = row_fingerprints(self)
             self._ranks = min(cluster.devices_per_node, cluster.num_devices)  # ranks sharing a host
+            self.op_times = profile.op_times(ranks=self._ranks, dtype=dtype) or None
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]
         self._prices: dict[tuple, LayerPrice] = {}
@@ -463,7 +466,8 @@ class PipelineModel:
 
     def measured_share(self, config: PipelineConfig, *, global_batch: int) -> float:
         """The share of ``config``'s per-micro-batch layer time (compute and tensor-parallel collectives, over all
-        stages) that the profile database measured; 0 without one."""
+        stages) that the profile database measured: layers it timed whole, and ops it timed alone (`profile-ops`)
+        in the others; 0 without one."""
         measured = total = 0.0
         for index, stage in enumerate(config.stages):
             view = self.stage_view(config, index, global_batch=global_batch)
@@ -471,7 +475,7 @@ class PipelineModel:
                 price = view.price(row, stage.recompute_of(row))
                 seconds = count * (price.forward + price.backward + price.comm_forward + price.comm_backward)
                 total += seconds
-                measured += seconds if price.measured else 0.0
+                measured += seconds if price.measured else count * price.measured_ops
         return measured / total if total else 0.0
 
     def device_params(self, row: int, tp_axis) -> float:  # noqa: ANN001 - an AxisPlacement

@@ -28,6 +28,14 @@ shapes, the data-parallel ranks it is sharded over, the ranks on the host and th
 ``gather`` is one all-gather of the unit's weights and ``reduce_scatter`` one reduce-scatter of its gradients, each
 with FSDP's copies around it (seconds).
 
+Beside them, ``ops`` holds single aten ops timed on one rank's share of the host (`autopar.profiling.ops`, Aceso's
+op database): an op is keyed by its name, its inputs' shapes for one sample and its dtype, with the ranks that ran
+at once, and holds its (work, forward, backward) seconds at each amount of work measured (samples per device over
+tensor-parallel ways):
+
+    {"op": "aten.addmm.default", "inputs": [[64], [32, 64], [64, 64]], "dtype": "fp32", "ranks": 2,
+     "name": "layers.0.attn.proj", "points": [[0.5, 1.1e-05, 2.3e-05], [1, 1.9e-05, 4.1e-05]], "repeats": 9}
+
 Files are read with every field checked: a truncated, corrupt or foreign file (another device, another torch,
 another layout version) is refused with one error naming the file and what is wrong, never used in part. Nothing
 is pickled.
@@ -130,6 +138,21 @@ class UnitEntry:
         return (self.unit, self.dp, self.ranks, self.dtype)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpEntry:
+    op: str  # "aten.addmm.default"
+    inputs: tuple[tuple[int, ...], ...]  # input shapes for one sample (`autopar.profiling.ops.op_key`)
+    dtype: str
+    ranks: int  # ranks timing ops at once on the host
+    name: str  # a module it was seen in (for people reading the file)
+    points: tuple[tuple[float, float, float], ...]  # (work, forward seconds, backward seconds), work ascending
+    repeats: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, json.dumps([list(s) for s in self.inputs]), self.dtype, self.ranks)
+
+
 @dataclass(slots=True)
 class ProfileDB:
     device: str
@@ -137,6 +160,7 @@ class ProfileDB:
     entries: dict[tuple, Entry] = field(default_factory=dict)
     path: str | None = None
     units: dict[tuple, UnitEntry] = field(default_factory=dict)
+    ops: dict[tuple, OpEntry] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -168,6 +192,27 @@ class ProfileDB:
             found = next((e for e in self.units.values() if (e.unit, e.dp, e.dtype) == (unit, dp, dtype)), None)
         return found
 
+    def add_op(self, entry: OpEntry) -> None:
+        """Add an op's times; points at a work already held for it are replaced, the others kept."""
+        old = self.ops.get(entry.key)
+        if old is not None:
+            works = {p[0] for p in entry.points}
+            points = tuple(sorted([p for p in old.points if p[0] not in works] + list(entry.points)))
+            entry = OpEntry(op=entry.op, inputs=entry.inputs, dtype=entry.dtype, ranks=entry.ranks, name=entry.name,
+                            points=points, repeats=entry.repeats)
+        self.ops[entry.key] = entry
+
+    def op_times(self, *, ranks: int, dtype: str) -> Any:
+        """The ops measured in ``dtype`` with ``ranks`` ranks on the host (on a GPU, with any number), as the cost
+        model reads them (`autopar.profiling.ops.OpTimes`)."""
+        from autopar.profiling.ops import OpTimes
+
+        curves: dict[tuple, list] = {}
+        for e in self.ops.values():
+            if e.dtype == dtype and (e.ranks == ranks or self.kind == "cuda"):
+                curves.setdefault((e.op, e.key[1], e.dtype), []).extend(e.points)
+        return OpTimes(curves)
+
     def to_json(self) -> str:
         entries = sorted(self.entries.values(),
                          key=lambda e: (e.name, e.tp, e.sp, e.recompute, e.zero, e.samples, e.ranks))
@@ -175,6 +220,9 @@ class ProfileDB:
                 "entries": [_entry_json(e) for e in entries]}
         if self.units:  # files before unit measurements have none
             data["units"] = [asdict(u) for u in sorted(self.units.values(), key=lambda u: (u.name, u.dp, u.ranks))]
+        if self.ops:  # files before op measurements have none
+            data["ops"] = [{**asdict(o), "inputs": [list(s) for s in o.inputs], "points": [list(p) for p in o.points]}
+                           for o in sorted(self.ops.values(), key=lambda o: o.key)]
         return json.dumps(data, indent=1) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -218,6 +266,11 @@ class ProfileDB:
             raise ProfileError(f"{shown}: units must be a list")
         for i, raw in enumerate(units):
             db.add_unit(_unit(shown, i, raw))
+        ops = data.get("ops", [])
+        if not isinstance(ops, list):
+            raise ProfileError(f"{shown}: ops must be a list")
+        for i, raw in enumerate(ops):
+            db.add_op(_op(shown, i, raw))
         return db
 
 
@@ -285,6 +338,22 @@ def _unit(shown: str, i: int, raw: Any) -> UnitEntry:
         "dtype": lambda v: v in ("fp32", "bf16", "fp16"), "gather": _non_negative, "reduce_scatter": _non_negative,
     })
     return UnitEntry(**raw)
+
+
+def _op(shown: str, i: int, raw: Any) -> OpEntry:
+    where = f"{shown}: ops[{i}]"
+    _fields(where, raw, set(OpEntry.__dataclass_fields__), checks={
+        "op": lambda v: isinstance(v, str) and v.count(".") == 2, "name": lambda v: isinstance(v, str),
+        "inputs": lambda v: isinstance(v, list) and all(
+            isinstance(s, list) and all(_positive_int(d) or d == 0 for d in s) for s in v),
+        "dtype": lambda v: v in ("fp32", "bf16", "fp16"), "ranks": _positive_int, "repeats": _positive_int,
+        "points": lambda v: isinstance(v, list) and len(v) > 0 and all(
+            isinstance(p, list) and len(p) == 3 and _positive(p[0]) and _non_negative(p[1]) and _non_negative(p[2])
+            for p in v),
+    })
+    return OpEntry(op=raw["op"], inputs=tuple(tuple(s) for s in raw["inputs"]), dtype=raw["dtype"],
+                   ranks=raw["ranks"], name=raw["name"], points=tuple(sorted(tuple(p) for p in raw["points"])),
+                   repeats=raw["repeats"])
 
 
 def _positive_int(value: Any) -> bool:

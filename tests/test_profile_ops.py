@@ -1,0 +1,149 @@
+"""The op database (`autopar profile-ops`): ops keyed by what they compute, kept and refused like the rest of the
+profile database, and read by the cost model where it has them."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from autopar.capture import trace
+from autopar.cli.profile_ops import points_of
+from autopar.cluster import load_cluster
+from autopar.cost.pipeline import PipelineModel
+from autopar.profiling import OpEntry, ProfileDB, ProfileError
+from autopar.profiling.ops import OpTimes, distinct_ops, measure, op_key, shapes_at
+from autopar.zoo import load
+from tests.test_cli import run_cli
+
+DEVICE = "cpu: test processor, 1 thread(s) per rank"
+GPT = ["gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "16"]
+
+
+def _graph(batch: int = 1, layers: int = 2):  # noqa: ANN202
+    zoo = load("gpt3-125m", batch=batch, seq=16, dtype=torch.float32, layers=layers, hidden=64, heads=4, vocab=128)
+    return trace(zoo.module, example_kwargs=zoo.inputs)
+
+
+def _op(**kw) -> OpEntry:  # noqa: ANN003
+    base = dict(op="aten.addmm.default", inputs=((64,), (16, 64), (64, 64)), dtype="fp32", ranks=2,
+                name="layers.0.attn.proj", points=((0.5, 1e-5, 2e-5), (1.0, 2e-5, 4e-5)), repeats=3)
+    return OpEntry(**{**base, **kw})
+
+
+def test_ops_are_keyed_per_sample_whatever_the_batch_traced_and_wherever_they_sit() -> None:
+    one, four = _graph(1), _graph(4)
+    keys_one = {op_key(n, 1) for n in one.nodes} - {None}
+    keys_four = {op_key(n, 4) for n in four.nodes} - {None}
+    assert keys_one == keys_four
+    jobs = distinct_ops(one.nodes)
+    assert len({j.key for j in jobs}) == len(jobs)
+    # the two layers' projections are one op; a deeper copy of the model has no other kinds of op
+    assert sum(j.key[0] == "aten.addmm.default" for j in jobs) == 4  # qkv, proj, fc1, fc2
+    assert {j.key for j in distinct_ops(_graph(1, layers=6).nodes)} == {j.key for j in jobs}
+
+
+def test_an_op_is_measured_at_the_samples_and_splits_the_search_prices() -> None:
+    qkv = next(n for n in _graph().nodes if n.module.endswith("attn.qkv") and n.op == "aten.addmm.default")
+    assert shapes_at(qkv, 1, 1) == ((192,), (16, 64), (64, 192))
+    assert shapes_at(qkv, 2, 1) == ((192,), (32, 64), (64, 192))  # the activation deepens, the weight does not
+    assert shapes_at(qkv, 1, 2) == ((96,), (16, 64), (64, 96))  # split by output features, as Megatron's column
+    assert shapes_at(qkv, 1, 5) is None
+    # one size per amount of work, unsplit where samples alone give it
+    assert points_of([1, 2, 4], [1, 2]) == [(1, 2), (1, 1), (2, 1), (4, 1)]
+    # the cost model reads an op at the work its strategy gives it: between two measured, log-log interpolated;
+    # outside them, nothing (the roofline prices it)
+    curve = OpTimes({op_key(qkv, 1): [(0.5, 1.0, 2.0), (1.0, 4.0, 8.0)]})
+    assert curve.seconds(qkv, traced_batch=1, shard=2) == (1.0, 2.0)
+    assert curve.seconds(qkv, traced_batch=1, shard=1 / 0.75) == pytest.approx((4 ** math.log2(1.5),
+                                                                                2 * 4 ** math.log2(1.5)))
+    assert curve.seconds(qkv, traced_batch=1, shard=4) is None and curve.seconds(qkv, traced_batch=1, shard=0.5) is None
+    times, skipped = measure([j for j in distinct_ops([qkv])], [(1, 2), (1, 1)], repeats=2)
+    assert [t[2] for t in times] == [0.5, 1.0] and all(t[3] > 0 and t[4] > 0 for t in times) and not skipped
+
+
+def test_a_database_keeps_op_times_and_refuses_a_corrupt_entry(tmp_path) -> None:
+    db = ProfileDB(device=DEVICE)
+    db.add_op(_op())
+    db.add_op(_op(points=((1.0, 3e-5, 6e-5), (2.0, 5e-5, 9e-5))))  # work 1 measured again: replaced, 0.5 kept
+    path = tmp_path / "db.json"
+    db.save(path)
+    again = ProfileDB.load(path, device=DEVICE)
+    (entry,) = again.ops.values()
+    assert entry.points == ((0.5, 1e-5, 2e-5), (1.0, 3e-5, 6e-5), (2.0, 5e-5, 9e-5))
+    assert again.op_times(ranks=2, dtype="fp32") and not again.op_times(ranks=4, dtype="fp32")
+    assert not again.op_times(ranks=2, dtype="bf16")
+    text = path.read_text()
+    for mutate, message in [
+        (text.replace('"ops": [', '"ops": {"a": ').replace(']\n}', '}\n}'), "ops must be a list"),
+        (text.replace("5e-05", "-5e-05"), "ops[0].points"),
+        (text.replace('"op": "aten.addmm.default"', '"op": "addmm"'), "ops[0].op"),
+        (text.replace('"repeats": 3', '"repeats": 3, "extra": 1'), "ops[0]: unknown extra"),
+        (text[: len(text) - 20], "not JSON"),
+    ]:
+        path.write_text(mutate)
+        with pytest.raises(ProfileError, match=re.escape(message)) as info:
+            ProfileDB.load(path)
+        assert str(path) in str(info.value)
+
+
+def test_the_cost_model_prices_measured_ops_by_their_times() -> None:
+    graph = _graph()
+    jobs = distinct_ops(graph.nodes)
+    db = ProfileDB(device=DEVICE)
+    slow = 0.01  # far slower than the roofline says: the estimate must move by what was measured
+    for job in jobs:
+        if job.key[0] == "aten.addmm.default":
+            db.add_op(OpEntry(op=job.key[0], inputs=tuple(tuple(s) for s in json.loads(job.key[1])), dtype="fp32",
+                              ranks=2, name=job.name, points=((0.5, slow, 2 * slow), (1.0, slow, 2 * slow)),
+                              repeats=1))
+    cluster = load_cluster("cpu").with_devices(2)
+    plain = PipelineModel(graph, cluster, traced_batch=1, dtype="fp32")
+    priced = PipelineModel(graph, cluster, traced_batch=1, dtype="fp32", profile=db)
+    layer = next(i for i, row in enumerate(plain.layers) if row.repeated)
+
+    def price(model: PipelineModel, tp: int, samples: float):  # noqa: ANN202
+        return model.price(layer, tp=tp, samples=samples, recompute="none", sp=False, mesh=model._mesh(tp, 2 // tp, 1))
+
+    before, after = price(plain, 1, 1), price(priced, 1, 1)
+    assert after.forward == pytest.approx(4 * slow + before.forward - _roofline(plain, layer, "forward"), rel=1e-6)
+    assert after.measured_ops == pytest.approx(4 * 3 * slow) and not after.measured
+    # outside the amounts of work measured, the roofline prices the op
+    assert price(priced, 1, 2).forward == pytest.approx(price(plain, 1, 2).forward)
+    assert price(priced, 2, 1).measured_ops == pytest.approx(4 * 3 * slow)  # split two ways: work 0.5, measured
+    # between two amounts of work measured, the times are interpolated (log-log)
+    assert priced.op_times.seconds(next(n for n in plain.layers[layer].nodes if n.op == "aten.addmm.default"),
+                                   traced_batch=1, shard=1 / 0.75) == pytest.approx((slow, 2 * slow))
+
+
+def _roofline(model: PipelineModel, row: int, which: str) -> float:
+    """The roofline's seconds of the row's four linear layers."""
+    from autopar.cost.compute import node_seconds
+
+    return sum(node_seconds(n, model.cluster.device, backward=which == "backward")
+               for n in model.layers[row].nodes if n.op == "aten.addmm.default")
+
+
+def test_profile_ops_times_each_distinct_op_and_estimate_reads_them(capsys, tmp_path) -> None:
+    db = tmp_path / "db.json"
+    argv = ["profile-ops", *GPT, "--nproc", "2", "--samples", "1", "2", "--tp", "1", "2", "--repeats", "2",
+            "--db", str(db), "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["timed_ops"] >= data["distinct_ops"] - len(data["skipped"]) > 10
+    assert [(s["samples"], s["tp"]) for s in data["sizes"]] == [(1, 2), (1, 1), (2, 1)]
+    saved = ProfileDB.load(db)
+    assert len(saved.ops) == data["timed_ops"] and all(e.ranks == 2 for e in saved.ops.values())
+    code, out, err = run_cli(capsys, *argv)  # measured again: replaced, not added
+    assert code == 0, err
+    assert len(ProfileDB.load(db).ops) == data["timed_ops"]
+    estimate = ["estimate", *GPT, "--gpus", "2", "--batch", "4", "--dtype", "fp32", "--cluster", "cpu", "--json"]
+    code, out, err = run_cli(capsys, *estimate, "--profile-db", str(db))
+    assert code == 0, err
+    assert json.loads(out)["profile"]["measured_share"] > 0.5
+    code, out, err = run_cli(capsys, *argv[:-1], "--dtype", "bf16")
+    assert code == 2 and "--dtype bf16" in err and "Traceback" not in err
