@@ -147,3 +147,21 @@ def test_profile_ops_times_each_distinct_op_and_estimate_reads_them(capsys, tmp_
     assert json.loads(out)["profile"]["measured_share"] > 0.5
     code, out, err = run_cli(capsys, *argv[:-1], "--dtype", "bf16")
     assert code == 2 and "--dtype bf16" in err and "Traceback" not in err
+
+
+def test_the_intra_op_planner_prices_measured_ops(capsys, tmp_path) -> None:
+    db = tmp_path / "db.json"
+    code, out, err = run_cli(capsys, "profile-ops", *GPT, "--nproc", "2", "--samples", "1", "2", "4", "8", "--tp", "1",
+                             "--repeats", "1", "--db", str(db), "--json")
+    assert code == 0, err
+    plan = ["plan", *GPT, "--gpus", "2", "--batch", "8", "--dtype", "fp32", "--cluster", "cpu", "--search", "ilp",
+            "--json"]
+    code, out, err = run_cli(capsys, *plan)
+    assert code == 0, err
+    roofline = json.loads(out)
+    code, out, err = run_cli(capsys, *plan, "--profile-db", str(db))
+    assert code == 0, err
+    measured = json.loads(out)
+    assert "profile" not in roofline or roofline["profile"] is None
+    assert measured["profile"]["db"] == str(db) and 0.3 < measured["profile"]["measured_share"] <= 1
+    assert measured["estimate"]["iteration_seconds"] != roofline["estimate"]["iteration_seconds"]

@@ -22,14 +22,14 @@ from autopar.cli.common import (
     bounded_int, bounded_seconds, check_out, load_and_trace, load_profile, mesh_shape, model_overrides, profile_data,
 )
 from autopar.cli.fit import advice_text, fit_advice, summary
-from autopar.cli.render import Outcome, estimate_text, table
+from autopar.cli.render import Outcome, estimate_text, profile_line, table
 from autopar.cli.timeline import check_timeline, timeline_data, write_timeline
 from autopar.report import check_report, plan_report, write_report
 from autopar.cluster import load_cluster
 from autopar.plan import FieldError, Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.intra import ZERO_STAGES
+from autopar.search.intra import ZERO_STAGES, measured_share
 
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
@@ -100,9 +100,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     if args.search == "ilp" and args.timeline:
         raise ValueError("--timeline draws a pipeline plan's simulated iteration; --search ilp plans one mesh without "
                          "a pipeline: leave --timeline out or choose a pipeline search")
-    if args.search == "ilp" and args.profile_db:
-        raise ValueError("--profile-db prices the layouts autopar run applies (Megatron's); --search ilp prices "
-                         "intra-op layouts it does not profile: leave --profile-db out or choose a pipeline search")
     if args.search != "ilp":
         if args.mesh:
             raise ValueError("--mesh applies to --search ilp; pipeline searches choose each stage's dp x tp")
@@ -110,10 +107,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     base = load_cluster(args.cluster)
     shape = _default_mesh(args, base.devices_per_node)
     cluster = base.with_devices(math.prod(shape))
+    # intra-op layouts are priced op by op: a profile database's op times (autopar profile-ops) apply, its layer
+    # times (profile-segments, Megatron's layouts as the runtime applies them) do not
+    profile = load_profile(args, cluster)
+    ops = profile.op_times(ranks=min(cluster.devices_per_node, cluster.num_devices), dtype=args.dtype) or None \
+        if profile is not None else None
     zoo = _load(args).zoo
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
-    found, interrupted = _anytime_intra(args, zoo, cluster, shape, _progress(show, start))
+    found, interrupted = _anytime_intra(args, zoo, cluster, shape, _progress(show, start), ops=ops)
     seconds = time.perf_counter() - start
     if show:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         options = [p for p in found.values() if p is not None and p is not chosen]
         if chosen.zero > 0 and args.search == "ilp":  # the programme again, within what the runtime runs
             again, _ = _anytime_intra(args, zoo, cluster, shape, _progress(show, start), kinds=("ilp",),
-                                      zero_stages=(0,))
+                                      zero_stages=(0,), ops=ops)
             options += [p for p in again.values() if p is not None]
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
@@ -157,6 +159,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     data["interrupted"] = interrupted
     data["not_runnable"] = reason
     data["faster_unrunnable"] = faster
+    if profile is not None:
+        data["profile"] = {"db": profile.path, "device": profile.device, "measured_share": measured_share(chosen),
+                           "root_units_measured": 0}
     if chosen.solution is not None:
         data["solver"] = {"optimal": chosen.solution.optimal, "seconds": chosen.solution.seconds,
                           "status": chosen.solution.status}
@@ -170,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
 
 def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tuple[int, ...], progress: Any, *,
                    kinds: tuple[str, ...] = (*BASELINES, "ilp"),
-                   zero_stages: tuple[int, ...] = ZERO_STAGES) -> tuple[dict[str, Any], bool]:
+                   zero_stages: tuple[int, ...] = ZERO_STAGES, ops: Any = None) -> tuple[dict[str, Any], bool]:
     """The intra-op search, the quick baselines first; Ctrl-C ends it at the next step, keeping the best plan of
     each kind found so far (a solve under way finishes first, within its share of the budget; a second Ctrl-C
     interrupts at once). The solver stays in this thread: HiGHS cannot be stopped mid-solve, and one left running
@@ -180,7 +185,7 @@ def _anytime_intra(args: argparse.Namespace, zoo: Any, cluster: Any, shape: tupl
             lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)),
             cluster, shape, global_batch=args.batch, dtype=args.dtype, kinds=kinds,
             time_limit=args.budget_s, progress=progress, should_stop=stop.is_set, kernels=args.kernels,
-            zero_stages=zero_stages,
+            zero_stages=zero_stages, ops=ops,
         )
     return found, stop.is_set()
 
@@ -362,6 +367,7 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         f"ZeRO {plan['zero']}{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; searched in "
         f"{data['search_seconds']:.1f} s"
         + (" (interrupted: best so far)" if data.get("interrupted") else ""),
+        *profile_line(data),
         "",
         "modules: split of each leading op per mesh axis, layouts of its input, output and parameters",
         table(["module", "split", "input", "output", "params"], rows, align="lllll"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 from dataclasses import dataclass, field
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
@@ -76,6 +77,7 @@ class BlockCost:
     # block, layout needed, gradient layout, its calls)
     conversions: list[tuple[int, Key, Layout, Layout, tuple[CommCall, ...]]] = field(default_factory=list)
     strategies: dict[int, Strategy] = field(default_factory=dict)  # position in the block -> the op's strategy
+    measured: float = 0.0  # seconds of compute (forward and backward) priced by the profile database's op times
 
     @property
     def seconds(self) -> float:
@@ -95,7 +97,8 @@ class IntraCost:
 
     def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None,
                  scatter_partials: bool = True, kernels: str = "eager",
-                 arrival: Callable[[IntraCost, tuple[int, int]], Layout] | None = None) -> None:
+                 arrival: Callable[[IntraCost, tuple[int, int]], Layout] | None = None, ops: Any = None,
+                 traced_batch: int = 1) -> None:
         """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
         carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes.
 
@@ -105,11 +108,14 @@ class IntraCost:
         ``kernels``: how memory-bound ops run (`compute.sequence_seconds`). ``arrival``: the layout a value made
         by another block arrives in, where the blocks' edges have one (the stream between a pipeline stage's
         layers, `cost.intra_layers`): an op before its block's leading op (a layer's pre-norm, `build_blocks`'s
-        ``layers``) follows it; without one such an op runs whole."""
+        ``layers``) follows it; without one such an op runs whole. ``ops``: measured op times
+        (`autopar.profiling.ops.OpTimes`) that price the ops they hold instead of the roofline, the graph traced at
+        ``traced_batch`` samples."""
         self.scatter_partials = scatter_partials
         self.arrival = arrival
         self.bg = blocks
         self.kernels = kernels
+        self.ops, self.traced_batch = ops, traced_batch
         self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
         self.state = like.state if like is not None else blocks.graph.state  # parameters do not depend on batch
         self.mesh = mesh
@@ -295,8 +301,11 @@ class IntraCost:
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if not node.is_view and strategy.outputs:
                 cost.temporary = max(cost.temporary, node.output_bytes / self.ways(strategy.outputs[0]))
-        cost.compute_forward, cost.compute_backward = sequence_seconds(priced, self.cluster.device,
-                                                                       kernels=self.kernels)
+        tally = [0.0]
+        cost.compute_forward, cost.compute_backward = sequence_seconds(
+            priced, self.cluster.device, kernels=self.kernels, ops=self.ops, traced_batch=self.traced_batch,
+            tally=tally)
+        cost.measured = tally[0]
         return cost
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,20 +76,23 @@ class Space:
 
 
 def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None,
-                scatter_partials: bool = True, kernels: str = "eager") -> Space:
+                scatter_partials: bool = True, kernels: str = "eager", ops: Any = None, traced_batch: int = 1) -> Space:
     """The space of ``graph`` on ``mesh``, its memory-bound ops run as ``kernels`` says (`cost.compute`). With
     ``like`` (the same model traced at another batch size, on the same mesh) the block structure, segments and
-    classes are reused and only the shapes are new. ``scatter_partials``: see `IntraCost`."""
+    classes are reused and only the shapes are new. ``scatter_partials``, ``ops`` (measured op times) and
+    ``traced_batch`` (the samples ``graph`` was traced at): see `IntraCost`."""
     if like is not None and _same_structure(like, graph):
         old = like.blocks
         blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
-        cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials, kernels=kernels)
+        cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials, kernels=kernels,
+                         ops=ops, traced_batch=traced_batch)
         candidates = _with_gathered(cost, like.representative, [cost.candidates(b) for b in like.representative])
         return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
                      like.classes)
     blocks = build_blocks(graph)
     segments = find_segments(blocks.blocks)
-    cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials, kernels=kernels)
+    cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials, kernels=kernels, ops=ops,
+                     traced_batch=traced_batch)
     var_of = [-1] * len(blocks.blocks)
     index: dict[tuple[str, int], int] = {}
     representative: list[ParallelBlock] = []
@@ -373,10 +377,12 @@ def plan_intra(
     should_stop: Callable[[], bool] = lambda: False,
     kernels: str = "eager",
     zero_stages: tuple[int, ...] = ZERO_STAGES,
+    ops: Any = None,
 ) -> dict[str, IntraPlan | None]:
     """Best plan of each kind on a mesh of ``mesh_shape``, the programme's (``ilp``) with a ZeRO stage among
     ``zero_stages``; ``trace_at(micro_batch_size)`` traces the model, whose
-    memory-bound ops run as ``kernels`` says.
+    memory-bound ops run as ``kernels`` says; ``ops``: measured op times that price the ops they hold
+    (`autopar.profiling.ops.OpTimes`).
 
     Fewer micro-batches mean larger ones: faster per sample but more activation memory. For each kind a binary
     search over the counts (`micro_batch_counts`) finds the fewest that fit, then more are tried while they get
@@ -389,7 +395,7 @@ def plan_intra(
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
         return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
-                           kernels=kernels, zero_stages=zero_stages)
+                           kernels=kernels, zero_stages=zero_stages, ops=ops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,6 +419,7 @@ def _plan_intra(
     *,
     kernels: str,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
+    ops: Any = None,
 ) -> dict[str, IntraPlan | None]:
     mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh_shape)})
     counts = micro_batch_counts(global_batch)
@@ -432,7 +439,8 @@ def _plan_intra(
                     progress(f"micro-batch {size} x {m}: tracing and pricing")
                 traced[m] = trace_at(size)
             like = next((s for (_, scatter), s in spaces.items() if scatter == key[1]), None)
-            spaces[key] = build_space(traced[m], mesh, cluster, like=like, scatter_partials=key[1], kernels=kernels)
+            spaces[key] = build_space(traced[m], mesh, cluster, like=like, scatter_partials=key[1], kernels=kernels,
+                                      ops=ops, traced_batch=size)
         return spaces[key]
 
     for kind in kinds:
@@ -587,6 +595,16 @@ def choice_of(space: Space, blocks: Sequence[Block]) -> tuple[int, ...]:
                              "not offer (or not alike in every layer)")
         choice[v] = found
     return tuple(c if c is not None else 0 for c in choice)
+
+
+def measured_share(plan: IntraPlan) -> float:
+    """The share of ``plan``'s iteration that measured op times (`autopar profile-ops`) priced; 0 without them."""
+    space, m = plan.space, plan.micro_batches
+    measured = 0.0
+    for cls in space.classes:
+        bc = space.cost.block_cost(cls.block, space.candidates[cls.var][plan.choice[cls.var]])
+        measured += cls.count * m * (bc.measured if bc is not None else 0.0)
+    return measured / plan.estimate.iteration_seconds if plan.estimate.iteration_seconds else 0.0
 
 
 def axis_names(plan: IntraPlan) -> tuple[str, ...]:
