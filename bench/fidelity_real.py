@@ -1,13 +1,18 @@
 """Predicted against measured step times of plans run on this machine's gloo ranks: is the cost model's order of
 plans the order they really run in?
 
-Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--db FILE] [--steps 5] [--passes 2]
-[--only NAME ...] [--keep FOLDER].
+Run: python bench/fidelity_real.py [--cluster2 FILE] [--cluster4 FILE] [--db FILE] [--ops FILE] [--steps 5]
+[--passes 2] [--only NAME ...] [--keep FOLDER].
 Without cluster files, `autopar calibrate --nproc N --out ...` measures this machine first (links and compute, on 2
 and on 4 ranks). Without --db, `autopar profile-segments MODEL --nproc N --tp 1 2` times each model's layers under
-the layouts the configurations use into a profile database (on 2 and on 4 ranks). Each configuration of two small
-models (a GPT and a grouped-query LLaMA, fp32, as `autopar run` trains) is priced twice by `autopar estimate ...
---cluster FILE`: by the calibrated roofline alone, and with `--profile-db`; then the plan is run with `autopar run
+the layouts the configurations use into a profile database (on 2 and on 4 ranks). Without --ops, `autopar
+profile-ops MODEL --nproc N --samples 1 2 4 --tp 1 2` times each model's ops into an op database, whose ops are
+also added to the profile database (one file holds both). Each configuration of two small models (a GPT and a
+grouped-query LLaMA, fp32, as `autopar run` trains) is priced three times by `autopar estimate ... --cluster FILE`
+(the intra-op plan by `autopar plan --search ilp`): by the calibrated roofline alone, with the op database alone
+(`--profile-db` of the ops: every layer priced op by op), and with the profile database (layers as measured whole,
+ops elsewhere; the intra-op plan, whose layouts no layer was measured in, by its ops); then the plan is run with
+`autopar run
 --steps S --json`: a run's step time is the median of the steps after the first (every rank waits for the others
 around a step, `autopar.runtime.train`). Every plan runs once in each of P passes over all of them, the passes in
 alternating order, and its measured time is its fastest pass: a slow spell of this shared machine (the same plan has
@@ -17,7 +22,9 @@ of pricing, per rank count and over all, the mean absolute percentage error (MAP
 predicted against measured, and whether the plan predicted fastest is the one measured fastest. Exits 1, listing
 them, if a plan was refused, could not be priced with the database, or failed on the ranks in any pass.
 
-The intra-op layouts of `--search ilp` are not in the set: `autopar run` cannot run them yet.
+The intra-op configuration is what `autopar plan --search ilp` offers for 2 ranks (a plan `autopar run` runs, with
+DTensor: where the programme's own plan cannot run, the fastest of the baselines and of the programme within ZeRO 0
+that can).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ CONFIGS = [
     ("gpt dp2 tp2", 4, GPT, ["--dp", "2", "--tp", "2"]),
     ("gpt zero3 dp4", 4, GPT, ["--dp", "4", "--zero", "3"]),
     ("llama pp2 tp2", 4, LLAMA, ["--pp", "2", "--tp", "2", "--mbs", "2"]),
+    ("gpt intra-op", 2, GPT, ["--search", "ilp"]),  # priced and written by `autopar plan`
 ]
 
 
@@ -83,6 +91,53 @@ def profiled(models: list[tuple[int, list[str]]], folder: Path) -> str:
         print(f"profiled {model[0]} on {ranks} ranks in {time.perf_counter() - start:.0f} s "
               f"({len(json.loads(done.stdout)['entries'])} layer times)", flush=True)
     return str(path)
+
+
+def ops_profiled(models: list[tuple[int, list[str]]], folder: Path, db: str) -> str:
+    """An op database of every model on its rank counts (`autopar profile-ops`); its ops are added to ``db`` too."""
+    from autopar.profiling import ProfileDB
+
+    path = folder / "ops.json"
+    for ranks, model in models:
+        start = time.perf_counter()
+        done = autopar("profile-ops", *model, "--nproc", str(ranks), "--samples", "1", "2", "4", "--tp", "1", "2",
+                       "--db", str(path), "--json")
+        if done.returncode != 0:
+            raise SystemExit(f"autopar profile-ops {model[0]} --nproc {ranks} failed: {done.stderr.strip()}")
+        print(f"timed {json.loads(done.stdout)['timed_ops']} ops of {model[0]} on {ranks} ranks in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+    layers, ops = ProfileDB.load(db), ProfileDB.load(path)
+    for entry in ops.ops.values():
+        layers.add_op(entry)
+    layers.save(db)
+    return str(path)
+
+
+def price_intra(plan_file: Path, cluster_file: str, db: str) -> tuple[float, float]:
+    """(iteration seconds, share measured) of the intra-op plan in ``plan_file`` priced with the op times of the
+    profile database ``db``: its blocks' splits, micro-batching and ZeRO stage as written, its model traced at its
+    micro-batch size."""
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan.io import load_plan
+    from autopar.profiling import ProfileDB
+    from autopar.runtime.source import ModelSource
+    from autopar.runtime.train import Workload
+    from autopar.search.intra import IntraPlan, build_space, choice_of, estimate_choice, measured_share
+
+    plan = load_plan(plan_file)
+    cluster = load_cluster(cluster_file).with_devices(plan.devices)
+    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(plan.mesh.shape)})
+    ops = ProfileDB.load(db).op_times(ranks=min(cluster.devices_per_node, plan.devices), dtype="fp32") or None
+    graph = ModelSource.of_workload(Workload.of(plan)).traced_at(plan.micro_batch_size)
+    space = build_space(graph, mesh, cluster, scatter_partials=plan.kind != "megatron", kernels=plan.kernels, ops=ops,
+                        traced_batch=plan.micro_batch_size)
+    choice = choice_of(space, plan.blocks)
+    batch = plan.micro_batch_size * plan.micro_batches
+    estimate = estimate_choice(space, choice, zero=plan.zero, micro_batches=plan.micro_batches, global_batch=batch,
+                               dtype="fp32")
+    priced = IntraPlan(kind=plan.kind, space=space, choice=choice, zero=plan.zero, micro_batches=plan.micro_batches,
+                       micro_batch_size=plan.micro_batch_size, estimate=estimate)
+    return estimate.iteration_seconds, measured_share(priced)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -124,6 +179,8 @@ def main() -> None:
     parser.add_argument("--cluster2", help="cluster file for 2 ranks (default: calibrate now)")
     parser.add_argument("--cluster4", help="cluster file for 4 ranks (default: calibrate now)")
     parser.add_argument("--db", help="profile database of both models on 2 and 4 ranks (default: profile now)")
+    parser.add_argument("--ops", help="op database of both models on 2 and 4 ranks (default: profile-ops now, its "
+                        "ops added to the profile database)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--passes", type=int, default=2, help="runs of each plan; its measured time is the fastest")
     parser.add_argument("--only", nargs="+", help="configurations whose names contain one of these")
@@ -149,23 +206,37 @@ def main() -> None:
             if (ranks, model) not in pairs:
                 pairs.append((ranks, model))
         db = args.db or profiled(pairs, folder)
-        priced: list[tuple[str, int, Path, float, float, float]] = []
+        ops = args.ops or ops_profiled(pairs, folder, db)
+        priced: list[tuple[str, int, Path, float, float, float, float]] = []
         for name, ranks, model, flags in configs:
             plan = folder / f"{name.replace(' ', '_')}.json"
+            command = "plan" if "--search" in flags else "estimate"
             common = [*model, *flags, "--cluster", clusters[ranks], "--gpus", str(ranks), "--batch", "8",
                       "--dtype", "fp32", "--json"]
-            done = autopar("estimate", *common, "--out", str(plan))
+            done = autopar(command, *common, "--out", str(plan))
             if done.returncode != 0:
                 fail(f"{name}: refused: {done.stderr.strip().splitlines()[-1]}")
                 continue
-            with_db = autopar("estimate", *common, "--profile-db", db)
-            if with_db.returncode != 0:
-                fail(f"{name}: --profile-db failed: {with_db.stderr.strip().splitlines()[-1]}")
-                continue
-            estimate = json.loads(with_db.stdout)
+            if command == "plan":
+                chosen = json.loads(done.stdout)["plan"]
+                print(f"{name}: autopar plan offers the {chosen['kind']} plan, micro-batch "
+                      f"{chosen['micro_batch_size']} x {chosen['micro_batches']}, ZeRO {chosen['zero']}", flush=True)
             roofline = json.loads(done.stdout)["estimate"]["iteration_seconds"]
-            priced.append((name, ranks, plan, roofline, estimate["estimate"]["iteration_seconds"],
-                           estimate["profile"]["measured_share"]))
+            if command == "plan":  # the plan it wrote, priced with each database (a search might choose another)
+                (ops_seconds, _), (db_seconds, share) = (price_intra(plan, clusters[ranks], file) for file in (ops, db))
+                priced.append((name, ranks, plan, roofline, ops_seconds, db_seconds, share))
+                continue
+            estimates = []
+            for file in (ops, db):
+                with_db = autopar(command, *common, "--profile-db", file)
+                if with_db.returncode != 0:
+                    fail(f"{name}: --profile-db {file} failed: {with_db.stderr.strip().splitlines()[-1]}")
+                    break
+                estimates.append(json.loads(with_db.stdout))
+            if len(estimates) < 2:
+                continue
+            priced.append((name, ranks, plan, roofline, estimates[0]["estimate"]["iteration_seconds"],
+                           estimates[1]["estimate"]["iteration_seconds"], estimates[1]["profile"]["measured_share"]))
         # Each plan runs once per pass; passes alternate the order, so a slow spell of the machine lands on
         # different plans in each, and a plan's measured time is its faster pass.
         runs: dict[str, list[float]] = {name: [] for name, *_ in priced}
@@ -179,28 +250,29 @@ def main() -> None:
                 runs[name].append(json.loads(ran.stdout)["timing"]["measured_seconds"])
                 print(f"pass {number + 1}/{args.passes}: {name} ran in {runs[name][-1]:.3f} s per step", flush=True)
         passes = " ".join(f"{'pass ' + str(n + 1):>7}" for n in range(args.passes))
-        print(f"\n{'configuration':<20} {'ranks':>5} {'roofline':>9} {'profiled':>9} {passes} {'measured':>9} "
-              f"{'ratios':>11}")
+        print(f"\n{'configuration':<20} {'ranks':>5} {'roofline':>9} {'ops':>9} {'profiled':>9} {passes} "
+              f"{'measured':>9} {'ratios':>17}")
         spreads = []
-        for name, ranks, _, roofline, profiled_seconds, share in priced:
+        for name, ranks, _, roofline, ops_seconds, profiled_seconds, share in priced:
             if not runs[name]:
                 continue
             measured = min(runs[name])
             if len(runs[name]) > 1:  # a plan that failed in a pass says nothing of the noise
                 spreads.append(max(runs[name]) / measured - 1)
-            results.append((ranks, name, roofline, profiled_seconds, measured))
+            results.append((ranks, name, roofline, ops_seconds, profiled_seconds, measured))
             times = " ".join(f"{t:6.3f}s" for t in runs[name]) + " " * 8 * (args.passes - len(runs[name]))
-            print(f"{name:<20} {ranks:>5} {roofline:8.3f}s {profiled_seconds:8.3f}s {times} {measured:8.3f}s "
-                  f"{measured / roofline:5.2f} {measured / profiled_seconds:5.2f}  ({share:.0%} of layer time "
-                  "measured)")
+            print(f"{name:<20} {ranks:>5} {roofline:8.3f}s {ops_seconds:8.3f}s {profiled_seconds:8.3f}s {times} "
+                  f"{measured:8.3f}s {measured / roofline:5.2f} {measured / ops_seconds:5.2f} "
+                  f"{measured / profiled_seconds:5.2f}  ({share:.0%} of layer time measured)")
         if spreads:  # only plans that ran in more than one pass
             print(f"a plan's slower pass took {statistics.fmean(spreads):.0%} longer than its faster one on average "
                   f"(at most {max(spreads):.0%}): the machine's own noise between runs of one plan")
-    for label, column in (("calibrated roofline", 2), ("with the profile database", 3)):
+    for label, column in (("calibrated roofline", 2), ("with the op database alone", 3),
+                          ("with the profile database", 4)):
         print(f"\n{label}:")
         for ranks in sorted({r for r, *_ in results}):
-            summary(f"{ranks} ranks", [(row[1], row[column], row[4]) for row in results if row[0] == ranks])
-        summary("all", [(row[1], row[column], row[4]) for row in results])
+            summary(f"{ranks} ranks", [(row[1], row[column], row[5]) for row in results if row[0] == ranks])
+        summary("all", [(row[1], row[column], row[5]) for row in results])
     if failures:
         raise SystemExit(f"\n{len(failures)} failed (left out of the figures above; a plan that ran in another pass "
                          "keeps that pass):\n" + "\n".join(failures))

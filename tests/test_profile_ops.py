@@ -15,6 +15,7 @@ from autopar.cli.profile_ops import points_of
 from autopar.cluster import load_cluster
 from autopar.cost.pipeline import PipelineModel
 from autopar.profiling import OpEntry, ProfileDB, ProfileError
+from autopar.profiling.db import DispatchEntry
 from autopar.profiling.ops import OpTimes, distinct_ops, measure, op_key, shapes_at
 from autopar.zoo import load
 from tests.test_cli import run_cli
@@ -76,8 +77,15 @@ def test_a_database_keeps_op_times_and_refuses_a_corrupt_entry(tmp_path) -> None
     assert entry.points == ((0.5, 1e-5, 2e-5), (1.0, 3e-5, 6e-5), (2.0, 5e-5, 9e-5))
     assert again.op_times(ranks=2, dtype="fp32") and not again.op_times(ranks=4, dtype="fp32")
     assert not again.op_times(ranks=2, dtype="bf16")
+    # DTensor's dispatch per op, as intra-op plans pay it
+    db.dispatch[(2, "fp32")] = DispatchEntry(ranks=2, dtype="fp32", forward=5e-5, backward=8e-5, repeats=3)
+    db.save(path)
+    assert ProfileDB.load(path).op_times(ranks=2, dtype="fp32").dispatch == (5e-5, 8e-5)
+    assert ProfileDB.load(path).op_times(ranks=4, dtype="fp32").dispatch is None
     text = path.read_text()
     for mutate, message in [
+        (text.replace('"backward": 8e-05', '"backward": -1'), "dispatch[0].backward"),
+        (json.dumps({**json.loads(text), "dispatch": {"a": 1}}), "dispatch must be a list"),
         (text.replace('"ops": [', '"ops": {"a": ').replace(']\n}', '}\n}'), "ops must be a list"),
         (text.replace("5e-05", "-5e-05"), "ops[0].points"),
         (text.replace('"op": "aten.addmm.default"', '"op": "addmm"'), "ops[0].op"),
@@ -135,6 +143,7 @@ def test_profile_ops_times_each_distinct_op_and_estimate_reads_them(capsys, tmp_
     assert code == 0, err
     data = json.loads(out)
     assert data["timed_ops"] >= data["distinct_ops"] - len(data["skipped"]) > 10
+    assert data["dispatch"]["forward_ms"] >= 0 and ProfileDB.load(db).dispatch[(2, "fp32")].repeats == 2
     assert [(s["samples"], s["tp"]) for s in data["sizes"]] == [(1, 2), (1, 1), (2, 1)]
     saved = ProfileDB.load(db)
     assert len(saved.ops) == data["timed_ops"] and all(e.ranks == 2 for e in saved.ops.values())
@@ -165,3 +174,20 @@ def test_the_intra_op_planner_prices_measured_ops(capsys, tmp_path) -> None:
     assert "profile" not in roofline or roofline["profile"] is None
     assert measured["profile"]["db"] == str(db) and 0.3 < measured["profile"]["measured_share"] <= 1
     assert measured["estimate"]["iteration_seconds"] != roofline["estimate"]["iteration_seconds"]
+
+
+def test_intra_op_plans_pay_dtensor_dispatch_on_every_op() -> None:
+    from autopar.cluster import build_mesh
+    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
+
+    graph = _graph(batch=4)
+    cluster = load_cluster("cpu").with_devices(2)
+    mesh = build_mesh(cluster, {"x0": 2})
+    plain = build_space(graph, mesh, cluster)
+    dispatched = build_space(graph, mesh, cluster, ops=OpTimes({}, dispatch=(1e-3, 2e-3)), traced_batch=4)
+    choice = baseline_choice(plain, "dp")
+    before = plan_of_choice(plain, choice, global_batch=4, dtype="fp32").estimate
+    after = plan_of_choice(dispatched, choice, global_batch=4, dtype="fp32").estimate
+    ops = len(graph.nodes)
+    computed = sum(1 for n in graph.nodes if not n.is_view)
+    assert after.compute_seconds - before.compute_seconds == pytest.approx(1e-3 * ops + 2e-3 * computed, rel=1e-6)

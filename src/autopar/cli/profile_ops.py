@@ -16,7 +16,7 @@ import torch
 from autopar.cli.common import add_model_arguments, load_and_trace
 from autopar.cli.render import table
 from autopar.files import check_writable
-from autopar.profiling.db import OpEntry, ProfileDB, this_device
+from autopar.profiling.db import DispatchEntry, OpEntry, ProfileDB, this_device
 
 
 def register(subparsers: Any) -> None:
@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         f"rank{'s' if args.nproc != 1 else ''} of {device}")
     started = time.perf_counter()
     with sigterm_raises():
-        times, skipped = run_ranks(profile_ops_rank, args.nproc,
-                                   args=(jobs, points, args.repeats, on_cuda))[0]
+        times, skipped, dispatch = run_ranks(profile_ops_rank, args.nproc,
+                                             args=(jobs, points, args.repeats, on_cuda))[0]
     by_key: dict[tuple, list] = {}
     names: dict[tuple, str] = {}
     for key, name, work, forward, backward in times:
@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         op, inputs, dtype = key
         db.add_op(OpEntry(op=op, inputs=tuple(tuple(s) for s in json.loads(inputs)), dtype=dtype, ranks=args.nproc,
                           name=names[key], points=tuple(sorted(entries)), repeats=args.repeats))
+    if dispatch is not None:
+        entry = DispatchEntry(ranks=args.nproc, dtype="fp32", forward=dispatch[0], backward=dispatch[1],
+                              repeats=args.repeats)
+        db.dispatch[entry.key] = entry
     db.save(args.db)
     data = {
         "model": traced.zoo.config.name,
@@ -105,6 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "distinct_ops": len(jobs),
         "timed_ops": len(by_key),
         "sizes": [{"samples": s, "tp": t} for s, t in points],
+        # what DTensor's dispatch adds to one op (intra-op plans run every op through it); null if not measured
+        "dispatch": None if dispatch is None else {"forward_ms": dispatch[0] * 1e3, "backward_ms": dispatch[1] * 1e3},
         "ops": [{"op": key[0], "inputs": json.loads(key[1]), "name": names[key],
                  "points": [{"work": w, "forward_ms": f * 1e3, "backward_ms": b * 1e3} for w, f, b in sorted(pts)]}
                 for key, pts in by_key.items()],
@@ -126,6 +132,9 @@ def render(data: dict[str, Any]) -> str:
                      op["name"] or "(model)", f"{one['work']:g}", f"{one['forward_ms']:.3f} ms",
                      f"{one['backward_ms']:.3f} ms", str(len(op["points"]))])
     lines.append(table(["op", "inputs (one sample)", "seen in", "work", "forward", "backward", "sizes"], rows))
+    if data["dispatch"] is not None:
+        lines.append(f"DTensor's dispatch adds {data['dispatch']['forward_ms']:.3f} ms forward and "
+                     f"{data['dispatch']['backward_ms']:.3f} ms backward to an op (intra-op plans pay it on every op)")
     for skip in data["skipped"]:
         lines.append(f"skipped {skip['op']} in {skip['name'] or '(model)'}: {skip['why']} (priced by the roofline)")
     return "\n".join(lines)

@@ -129,14 +129,16 @@ def _tensor(shape: tuple[int, ...], dtype: str, generator: torch.Generator) -> t
 
 
 def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync: Any = None,
-            barrier: Any = None) -> tuple[float, float]:
+            barrier: Any = None, wrap: Any = None) -> tuple[float, float]:
     """Median seconds of ``node``'s op forward, and of its backward (0 where no output needs a gradient), on
     random inputs of ``shapes``, after a warm-up. ``barrier`` (called before each run) keeps ranks measuring one
-    op at once in step. Raises where the op cannot run on such inputs."""
+    op at once in step. ``wrap`` turns each input and output gradient into what the op runs on (a DTensor, to
+    time DTensor's dispatch). Raises where the op cannot run on such inputs."""
     sync = sync or (lambda: None)
     barrier = barrier or (lambda: None)
+    wrap = wrap or (lambda t: t)
     generator = torch.Generator().manual_seed(0)
-    tensors = [_tensor(shape, info.dtype, generator) for shape, info in zip(shapes, node.inputs)]
+    tensors = [wrap(_tensor(shape, info.dtype, generator)) for shape, info in zip(shapes, node.inputs)]
     operator = _operator(node.op)
 
     in_place = node.op.split(".")[1].endswith("_")  # an in-place op writes a copy: a leaf cannot be written
@@ -166,7 +168,7 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
         out = flat(call())
         if not out or not inputs:
             continue
-        grads = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in out]
+        grads = [wrap(torch.randn(o.shape, dtype=o.dtype, generator=generator)) for o in out]
         barrier()
         sync()
         begin = time.perf_counter()
@@ -215,9 +217,45 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
     barrier = dist.barrier if dist.get_world_size() > 1 else None
     try:
         times, skipped = measure(jobs, points, repeats=repeats, sync=sync, barrier=barrier)
+        dispatch = dispatch_overhead(jobs, repeats=repeats, sync=sync, barrier=barrier,
+                                     device="cuda" if on_cuda else "cpu")
     finally:
         dist.destroy_process_group()
-    return (times, skipped) if rank == 0 else None
+    return (times, skipped, dispatch) if rank == 0 else None
+
+
+def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, barrier: Any = None,
+                      device: str = "cpu") -> tuple[float, float] | None:
+    """What DTensor adds to one op, forward and backward (seconds): the median over ``jobs`` (at one sample, unsplit)
+    of each op's time on replicated DTensors over every rank less its time on plain tensors. An intra-op plan runs
+    every op of the model through DTensor's dispatch (`autopar.runtime.intra`); the cost model adds this to each
+    (`autopar.cost.intra.IntraCost`). None where no op could be timed both ways."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+
+    def replicated(t: torch.Tensor) -> torch.Tensor:
+        out = DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
+        return out.requires_grad_() if t.requires_grad else out
+
+    forward, backward = [], []
+    for job in jobs:
+        shapes = shapes_at(job.node, 1, 1)
+        if shapes is None:
+            continue
+        try:
+            plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier)
+            wrapped = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, wrap=replicated)
+        except Exception:  # noqa: BLE001 - an op DTensor has no rule for, or that cannot be replayed: left out
+            continue
+        forward.append(wrapped[0] - plain[0])
+        if plain[1] and wrapped[1]:
+            backward.append(wrapped[1] - plain[1])
+    if not forward:
+        return None
+    return max(_median(forward), 0.0), max(_median(backward), 0.0) if backward else 0.0
 
 
 def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: int, sync: Any = None,
@@ -247,11 +285,13 @@ def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: 
 class OpTimes:
     """The database's op times for one dtype and one number of ranks on the host, as the cost model reads them."""
 
-    def __init__(self, curves: dict[tuple, list[tuple[float, float, float]]]) -> None:
+    def __init__(self, curves: dict[tuple, list[tuple[float, float, float]]],
+                 dispatch: tuple[float, float] | None = None) -> None:
         self.curves = {key: sorted(points) for key, points in curves.items() if points}
+        self.dispatch = dispatch  # DTensor's seconds per op, forward and backward (`dispatch_overhead`)
 
     def __bool__(self) -> bool:
-        return bool(self.curves)
+        return bool(self.curves) or self.dispatch is not None
 
     def seconds(self, node: Node, *, traced_batch: int, shard: float) -> tuple[float, float] | None:
         """(forward, backward) seconds of ``node`` (traced at ``traced_batch`` samples) with its work split
