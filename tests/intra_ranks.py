@@ -50,6 +50,39 @@ def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (
     return plans
 
 
+def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
+    """Plans (as dicts) of the tiny ``family`` model on a 2 x 2 mesh that split weights: Megatron's layout (with
+    its pending sums reduce-scattered over the sequence), and two that are not Megatron's: the attention blocks in
+    Megatron's layout and the MLP's split by batch on both axes, and the other way round (the stream converted
+    between the sequence split and the batch split by all-to-alls)."""
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan import Workload
+    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
+    from autopar.zoo import load
+
+    name, overrides = MODELS[family]
+    cluster = load_cluster("a100-80g-sxm").with_devices(4)
+    mesh = build_mesh(cluster, {"x0": 2, "x1": 2})
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
+    zoo = load(name, batch=batch, seq=SEQ, dtype=torch.float32, **overrides)
+    space = build_space(trace(zoo.module, example_kwargs=zoo.inputs), mesh, cluster)
+    megatron, dp = baseline_choice(space, "megatron"), baseline_choice(space, "dp")
+    modules = [space.graph.node(b.leader).module for b in space.representative]
+
+    def attention(module: str) -> bool:
+        return ".attn" in module or ".self_attn" in module
+
+    def mlp(module: str) -> bool:
+        return ".mlp" in module
+
+    choices = {"megatron": megatron}
+    for label, split in (("attention megatron, mlp by batch", attention), ("mlp megatron, attention by batch", mlp)):
+        choices[label] = tuple(megatron[v] if split(m) else dp[v] for v, m in enumerate(modules))
+    return {label: plan_of_choice(space, choice, global_batch=batch, dtype="fp32").to_plan(name, work).to_dict()
+            for label, choice in choices.items()}
+
+
 def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int, *,
                catch: bool = False) -> list[dict[str, Any]]:
     """On each rank, every plan in turn: ``steps`` AdamW steps of the plan's model and, in this process alone, of

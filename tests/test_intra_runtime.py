@@ -55,6 +55,22 @@ def test_ten_more_random_intra_op_assignments_train_as_one_process(family: str) 
     _train_as_one_process(family, 10, seed=1)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama", "hf-llama"])
+def test_layouts_that_split_weights_pass_the_plan_time_check(family: str) -> None:
+    """Megatron's layout (the fused QKV gathered to be cut, as DTensor does and the plan prices), and two layouts
+    that are not Megatron's (attention split Megatron's way and the MLP by batch over both axes, and the other way
+    round, the stream moved between them by all-to-alls): rehearsed on a fake process group of 4 ranks, each issues
+    exactly the collectives its estimate counts."""
+    from autopar.runtime.validate import check_runnable
+
+    plans = intra_ranks.mixed(family)
+    assert len(plans) == 3
+    for label, data in plans.items():
+        plan = Plan.from_dict(data)
+        assert any(b.split.endswith(("n", "k")) for b in plan.blocks), label  # weights are split
+        check_runnable(plan)
+
+
 def test_a_data_parallel_intra_op_plan_runs_with_the_collectives_it_priced(tmp_path) -> None:
     """`autopar plan --search ilp` of a tiny GPT on a 2 x 2 mesh offers a plan that runs, and `autopar run --check
     --check-comm` trains it as one process does, issuing the collectives its estimate counted."""
@@ -124,14 +140,18 @@ def test_a_plan_names_its_blocks_splits_back() -> None:
 
 
 def test_an_intra_op_plan_whose_collectives_differ_is_refused_when_planned() -> None:
-    """Megatron's layout of the fused-QKV GPT: DTensor gathers the projection's output to split q, k and v (the
-    split does not fall on the shards), so the run would not communicate as priced: refused, with the counts."""
+    """Megatron's layout of the fused-QKV GPT passes: DTensor gathers the projection's output to split q, k and v
+    (the split does not fall on the shards), which the plan prices (a split of a split dim gathers it first).
+    A layout whose conversions DTensor makes elsewhere than the plan does (here a lookup split by sequence, then
+    by vocabulary, among others) would not communicate as priced: refused, with the counts."""
     from autopar.runtime.validate import check_runnable
 
-    plan = Plan.from_dict(intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(1,))[0])
-    assert [b.split for b in plan.blocks][1] == "m,n"  # Megatron's column split of the fused QKV
+    plans = [Plan.from_dict(p) for p in intra_ranks.assignments("gpt", 3, seed=0, micro_batches=(1,))]
+    assert [b.split for b in plans[0].blocks][1] == "m,n"  # Megatron's column split of the fused QKV
+    check_runnable(plans[0])
+    assert plans[2].blocks[0].split == "seq,vocab"
     with pytest.raises(ValueError, match="other collectives than priced"):
-        check_runnable(plan)
+        check_runnable(plans[2])
 
 
 def test_a_data_parallel_intra_op_plan_of_two_micro_batches_passes_the_checks_and_the_dryrun() -> None:
@@ -149,25 +169,46 @@ def test_a_data_parallel_intra_op_plan_of_two_micro_batches_passes_the_checks_an
 
 
 def test_plan_offers_the_fastest_intra_op_plan_that_runs_and_names_the_faster_one(capsys) -> None:
-    """The programme's plan of a small GPT on 2 devices splits layers DTensor would run on other collectives than
-    priced: `autopar plan --search ilp` offers the fastest plan that runs (pure data parallelism), names the
-    faster one and why it cannot run; `--allow-unrunnable` offers the programme's own."""
+    """The programme's plan of a small LLaMA on 2 devices has layers DTensor would run on other collectives than
+    priced: `autopar plan --search ilp` offers the fastest plan that runs (Megatron's layout, run with DTensor),
+    names the faster one and why it cannot run; `--allow-unrunnable` offers the programme's own."""
     import json
 
     from autopar.cli.main import main
 
-    argv = ["plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "2", "--batch", "4", "--search", "ilp"]
+    argv = ["plan", "llama-7b", "--layers", "2", "--seq", "128", "--gpus", "2", "--batch", "4", "--search", "ilp"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["kind"] == "dp" and data["not_runnable"] is None
+    assert data["plan"]["kind"] == "megatron" and data["not_runnable"] is None
     faster = data["faster_unrunnable"]
     assert faster["plan"]["kind"] == "ilp" and faster["vs_plan"] < 1
     assert "other collectives than priced" in faster["not_runnable"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "plan (dp, the fastest that runs of --search ilp)" in text
+    assert "plan (megatron, the fastest that runs of --search ilp)" in text
     assert "note: the fastest plan found, the ilp" in text
     assert main([*argv, "--allow-unrunnable", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["kind"] == "ilp" and "other collectives than priced" in data["not_runnable"]
     assert data["faster_unrunnable"] is None
+
+
+@pytest.mark.slow
+def test_the_programmes_own_plan_that_is_not_megatrons_runs_with_the_collectives_it_priced(tmp_path) -> None:
+    """GPT's 2 layers (hidden 768) on 2 devices: the programme splits the embedding by features, the attention by
+    batch and the MLP Megatron's way (column then row), converting the stream between them; `autopar plan` offers
+    that plan as found, and `autopar run --check --check-comm` trains it as one process does with the collectives
+    its estimate counted."""
+    from autopar.cli.main import main
+    from autopar.runtime.comm import check_ranks
+    from autopar.runtime.launch import run_plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt3-125m", "--layers", "2", "--seq", "128", "--gpus", "2", "--batch", "4", "--search",
+                 "ilp", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    splits = {b.module: b.split for b in plan.blocks}
+    assert plan.kind == "ilp" and splits["layers.0.attn.qkv"] == "m"
+    assert (splits["layers.0.mlp.fc1"], splits["layers.0.mlp.fc2"]) == ("n", "k")
+    log = run_plan(plan, nproc=2, steps=3, check=True, check_comm=True)
+    assert check_ranks(plan, log.collectives)["ok"]

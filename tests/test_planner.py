@@ -54,7 +54,8 @@ def test_mlp_pairs_column_then_row_when_tensor_parallel() -> None:
     for layer in range(4):
         fc1, fc2 = splits[f"layers.{layer}.mlp.fc1"], splits[f"layers.{layer}.mlp.fc2"]
         assert (fc1, fc2) == ("n", "k")  # column-parallel FC1 feeds row-parallel FC2 with no resharding
-    assert plan["modules"]["layers.0.mlp.fc2"]["output"] == "P"  # one reduction closes the pair
+    # one reduction closes the pair: FC2's pending sum, handed on reduce-scattered over the sequence
+    assert plan["modules"]["layers.0.mlp.fc2"]["output"] == "S(1)"
 
 
 def test_estimate_equals_the_ilp_objective() -> None:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
+from autopar.analysis.dims import OpDims
 from autopar.capture import Node
 from autopar.cluster import Cluster, collective_seconds
 from autopar.cluster.calls import CommCall, Phase
@@ -98,7 +99,7 @@ class IntraCost:
     def __init__(self, blocks: BlockGraph, mesh: Mesh, cluster: Cluster, *, like: IntraCost | None = None,
                  scatter_partials: bool = True, kernels: str = "eager",
                  arrival: Callable[[IntraCost, tuple[int, int]], Layout] | None = None, ops: Any = None,
-                 traced_batch: int = 1) -> None:
+                 traced_batch: int = 1, dtensor: bool = False) -> None:
         """``like``: the same model traced at another batch size. Its block signature classes and parameter owners
         carry over (blocks alike at one size are alike at every size), which skips every pass over all nodes.
 
@@ -110,12 +111,14 @@ class IntraCost:
         layers, `cost.intra_layers`): an op before its block's leading op (a layer's pre-norm, `build_blocks`'s
         ``layers``) follows it; without one such an op runs whole. ``ops``: measured op times
         (`autopar.profiling.ops.OpTimes`) that price the ops they hold instead of the roofline, the graph traced at
-        ``traced_batch`` samples."""
+        ``traced_batch`` samples. ``dtensor``: price the ops as DTensor runs them (`autopar.runtime.intra`): a
+        split into pieces (``split``, ``chunk``) of a dim that is sharded gathers it first (DTensor cuts the
+        whole tensor's pieces), where Megatron's runtime lays a fused weight out per piece and splits freely."""
         self.scatter_partials = scatter_partials
         self.arrival = arrival
         self.bg = blocks
         self.kernels = kernels
-        self.ops, self.traced_batch = ops, traced_batch
+        self.ops, self.traced_batch, self.dtensor = ops, traced_batch, dtensor
         self.nodes = _NodeView(blocks.graph)  # node by id; a deep graph's list is not built for this
         self.state = like.state if like is not None else blocks.graph.state  # parameters do not depend on batch
         self.mesh = mesh
@@ -264,7 +267,7 @@ class IntraCost:
                 priced.append((node, 1))
                 cost.saved += node.saved_bytes
                 continue
-            dims = op_dims(node)
+            dims = self._dims(node)
             if i == block.leader:
                 strategy = apply(dims, axes, node.inputs, node.outputs, self.sizes)
                 if strategy is None:
@@ -361,9 +364,20 @@ class IntraCost:
             source = node.sources[0]
         return layout
 
+    def _dims(self, node: Node) -> OpDims:
+        """``node``'s dims (`analysis.dims.op_dims`), as DTensor splits them where ``dtensor``."""
+        dims = op_dims(node)
+        if self.dtensor and node.op.startswith(("aten.split", "aten.chunk")) and node.inputs:
+            rank = len(node.inputs[0].shape)
+            axis = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], int) else 0
+            axis = axis % rank if rank else 0
+            return replace(dims, dims=tuple(replace(d, split=Split.FIXED) if d.inputs and d.inputs[0] == axis else d
+                                            for d in dims.dims))
+        return dims
+
     def _follow(self, node: Node, versions: dict[tuple[int, int], dict[Layout, None]]) -> Strategy:
         """A non-leading op's strategy from its first in-block input (see the module docstring)."""
-        dims = op_dims(node)
+        dims = self._dims(node)
         primary = next(
             (j for j, s in enumerate(node.sources) if s.state is None and (s.node, s.index) in versions), None
         )

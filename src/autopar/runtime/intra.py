@@ -1,18 +1,22 @@
 """Run an intra-op plan (``--search ilp``, and the dp/megatron/fsdp layouts priced beside it) with DTensor.
 
-An intra-op plan gives every parameter a layout on the plan's mesh (`ModuleLayout.params`) and every leading op
-(a linear layer, an embedding) the layout of the activation it reads (`ModuleLayout.input`). The runtime applies
-exactly that, and lets DTensor carry the layouts through everything else:
+An intra-op plan gives every parameter a layout on the plan's mesh (`ModuleLayout.params`), every leading op
+(a linear layer, an embedding) the layout of the activation it reads (`ModuleLayout.input`), and its module the
+layout it hands its output on in (`ModuleLayout.output`). The runtime applies exactly that, and lets DTensor carry
+the layouts through everything else:
 
 - each parameter becomes a DTensor in its planned layout, cut from the whole weight every rank built with one seed
   (no communication); tied parameters stay one parameter; buffers (rotary tables, masks) become replicated
   DTensors;
 - the model's inputs enter replicated on every rank (every rank reads the global micro-batch); a forward pre-hook
   on each planned module redistributes its input into the layout the plan gives it (a batch split of a replicated
-  value is a local slice, a gather of a split one a collective);
+  value is a local slice, a gather of a split one a collective), and a forward hook its output into the layout
+  the plan hands it on in; each conversion's gradient comes back converted there too (`_hook_inputs`);
 - between planned modules, DTensor's own sharding propagation runs each op on the layouts it is given, so a
   split head, a fused projection cut by ``split`` or ``chunk``, a reshape or a loss is computed as one process
-  computes it whatever the model's code looks like: where a layout cannot be kept, DTensor converts it;
+  computes it whatever the model's code looks like: where a layout cannot be kept, DTensor converts it. Where
+  DTensor would choose otherwise than the plan among layouts that compute the same (a norm's rows, which value
+  of a residual add to convert, how to reduce a softmax's pending sum), `_AsPlanned` makes the plan's choice;
 - after the last micro-batch's backward, the gradients DTensor leaves pending (``Partial``: the data-parallel sums)
   are all-reduced over each mesh axis in one flat buffer per axis, as the cost model prices them
   (`autopar.cost.intra.sync_seconds`), and every gradient is put in its parameter's layout for the optimizer.
@@ -27,6 +31,7 @@ registers one: the batch and head dims split, the sequence and head dims whole, 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -119,19 +124,34 @@ def linear_gradient_rules() -> None:
     _GRADIENT_RULES = True
 
 
-class _WholeNorms(torch.overrides.TorchFunctionMode):
-    """Inside, ``rms_norm`` reads its normalised dims whole.
+class _AsPlanned(torch.overrides.TorchFunctionMode):
+    """Inside, some ops run as the plan prices them rather than as DTensor would choose on its own.
 
-    DTensor runs ``rms_norm`` (a composite op) as its decomposition, which adds eps in place to the mean of the
-    squares: over a split feature dim that mean is a pending average, which an in-place op cannot keep, and the
-    step fails. The input is gathered over the normalised dims first (one process computes the norm over all the
-    features), then the decomposition runs on whole rows."""
+    - A norm (``layer_norm``, ``rms_norm``) reads its normalised dims whole and keeps the rest of its input's
+      layout, as the plan runs it: DTensor would otherwise also split the rows over an axis the input is whole on
+      (a free slice for it, but the stream then leaves the norm in a layout the plan does not have, and its
+      gradient comes back pending over that axis). For ``rms_norm`` it is also what makes it run: DTensor runs it
+      (a composite op) as its decomposition, which adds eps in place to the mean of the squares, and over a split
+      feature dim that mean is a pending average, which an in-place op cannot keep.
+    - A softmax (or a loss over logits) given a pending sum reduce-scatters it onto a dim it does not reduce over
+      (`_scattered`), where the plan scatters pending sums, rather than all-reducing it as DTensor would.
+    - A sum of two values of one shape in different layouts (a residual add of the stream as one block left it and
+      a branch as another hands it on) converts the older value (the stream, made in an earlier block) to the
+      layout of the newer one (the branch the block made), as the plan converts a value a block reads from another
+      to the layout of the block's own, and as a conversion whose gradient is converted back
+      (`DTensor.redistribute`): DTensor would convert whichever it chooses inside the add, where autograd does not
+      see it, and the gradient would return in the other layout, converted wherever it is next read, not where the
+      plan prices it. Pending sums are left to DTensor."""
+
+    def __init__(self, *, scatter: bool = True) -> None:
+        super().__init__()
+        self.scatter = scatter  # the plan reduce-scatters pending sums an op cannot take (else all-reduces them)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         kwargs = kwargs or {}
-        if func in (torch.rms_norm, torch.nn.functional.rms_norm) and args and isinstance(args[0], DTensor):
+        if func in _NORMS and args and isinstance(args[0], DTensor):
             x = args[0]
             shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
             first = x.ndim - len(shape)
@@ -139,7 +159,63 @@ class _WholeNorms(torch.overrides.TorchFunctionMode):
                           for p in x.placements]
             if placements != list(x.placements):
                 args = (x.redistribute(x.device_mesh, placements), *args[1:])
-        return func(*args, **kwargs)
+        elif func in _ROWWISE and self.scatter and args and isinstance(args[0], DTensor):
+            args = (_scattered(args[0], reduced=-1 if func is not torch.nn.functional.cross_entropy else 1), *args[1:])
+        elif func in _SUMS and len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
+            a, b = args[0], args[1]
+            if a.shape == b.shape and a.placements != b.placements:
+                older, newer = (a, b) if _made(a) <= _made(b) else (b, a)
+                if not any(isinstance(p, Partial) for p in (*newer.placements, *older.placements)):
+                    converted = older.redistribute(older.device_mesh, newer.placements)
+                    a, b = (converted, b) if older is a else (a, converted)
+                    args = (a, b, *args[2:])
+        return _stamped(func(*args, **kwargs))
+
+
+_SUMS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+_NORMS = (torch.rms_norm, torch.nn.functional.rms_norm, torch.layer_norm, torch.nn.functional.layer_norm)
+_ROWWISE = (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax, torch.softmax,
+            torch.nn.functional.softmax, torch.Tensor.softmax, torch.nn.functional.cross_entropy)
+
+
+def _scattered(x: Any, *, reduced: int) -> Any:  # noqa: ANN401
+    """``x``'s pending sums reduce-scattered onto a dim the op does not reduce over (``reduced``), the one before
+    the last first (the sequence, or a flattened loss's rows), as the plan scatters a pending sum an op cannot
+    take (`autopar.cost.intra.IntraCost`, ``scatter_partials``); a sum no such dim divides is left to DTensor."""
+    from torch.distributed.tensor import Partial, Shard
+
+    placements = list(x.placements)
+    if not any(isinstance(p, Partial) and p.reduce_op == "sum" for p in placements):
+        return x
+    mesh, rank = x.device_mesh, x.ndim
+    reduced %= rank
+    order = sorted((d for d in range(rank) if d != reduced), key=lambda d: d != rank - 2)
+    for axis, p in enumerate(placements):
+        if not (isinstance(p, Partial) and p.reduce_op == "sum"):
+            continue
+        for dim in order:
+            ways = math.prod(mesh.size(a) for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == dim)
+            if x.shape[dim] % (ways * mesh.size(axis)) == 0:
+                placements[axis] = Shard(dim)
+                break
+    return x if placements == list(x.placements) else x.redistribute(mesh, placements)
+
+
+_MADE = itertools.count()  # the order DTensors are made in: `_AsPlanned` and the conversion hooks number them
+
+
+def _stamped(x: Any) -> Any:  # noqa: ANN401
+    """``x``, a DTensor numbered as the latest made (anything else as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        x._autopar_made = next(_MADE)
+    return x
+
+
+def _made(x: Any) -> int:  # noqa: ANN401
+    """When ``x`` was made (`_stamped`; -1: by nothing that numbers)."""
+    return getattr(x, "_autopar_made", -1)
 
 
 def _views_copy_where_needed() -> None:
@@ -182,6 +258,7 @@ class IntraParallelModel(ParallelModel):
 
     mesh: Any = None
     loss_divisor: int = 1  # ranks whose local losses add up to one copy of the loss (`average_loss`)
+    converted: dict | None = None  # the input hooks' conversions of the running forward (`_hook_inputs`)
 
     def forward_backward(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> torch.Tensor:
         """Forward and backward over the plan's micro-batches of the global ``batch`` (every rank reads all of
@@ -205,8 +282,12 @@ class IntraParallelModel(ParallelModel):
             placed = {k: DTensor.from_local(v, self.mesh, whole, run_check=False) if isinstance(v, torch.Tensor) else v
                       for k, v in inputs.items()}
             # a tensor the model makes in its forward (positions from arange, a mask) is read as replicated
-            with _WholeNorms(), implicit_replication():
+            if self.converted is not None:
+                self.converted.clear()
+            with _AsPlanned(scatter=plan.kind != "megatron"), implicit_replication():
                 loss = loss_of(self.module(**placed)) / m
+            if self.converted is not None:
+                self.converted.clear()  # what it holds is this forward's: let it go with the graph
             if isinstance(loss, DTensor):
                 self.loss_divisor = _copies(loss.placements, self.mesh.shape)
                 # the whole loss is the sum (or mean) of the ranks' shares; its gradient on each is that of the
@@ -299,13 +380,14 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     elif tuple(mesh.shape) != shape:
         raise ValueError(f"the plan needs a mesh of shape {shape}, got {tuple(mesh.shape)}")
     _place_state(model, plan, mesh)
-    _hook_inputs(model, plan, mesh)
-    _reduce_masked_lookups(model)
+    _reduce_masked_lookups(model)  # first: a masked lookup's sum is made before its output is converted
+    converted = _hook_inputs(model, plan, mesh)
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
     parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: cls(model.parameters(), **kw), axes=axes)
     parallel.mesh, parallel.plan, parallel.rank = mesh, plan, dist.get_rank()
+    parallel.converted = converted
     return parallel
 
 
@@ -331,17 +413,30 @@ def _place_state(model: nn.Module, plan: Plan, mesh: Any) -> None:
                 module._buffers[name] = DTensor.from_local(buffer, mesh, whole, run_check=False)
 
 
-def _hook_inputs(model: nn.Module, plan: Plan, mesh: Any) -> None:
+def _hook_inputs(model: nn.Module, plan: Plan, mesh: Any) -> dict[int, tuple]:
     """A forward pre-hook per planned module that puts its activation input in the layout the plan gives the
-    module's leading op. The leading op of a linear layer reads the input flattened to (tokens, features): a split
-    of its tokens is a split of the input's first dim where that divides evenly, a split of its features one of the
-    last dim. Where the plan's layout has no such counterpart on the input, the module is left to DTensor."""
+    module's leading op, and a forward hook that puts its output in the layout the plan hands it on in
+    (`ModuleLayout.output`). The leading op of a linear layer reads the input flattened to (tokens, features): a
+    split of its tokens is a split of the input's first dim where that divides evenly, a split of its features one
+    of the last dim. Where the plan's layout has no such counterpart on the input, the module is left to DTensor.
+
+    Each conversion is also one of the gradient, as the plan prices it: the gradient that comes back through the
+    converted value is put in the layout the value had (its pending sums reduced) before it reaches the op that
+    made the value, also where the forward needed no conversion (`_Settle`), rather than left for DTensor to
+    reduce wherever it is next read. A value several modules read in one layout (a norm's output before q, k and
+    v) is converted once (the returned cache, emptied before each forward), as the plan prices it."""
     modules = dict(model.named_modules())
+    cache: dict[int, tuple] = {}
     for entry in plan.modules:
-        if entry.input is None or entry.fqn not in modules:
+        if entry.fqn not in modules:
             continue
         module = modules[entry.fqn]
-        module.register_forward_pre_hook(_converter(tuple(entry.input), mesh, flattened=isinstance(module, nn.Linear)))
+        flattened = isinstance(module, nn.Linear)
+        if entry.input is not None:
+            module.register_forward_pre_hook(_converter(tuple(entry.input), mesh, flattened=flattened, cache=cache))
+        if entry.output is not None:
+            module.register_forward_hook(_output_converter(tuple(entry.output), mesh))
+    return cache
 
 
 def _reduce_masked_lookups(model: nn.Module) -> None:
@@ -362,7 +457,7 @@ def _reduce_masked_lookups(model: nn.Module) -> None:
             module.register_forward_hook(hook)
 
 
-def _converter(target: tuple, mesh: Any, *, flattened: bool) -> Any:
+def _converter(target: tuple, mesh: Any, *, flattened: bool, cache: dict[int, tuple]) -> Any:
     from torch.distributed.tensor import DTensor, Shard
 
     def hook(_module: nn.Module, args: tuple) -> tuple | None:
@@ -370,11 +465,59 @@ def _converter(target: tuple, mesh: Any, *, flattened: bool) -> Any:
             return None
         x = args[0]
         placements = _lift(target, x.shape, mesh.shape, flattened=flattened, shard=Shard)
-        if placements is None or tuple(x.placements) == placements:
+        if placements is None:
             return None
-        return (x.redistribute(mesh, placements), *args[1:])
+        key = id(x)
+        found = cache.get(key)
+        if found is not None and found[0] is x and found[1] == placements:
+            return (found[2], *args[1:])
+        converted = _stamped(_convert(x, mesh, placements))
+        cache[key] = (x, placements, converted)
+        return (converted, *args[1:])
 
     return hook
+
+
+def _output_converter(target: tuple, mesh: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        if not isinstance(output, DTensor):
+            return None
+        placements = _lift(target, output.shape, mesh.shape, flattened=False, shard=Shard)
+        if placements is None or tuple(output.placements) == placements:
+            return None
+        if any(isinstance(p, Partial) and not isinstance(q, Partial) for p, q in zip(placements, output.placements)):
+            return None  # a pending sum is made by an op, not by a conversion: left to DTensor
+        return _stamped(output.redistribute(mesh, placements))
+
+    return hook
+
+
+def _convert(x: Any, mesh: Any, placements: tuple) -> Any:
+    """``x`` in ``placements``, its gradient coming back in ``x``'s own layout with no pending sum."""
+    if tuple(x.placements) != placements:
+        return x.redistribute(mesh, placements)  # its backward puts the gradient in x's layout, sums reduced
+    return _Settle.apply(x)
+
+
+class _Settle(torch.autograd.Function):
+    """The identity forward; backward, the gradient put in the input's layout, pending sums reduced (what
+    `DTensor.redistribute`'s backward does, for a value that needed no conversion)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:  # noqa: ANN401
+        from torch.distributed.tensor import Partial, Replicate
+
+        ctx.mesh = x.device_mesh
+        ctx.placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # noqa: ANN401
+        if tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
 
 
 def _lift(target: tuple, shape: torch.Size, sizes: tuple[int, ...], *, flattened: bool, shard: type) -> tuple | None:

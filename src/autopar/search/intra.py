@@ -76,23 +76,25 @@ class Space:
 
 
 def build_space(graph: Graph, mesh: Mesh, cluster: Cluster, *, like: Space | None = None,
-                scatter_partials: bool = True, kernels: str = "eager", ops: Any = None, traced_batch: int = 1) -> Space:
+                scatter_partials: bool = True, kernels: str = "eager", ops: Any = None, traced_batch: int = 1,
+                dtensor: bool = True) -> Space:
     """The space of ``graph`` on ``mesh``, its memory-bound ops run as ``kernels`` says (`cost.compute`). With
     ``like`` (the same model traced at another batch size, on the same mesh) the block structure, segments and
-    classes are reused and only the shapes are new. ``scatter_partials``, ``ops`` (measured op times) and
-    ``traced_batch`` (the samples ``graph`` was traced at): see `IntraCost`."""
+    classes are reused and only the shapes are new. ``scatter_partials``, ``ops`` (measured op times),
+    ``traced_batch`` (the samples ``graph`` was traced at) and ``dtensor`` (priced as DTensor runs the ops, as
+    `autopar run` runs an intra-op plan; False: as Megatron's runtime does): see `IntraCost`."""
     if like is not None and _same_structure(like, graph):
         old = like.blocks
         blocks = BlockGraph(graph=graph, blocks=old.blocks, owner=old.owner, activation=old.activation)
         cost = IntraCost(blocks, mesh, cluster, like=like.cost, scatter_partials=scatter_partials, kernels=kernels,
-                         ops=ops, traced_batch=traced_batch)
+                         ops=ops, traced_batch=traced_batch, dtensor=dtensor)
         candidates = _with_gathered(cost, like.representative, [cost.candidates(b) for b in like.representative])
         return Space(graph, blocks, like.segments, cost, like.var_of, like.representative, candidates, like.count,
                      like.classes)
     blocks = build_blocks(graph)
     segments = find_segments(blocks.blocks)
     cost = IntraCost(blocks, mesh, cluster, scatter_partials=scatter_partials, kernels=kernels, ops=ops,
-                     traced_batch=traced_batch)
+                     traced_batch=traced_batch, dtensor=dtensor)
     var_of = [-1] * len(blocks.blocks)
     index: dict[tuple[str, int], int] = {}
     representative: list[ParallelBlock] = []
@@ -611,6 +613,23 @@ def axis_names(plan: IntraPlan) -> tuple[str, ...]:
     return _axis_labels(plan.space, plan.choice)
 
 
+def _handed_on(space: Space, block: ParallelBlock, cost: Any, module: str, computed: tuple) -> tuple:
+    """The layout the leading op's module hands its output on in, in the dims of that output (the value the
+    module's last op in the block makes: a linear layer's output unflattened): where the block converts it to one
+    layout before anything else reads it (a row-parallel projection's pending sum reduce-scattered onto the
+    sequence), that layout; else the layout its last op makes it in (``computed``, the leading op's, where the
+    module ends in another block)."""
+    positions = [p for p, n in enumerate(block.nodes) if space.graph.node(n).module == module]
+    if not positions:
+        return computed
+    last = max(positions)
+    needs = {tuple(need) for _, key, need, _, calls in cost.conversions if key == ("out", last, 0) and calls}
+    if len(needs) == 1:
+        return needs.pop()
+    made = cost.strategies.get(last)
+    return tuple(made.outputs[0]) if made is not None and made.outputs else computed
+
+
 def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) -> Plan:
     """The typed plan: mesh, micro-batching, ZeRO stage, per-block choices and per-module layouts."""
     space, ic = plan.space, plan.space.cost
@@ -627,7 +646,8 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
         act = next((j for j, s in enumerate(leader.sources) if s.state is None), 0)
         blocks.append(Block(id=block.id, layer=block.layer, module=leader.module, split=ic.describe(block, cand)))
         params.setdefault(leader.module, {})
-        edges[leader.module] = (tuple(strategy.inputs[act]), tuple(strategy.outputs[0]))
+        edges[leader.module] = (tuple(strategy.inputs[act]), _handed_on(space, block, bc, leader.module,
+                                                                        tuple(strategy.outputs[0])))
         for p in bc.params:
             fqn = ic.locate(block, p.key)
             params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout))

@@ -148,6 +148,10 @@ class LayoutCosts:
             return 0.0, ()
         if local_shape(shape, target, self.sizes) is None:
             return INF, ()
+        if len(self.sizes) > 1:
+            found = self._greedy(shape, itemsize, source, target, phase)
+            if found is not None:
+                return found
         best = {source: 0.0}
         heap: list[tuple[float, int, Layout, tuple]] = [(0.0, 0, source, ())]
         tie = 1
@@ -182,6 +186,50 @@ class LayoutCosts:
                         heapq.heappush(heap, (total, tie, nxt, moves + extra))
                         tie += 1
         return INF, ()
+
+    def _greedy(self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout,
+                phase: Phase) -> tuple[float, tuple[CommCall, ...]] | None:
+        """The conversion on a mesh of several axes in the steps DTensor's redistribute takes them (its greedy
+        plan, used where no layout is strided): from a layout with a split, first every axis from the innermost
+        out, straight to the target (to whole where the tensor dim it splits to is split differently on an outer
+        axis), then what remains from the outermost in. Each axis's collective moves what is local at that step,
+        so the order decides which axis carries how many bytes. None where a layout is strided or a step is not
+        one `_step` prices (the cheapest path is searched instead)."""
+        if any(isinstance(p, _StridedShard) for p in (*source, *target)):
+            return None
+        current = list(source)
+        moves: list[CommCall] = []
+        total = 0.0
+
+        def move(axis: int, goal: Placement) -> bool:
+            nonlocal total
+            local = local_shape(shape, tuple(current), self.sizes)
+            if local is None:
+                return False
+            step = self._step(current[axis], goal, itemsize * math.prod(local), axis)
+            if step is None:
+                return False
+            seconds, kind, size = step
+            total += seconds
+            if kind is not None:
+                moves.append(CommCall(kind=kind, axis=self.mesh.names[axis], bytes=size, phase=phase))
+            current[axis] = goal
+            return True
+
+        if any(is_shard(p) for p in source):
+            for axis in reversed(range(len(current))):
+                goal = target[axis]
+                if is_shard(goal):
+                    before = [i for i in range(axis) if is_shard(current[i]) and current[i].dim == goal.dim]
+                    wanted = [i for i in range(axis) if is_shard(target[i]) and target[i].dim == goal.dim]
+                    if before != wanted:
+                        goal = REPLICATE
+                if current[axis] != goal and not move(axis, goal):
+                    return None
+        for axis in range(len(current)):
+            if current[axis] != target[axis] and not move(axis, target[axis]):
+                return None
+        return total, tuple(moves)
 
     def _step(self, have: Placement, goal: Placement, nbytes: float,
               axis: int) -> tuple[float, Collective | None, float] | None:
