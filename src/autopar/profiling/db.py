@@ -280,31 +280,29 @@ class ProfileDB:
         if device is not None and db.device != device:
             raise ProfileError(f"{shown}: measured on {db.device!r}, this is {device!r}: profile on this device "
                                "into another file")
-        entries = data.get("entries")
-        if not isinstance(entries, list):
+        if not isinstance(data.get("entries"), list):
             raise ProfileError(f"{shown}: entries must be a list")
-        for i, raw in enumerate(entries):
+        for i, raw in _listed(shown, data, "entries"):
             db.add(_entry(shown, i, raw))
-        units = data.get("units", [])
-        if not isinstance(units, list):
-            raise ProfileError(f"{shown}: units must be a list")
-        for i, raw in enumerate(units):
+        for i, raw in _listed(shown, data, "units"):
             db.add_unit(_unit(shown, i, raw))
-        ops = data.get("ops", [])
-        if not isinstance(ops, list):
-            raise ProfileError(f"{shown}: ops must be a list")
-        for i, raw in enumerate(ops):
+        for i, raw in _listed(shown, data, "ops"):
             db.add_op(_op(shown, i, raw))
-        dispatch = data.get("dispatch", [])
-        if not isinstance(dispatch, list):
-            raise ProfileError(f"{shown}: dispatch must be a list")
-        for i, raw in enumerate(dispatch):
+        for i, raw in _listed(shown, data, "dispatch"):
             _fields(f"{shown}: dispatch[{i}]", raw, set(DispatchEntry.__dataclass_fields__), checks={
                 "ranks": _positive_int, "repeats": _positive_int, "dtype": lambda v: v in ("fp32", "bf16", "fp16"),
                 "forward": _non_negative, "backward": _non_negative})
             entry = DispatchEntry(**raw)
             db.dispatch[entry.key] = entry
         return db
+
+
+def _listed(shown: str, data: dict, name: str) -> Iterable[tuple[int, Any]]:
+    """The items of the file's list ``name`` (absent: none, as in files before it existed), numbered."""
+    items = data.get(name, [])
+    if not isinstance(items, list):
+        raise ProfileError(f"{shown}: {name} must be a list")
+    return enumerate(items)
 
 
 def _entry_json(entry: Entry) -> dict:
