@@ -55,6 +55,7 @@ def test_an_op_is_measured_at_the_samples_and_splits_the_search_prices() -> None
     assert shapes_at(qkv, 1, 5) is None
     # one size per amount of work, unsplit where samples alone give it
     assert points_of([1, 2, 4], [1, 2]) == [(1, 2), (1, 1), (2, 1), (4, 1)]
+    assert points_of([1], [3]) == [(1, 3), (1, 1)]  # unsplit ops are always timed
     # the cost model reads an op at the work its strategy gives it: between two measured, log-log interpolated;
     # outside them, nothing (the roofline prices it)
     curve = OpTimes({op_key(qkv, 1): [(0.5, 1.0, 2.0), (1.0, 4.0, 8.0)]})

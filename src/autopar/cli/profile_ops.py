@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 2, 4],
                         help="samples of a micro-batch per device (default 1 2 4)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4],
-                        help="ways tensor parallelism splits an op (default 1 2 4)")
+                        help="ways tensor parallelism splits an op (default 1 2 4; unsplit ops are always timed)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per op and size, after a warm-up; each "
                         "time is their median (default 9)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -47,10 +47,10 @@ def register(subparsers: Any) -> None:
 
 def points_of(samples: list[int], ways: list[int]) -> list[tuple[int, int]]:
     """(samples, ways) pairs to time, one per amount of work ``samples / ways``: an unsplit op where one gives that
-    work (what data parallelism runs), a split one below the fewest samples."""
+    work (what data parallelism runs; always timed), a split one below the fewest samples."""
     found: dict[float, tuple[int, int]] = {}
     for s in sorted(set(samples)):
-        for t in sorted(set(ways)):
+        for t in sorted(set(ways) | {1}):
             work = s / t
             if work not in found or (found[work][1] != 1 and t == 1):
                 found[work] = (s, t)
