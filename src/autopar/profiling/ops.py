@@ -129,11 +129,15 @@ def _tensor(shape: tuple[int, ...], dtype: str, generator: torch.Generator) -> t
 
 
 def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync: Any = None,
-            barrier: Any = None, wrap: Any = None) -> tuple[float, float]:
+            barrier: Any = None, wrap: Any = None, inside: Any = None) -> tuple[float, float]:
     """Median seconds of ``node``'s op forward, and of its backward (0 where no output needs a gradient), on
     random inputs of ``shapes``, after a warm-up. ``barrier`` (called before each run) keeps ranks measuring one
     op at once in step. ``wrap`` turns each input and output gradient into what the op runs on (a DTensor, to
-    time DTensor's dispatch). Raises where the op cannot run on such inputs."""
+    time DTensor's dispatch); ``inside`` (a function making a context manager) is entered around each forward, as
+    a runtime runs its ops. Raises where the op cannot run on such inputs."""
+    import contextlib
+
+    inside = inside or contextlib.nullcontext
     sync = sync or (lambda: None)
     barrier = barrier or (lambda: None)
     wrap = wrap or (lambda t: t)
@@ -147,7 +151,8 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
         it = iter(t.clone() if in_place else t for t in tensors)
         args = [next(it) if a == TENSOR_ARG else a for a in node.args]
         args += list(it)  # tensors the record kept apart from its arguments (none for most ops)
-        return operator(*args)
+        with inside():
+            return operator(*args)
 
     def flat(out: Any) -> list[torch.Tensor]:
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -227,12 +232,15 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
 def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, barrier: Any = None,
                       device: str = "cpu") -> tuple[float, float] | None:
     """What DTensor adds to one op, forward and backward (seconds): the median over ``jobs`` (at one sample, unsplit)
-    of each op's time on replicated DTensors over every rank less its time on plain tensors. An intra-op plan runs
+    of each op's time on replicated DTensors over every rank, inside the modes the runtime runs a forward in
+    (`autopar.runtime.intra.running`), less its time on plain tensors. An intra-op plan runs
     every op of the model through DTensor's dispatch (`autopar.runtime.intra`); the cost model adds this to each
     (`autopar.cost.intra.IntraCost`). None where no op could be timed both ways."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
+
+    from autopar.runtime.intra import running
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
 
@@ -247,7 +255,8 @@ def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, ba
             continue
         try:
             plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier)
-            wrapped = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, wrap=replicated)
+            wrapped = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, wrap=replicated,
+                              inside=running)
         except Exception:  # noqa: BLE001 - an op DTensor has no rule for, or that cannot be replayed: left out
             continue
         forward.append(wrapped[0] - plain[0])

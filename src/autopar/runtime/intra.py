@@ -172,6 +172,19 @@ class _AsPlanned(torch.overrides.TorchFunctionMode):
         return _stamped(func(*args, **kwargs))
 
 
+def running(*, scatter: bool = True) -> Any:  # noqa: ANN401
+    """The context an intra-op plan's forward runs in: `_AsPlanned`, and tensors the model makes itself (positions
+    from arange, a mask) read as replicated."""
+    import contextlib
+
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_AsPlanned(scatter=scatter))
+    stack.enter_context(implicit_replication())
+    return stack
+
+
 _SUMS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
 _NORMS = (torch.rms_norm, torch.nn.functional.rms_norm, torch.layer_norm, torch.nn.functional.layer_norm)
 _ROWWISE = (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax, torch.softmax,
@@ -284,7 +297,7 @@ class IntraParallelModel(ParallelModel):
             # a tensor the model makes in its forward (positions from arange, a mask) is read as replicated
             if self.converted is not None:
                 self.converted.clear()
-            with _AsPlanned(scatter=plan.kind != "megatron"), implicit_replication():
+            with running(scatter=plan.kind != "megatron"):
                 loss = loss_of(self.module(**placed)) / m
             if self.converted is not None:
                 self.converted.clear()  # what it holds is this forward's: let it go with the graph
