@@ -94,7 +94,8 @@ def profiled(models: list[tuple[int, list[str]]], folder: Path) -> str:
 
 
 def ops_profiled(models: list[tuple[int, list[str]]], folder: Path, db: str) -> str:
-    """An op database of every model on its rank counts (`autopar profile-ops`); its ops are added to ``db`` too."""
+    """An op database of every model on its rank counts (`autopar profile-ops`); its ops and DTensor's dispatch are
+    added to ``db`` too."""
     from autopar.profiling import ProfileDB
 
     path = folder / "ops.json"
@@ -109,6 +110,7 @@ def ops_profiled(models: list[tuple[int, list[str]]], folder: Path, db: str) -> 
     layers, ops = ProfileDB.load(db), ProfileDB.load(path)
     for entry in ops.ops.values():
         layers.add_op(entry)
+    layers.dispatch.update(ops.dispatch)  # DTensor's cost per op, which intra-op plans pay
     layers.save(db)
     return str(path)
 
