@@ -119,27 +119,19 @@ def price_intra(plan_file: Path, cluster_file: str, db: str) -> tuple[float, flo
     """(iteration seconds, share measured) of the intra-op plan in ``plan_file`` priced with the op times of the
     profile database ``db``: its blocks' splits, micro-batching and ZeRO stage as written, its model traced at its
     micro-batch size."""
-    from autopar.cluster import build_mesh, load_cluster
+    from autopar.cluster import load_cluster
     from autopar.plan.io import load_plan
     from autopar.profiling import ProfileDB
     from autopar.runtime.source import ModelSource
     from autopar.runtime.train import Workload
-    from autopar.search.intra import IntraPlan, build_space, choice_of, estimate_choice, measured_share
+    from autopar.search.intra import measured_share, repriced
 
     plan = load_plan(plan_file)
     cluster = load_cluster(cluster_file).with_devices(plan.devices)
-    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(plan.mesh.shape)})
-    ops = ProfileDB.load(db).op_times(ranks=min(cluster.devices_per_node, plan.devices), dtype="fp32") or None
+    ops = ProfileDB.load(db).op_times(ranks=cluster.ranks_per_host, dtype="fp32") or None
     graph = ModelSource.of_workload(Workload.of(plan)).traced_at(plan.micro_batch_size)
-    space = build_space(graph, mesh, cluster, scatter_partials=plan.kind != "megatron", kernels=plan.kernels, ops=ops,
-                        traced_batch=plan.micro_batch_size)
-    choice = choice_of(space, plan.blocks)
-    batch = plan.micro_batch_size * plan.micro_batches
-    estimate = estimate_choice(space, choice, zero=plan.zero, micro_batches=plan.micro_batches, global_batch=batch,
-                               dtype="fp32")
-    priced = IntraPlan(kind=plan.kind, space=space, choice=choice, zero=plan.zero, micro_batches=plan.micro_batches,
-                       micro_batch_size=plan.micro_batch_size, estimate=estimate)
-    return estimate.iteration_seconds, measured_share(priced)
+    priced = repriced(plan, graph, cluster, ops=ops)
+    return priced.estimate.iteration_seconds, measured_share(priced)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

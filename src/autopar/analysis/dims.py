@@ -337,6 +337,13 @@ def _expand(node: Node) -> OpDims:
     return OpDims(tuple(dims), Linearity.FIRST)
 
 
+def split_axis(node: Node) -> int:
+    """The dim a slicing op (`_slice`'s) cuts: ``split``'s third argument, the others' second (0 if not given)."""
+    rank = len(node.inputs[0].shape)
+    position = 2 if node.op.startswith("aten.split") else 1  # split(self, sizes, dim=0); slice(self, dim=0, ...)
+    return _norm_dim(node.args[position] if len(node.args) > position else 0, rank)
+
+
 @dim_rule("aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
           "aten.chunk.default", "aten.narrow.default", "aten.unbind.int")
 def _slice(node: Node) -> OpDims:
@@ -344,11 +351,7 @@ def _slice(node: Node) -> OpDims:
     the whole (a fused QKV output split into Q, K and V is sharded per piece, as Megatron lays out its weights)."""
     shape = node.inputs[0].shape
     rank = len(shape)
-    split = node.op.startswith("aten.split")  # split(self, sizes, dim=0): the dim is the third argument, if given
-    axis = _norm_dim((node.args[2] if len(node.args) > 2 else 0) if split else (node.args[1] if len(node.args) > 1 else 0),
-                     rank)
-    if node.op in ("aten.unbind.int",):
-        axis = _norm_dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    axis = split_axis(node)
     dims = []
     for i, size in enumerate(shape):
         if i == axis:

@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     # intra-op layouts are priced op by op: a profile database's op times (autopar profile-ops) apply, its layer
     # times (profile-segments, Megatron's layouts as the runtime applies them) do not
     profile = load_profile(args, cluster)
-    ops = profile.op_times(ranks=min(cluster.devices_per_node, cluster.num_devices), dtype=args.dtype) or None \
-        if profile is not None else None
+    ops = profile.op_times(ranks=cluster.ranks_per_host, dtype=args.dtype) or None if profile is not None else None
     zoo = _load(args).zoo
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json

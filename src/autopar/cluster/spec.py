@@ -190,6 +190,11 @@ class Cluster:
     def num_devices(self) -> int:
         return self.devices_per_node * self.nodes
 
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks sharing one host: a node's devices, or all of them where the cluster is part of one node."""
+        return min(self.devices_per_node, self.num_devices)
+
     def with_devices(self, count: int) -> Cluster:
         """The same hardware sized to ``count`` devices (whole nodes, or part of one node)."""
         if count < 1:

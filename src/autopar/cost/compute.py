@@ -79,7 +79,7 @@ def sequence_seconds(
 
     ``ops`` (an `autopar.profiling.ops.OpTimes`, eager kernels only: ops were timed one kernel each): an op it
     measured (the nodes traced at ``traced_batch`` samples) is priced by its measured times instead of
-    `node_seconds`. ``tally``: a one-element list the measured seconds (forward and backward) are added to."""
+    `node_seconds`. ``tally``: a two-element list the measured seconds are added to (forward, backward)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     forward = backward = 0.0
@@ -89,7 +89,7 @@ def sequence_seconds(
             if found is not None:
                 forward, backward = forward + found[0], backward + found[1]
                 if tally is not None:
-                    tally[0] += found[0] + found[1]
+                    tally[0], tally[1] = tally[0] + found[0], tally[1] + found[1]
                 continue
             forward += node_seconds(node, device, backward=False, shard=shard)
             backward += node_seconds(node, device, backward=True, shard=shard)

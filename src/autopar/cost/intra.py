@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
-from autopar.analysis.dims import OpDims
+from autopar.analysis.dims import OpDims, split_axis
 from autopar.capture import Node
 from autopar.cluster import Cluster, collective_seconds
 from autopar.cluster.calls import CommCall, Phase
@@ -304,7 +304,7 @@ class IntraCost:
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if not node.is_view and strategy.outputs:
                 cost.temporary = max(cost.temporary, node.output_bytes / self.ways(strategy.outputs[0]))
-        tally = [0.0]
+        tally = [0.0, 0.0]
         cost.compute_forward, cost.compute_backward = sequence_seconds(
             priced, self.cluster.device, kernels=self.kernels, ops=self.ops, traced_batch=self.traced_batch,
             tally=tally)
@@ -314,8 +314,8 @@ class IntraCost:
             backward = dispatch[1] * sum(1 for node, _ in priced if not node.is_view)
             cost.compute_forward += forward
             cost.compute_backward += backward
-            tally[0] += forward + backward
-        cost.measured = tally[0]
+            tally[0], tally[1] = tally[0] + forward, tally[1] + backward
+        cost.measured = tally[0] + tally[1]
         return cost
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001
@@ -367,10 +367,8 @@ class IntraCost:
     def _dims(self, node: Node) -> OpDims:
         """``node``'s dims (`analysis.dims.op_dims`), as DTensor splits them where ``dtensor``."""
         dims = op_dims(node)
-        if self.dtensor and node.op.startswith(("aten.split", "aten.chunk")) and node.inputs:
-            rank = len(node.inputs[0].shape)
-            axis = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], int) else 0
-            axis = axis % rank if rank else 0
+        if self.dtensor and node.op.startswith("aten.split") and node.inputs:  # `dims._slice` splits these freely
+            axis = split_axis(node)
             return replace(dims, dims=tuple(replace(d, split=Split.FIXED) if d.inputs and d.inputs[0] == axis else d
                                             for d in dims.dims))
         return dims

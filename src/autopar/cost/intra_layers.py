@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -294,21 +295,8 @@ class IntraLayers:
     def _sequence(self, priced: list, tally: list[float] | None = None) -> tuple[float, float]:
         """`sequence_seconds` of ``priced`` on the model's device, ops the profile database timed at their
         measured times (their forward and backward seconds added to ``tally``)."""
-        ops = self.model.op_times
-        if tally is None or not ops:
-            return sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels, ops=ops,
-                                    traced_batch=self.model.traced_batch)
-        forward, backward = 0.0, 0.0
-        for node, shard in priced:  # one op at a time, to tell forward from backward in what was measured
-            found = ops.seconds(node, traced_batch=self.model.traced_batch, shard=shard)
-            f, b = sequence_seconds([(node, shard)], self.model.cluster.device, kernels=self.model.kernels, ops=ops,
-                                    traced_batch=self.model.traced_batch)
-            if found is not None and self.model.kernels == "eager":
-                tally[0], tally[1] = tally[0] + f, tally[1] + b
-            forward, backward = forward + f, backward + b
-        if self.model.kernels != "eager":  # fused chains span ops: price the sequence whole
-            return sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels)
-        return forward, backward
+        return sequence_seconds(priced, self.model.cluster.device, kernels=self.model.kernels,
+                                ops=self.model.op_times, traced_batch=self.model.traced_batch, tally=tally)
 
     def _row_calls(self, ic: IntraCost, row: int, tp_axis: AxisPlacement, sp: bool,
                    choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall]] | None:
@@ -468,7 +456,7 @@ class IntraLayers:
 
     def _assemble(self, row: int, level: str, forward: float, backward: float, calls: list[CommCall], saved: float,
                   temporary: float, params: float, attention: list, scale: float, tp_axis: AxisPlacement,
-                  sp: bool, tally: list[float] = (0.0, 0.0)) -> LayerPrice:
+                  sp: bool, tally: Sequence[float] = (0.0, 0.0)) -> LayerPrice:
         """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued;
         ``tally``: the forward and backward seconds among them the profile database measured)."""
         measured = tally[0] + tally[1]

@@ -287,7 +287,7 @@ class PipelineModel:
             from autopar.profiling.segments import row_fingerprints
 
             self._fingerprints = row_fingerprints(self)
-            self._ranks = min(cluster.devices_per_node, cluster.num_devices)  # ranks sharing a host
+            self._ranks = cluster.ranks_per_host
             self.op_times = profile.op_times(ranks=self._ranks, dtype=dtype) or None
         ids: dict[tuple, int] = {}  # layers that price alike share an id (a cheap price-cache key)
         self._signature = [ids.setdefault(self._layer_signature(layer), len(ids)) for layer in self.layers]

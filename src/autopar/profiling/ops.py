@@ -23,6 +23,7 @@ work it was traced at only, if at all; one that cannot be replayed is left to th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -135,8 +136,6 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
     op at once in step. ``wrap`` turns each input and output gradient into what the op runs on (a DTensor, to
     time DTensor's dispatch); ``inside`` (a function making a context manager) is entered around each forward, as
     a runtime runs its ops. Raises where the op cannot run on such inputs."""
-    import contextlib
-
     inside = inside or contextlib.nullcontext
     sync = sync or (lambda: None)
     barrier = barrier or (lambda: None)

@@ -270,14 +270,10 @@ def intra_prediction(plan: Plan, graph: Any, *, gloo: bool | None = None) -> lis
     ``graph`` (the plan's model traced in fp32 at the plan's micro-batch size), its blocks split as the plan says.
     On gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor gathers the whole value instead and
     keeps its own part: each predicted all-to-all is counted as that all-gather."""
-    from autopar.cluster import build_mesh, load_cluster
-    from autopar.search.intra import build_space, choice_of, estimate_choice
+    from autopar.cluster import load_cluster
+    from autopar.search.intra import repriced
 
-    cluster = load_cluster("cpu").with_devices(plan.devices)
-    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(plan.mesh.shape)})
-    space = build_space(graph, mesh, cluster, kernels=plan.kernels, scatter_partials=plan.kind != "megatron")
-    estimate = estimate_choice(space, choice_of(space, plan.blocks), zero=plan.zero, micro_batches=plan.micro_batches,
-                               global_batch=plan.micro_batch_size * plan.micro_batches, dtype="fp32")
+    estimate = repriced(plan, graph, load_cluster("cpu").with_devices(plan.devices)).estimate
     if gloo is None:
         gloo = not torch.cuda.is_available()
     sizes = dict(zip(plan.mesh.axes, plan.mesh.shape))

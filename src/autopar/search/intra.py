@@ -599,6 +599,20 @@ def choice_of(space: Space, blocks: Sequence[Block]) -> tuple[int, ...]:
     return tuple(c if c is not None else 0 for c in choice)
 
 
+def repriced(plan: Plan, graph: Graph, cluster: Cluster, *, dtype: str = "fp32", ops: Any = None) -> IntraPlan:
+    """An intra-op ``plan`` (as written) priced again for ``graph`` (its model traced at its micro-batch size) on
+    ``cluster`` sized to it: its blocks' splits, micro-batching and ZeRO stage as the plan says; ``ops``: measured
+    op times (`autopar.profiling.ops.OpTimes`)."""
+    mesh = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(plan.mesh.shape)})
+    space = build_space(graph, mesh, cluster, kernels=plan.kernels, scatter_partials=plan.kind != "megatron",
+                        ops=ops, traced_batch=plan.micro_batch_size)
+    choice = choice_of(space, plan.blocks)
+    estimate = estimate_choice(space, choice, zero=plan.zero, micro_batches=plan.micro_batches,
+                               global_batch=plan.micro_batch_size * plan.micro_batches, dtype=dtype)
+    return IntraPlan(kind=plan.kind, space=space, choice=choice, zero=plan.zero, micro_batches=plan.micro_batches,
+                     micro_batch_size=plan.micro_batch_size, estimate=estimate)
+
+
 def measured_share(plan: IntraPlan) -> float:
     """The share of ``plan``'s iteration that measured op times (`autopar profile-ops`) priced; 0 without them."""
     space, m = plan.space, plan.micro_batches
