@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import dataclasses
 import math
 
@@ -196,3 +197,55 @@ def test_every_compute_figure_is_measured_with_the_peers_at_the_same_point(monke
     profile = compute.measure_compute(torch.device("cpu"), together=lambda: meetings.append(len(meetings)))
     assert len(meetings) == 3 + 4
     assert len(profile.gemm) == 3 and profile.peak > 0
+
+
+def test_a_gpu_calibration_keeps_each_dtype_and_is_set_beside_the_preset_it_replaces() -> None:
+    """On a GPU, bf16 and fp16 GEMMs are measured beside fp32: each dtype gets its own peak, the device keeps the
+    bf16 curve (what GPU training computes in) and the attention core against the bf16 peak, and the GPU's memory.
+    `against` sets each GEMM beside the preset's assumption: a share of the preset's peak for that dtype, and the
+    preset's efficiency at that size."""
+    from autopar.cluster.compute import ComputeProfile
+
+    fp32 = ((256, 1024, 1024, 10e12), (4096, 4096, 4096, 50e12))
+    bf16 = ((256, 1024, 1024, 20e12), (4096, 4096, 4096, 600e12))
+    profile = ComputeProfile(gemm=fp32, bandwidth=4e12, attention=300e12, op_forward=1e-5, op_backward=2e-5,
+                             seconds=1.0, low_precision=(("bf16", bf16),))
+    assert profile.peaks == {"fp32": 50e12, "bf16": 600e12} and profile.curve_dtype == "bf16"
+    base = PRESETS["h200-141g-sxm"].device
+    device = profile.device(base, memory=140e9)
+    assert device.peak("bf16") == 600e12 and device.peak("fp32") == 50e12
+    assert device.memory == 140e9 and device.efficiency["attention"] == pytest.approx(0.5)
+    assert device.matmul_efficiency(2 * 256 * 1024 * 1024) == pytest.approx(20 / 600)
+    rows = profile.against(base)
+    assert [(r["dtype"], r["m"]) for r in rows] == [("fp32", 256), ("fp32", 4096), ("bf16", 256), ("bf16", 4096)]
+    assert rows[3]["of_preset_peak"] == pytest.approx(600 / 989) and rows[3]["preset_efficiency"] == 0.7
+    assert profile.to_dict()["low_precision"]["bf16"][1]["tflops"] == pytest.approx(600)
+
+
+@pytest.mark.slow
+def test_one_rank_calibrates_compute_and_keeps_the_presets_links(capsys) -> None:
+    """``--nproc 1`` (one GPU's compute): no link is measured, the base preset's links and topology are kept and the
+    report says so; a preset named with --base is the one replaced, and each GEMM is set beside it."""
+    from autopar.cluster import compute
+    from tests.test_cli import run_cli
+
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "a100-80g-sxm", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fit"] is None and data["measurements"] == [] and data["base"] == "a100-80g-sxm"
+    cluster = data["cluster"]
+    assert cluster["devices_per_node"] == 8 and cluster["links"]["inter"]["bandwidth_gbps"] == 24.0
+    assert cluster["device"]["name"] == "A100-80G-SXM (measured)"
+    assert len(data["against_base"]) == len(compute.GEMM_SHAPES)
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "a100-80g-sxm")
+    assert code == 0 and "links not measured (one rank): a100-80g-sxm's are kept" in out
+    assert "measured against the a100-80g-sxm preset" in out
+
+
+def test_a_calibration_with_nothing_to_measure_or_an_unknown_base_is_refused(capsys) -> None:
+    from tests.test_cli import run_cli
+
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "tpu")
+    assert code == 2 and "--base 'tpu' is not a preset" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--links-only")
+    assert code == 2 and "nothing to measure" in err and len(err.strip().splitlines()) == 1

@@ -105,7 +105,7 @@ def test_cluster_file_must_be_a_small_regular_utf8_file(capsys, tmp_path, monkey
         "pipe.yaml": "pipe.yaml: cluster file must be a regular file, got a named pipe",
         ".": ".: cluster file must be a regular file, got a folder",
         "nothing.yaml": "unknown cluster 'nothing.yaml': not a preset (a100-40g-pcie, a100-80g-sxm, v100-32g-nvlink, "
-                        "h100-80g-sxm, cpu) and no such file",
+                        "h100-80g-sxm, h200-141g-sxm, cpu) and no such file",
         "big.yaml": "big.yaml: cluster file must be at most 1 MiB, got 1,048,577 bytes",
         "latin.yaml": "latin.yaml: cluster file must be UTF-8 text, got byte 0xe9 at offset 9",
         "broken.yaml": "broken.yaml: cannot parse cluster file: expected ',' or ']', but got ':' at line 2, column 6",

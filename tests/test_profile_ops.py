@@ -192,3 +192,23 @@ def test_intra_op_plans_pay_dtensor_dispatch_on_every_op() -> None:
     ops = len(graph.nodes)
     computed = sum(1 for n in graph.nodes if not n.is_view)
     assert after.compute_seconds - before.compute_seconds == pytest.approx(1e-3 * ops + 2e-3 * computed, rel=1e-6)
+
+
+def test_ops_taking_a_list_of_tensors_replay_and_a_gpu_runs_the_attention_core_a_cpu_trace_recorded() -> None:
+    """``cat`` recorded its tensors as a list: it is replayed with a list (it was skipped before). A model traced on
+    a CPU records SDPA's CPU kernel, which no GPU has: on a GPU the op is timed as `_attention`, which computes what
+    the CPU kernel does, grouped-query attention included."""
+    from autopar.profiling.ops import _attention
+
+    zoo = load("llama-7b", batch=1, seq=16, dtype=torch.float32, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128,
+               vocab=128)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    jobs = [j for j in distinct_ops(graph.nodes) if j.key[0] == "aten.cat.default"]
+    assert jobs
+    times, skipped = measure(jobs, [(1, 1), (2, 1)], repeats=2)
+    assert not skipped and len(times) == 2 * len(jobs)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    for causal in (False, True):
+        expected = cpu(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), 0.0, causal)[0]
+        torch.testing.assert_close(_attention(q, k, v, 0.0, causal), expected)

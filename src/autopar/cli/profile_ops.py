@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
         "(--samples) and each tensor-parallel split of the op (--tp), with --nproc ranks timing at once as a "
         "plan's ranks share the host, one thread each. Times are added to --db (created if absent; points measured "
         "again are replaced): estimate/plan/analyze --profile-db then price those ops by them, the rest by the "
-        "roofline. Measured in fp32, as autopar run trains.",
+        "roofline. Measured in fp32 on a CPU, as autopar run trains; on a CUDA device in --dtype (default fp32).",
     )
     add_model_arguments(parser)
     parser.add_argument("--db", required=True, metavar="FILE", help="profile database to create or extend (JSON)")
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per op and size, after a warm-up; each "
                         "time is their median (default 9)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run, dtype="fp32")
+    parser.set_defaults(handler=run, dtype="fp32")  # --dtype bf16 or fp16 on a CUDA device
 
 
 def points_of(samples: list[int], ways: list[int]) -> list[tuple[int, int]]:
@@ -68,11 +68,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.dtype != "fp32":  # the runtime trains in fp32: times of another dtype would be of no run
-        raise ValueError(f"--dtype {args.dtype}: ops are profiled in fp32, as autopar run trains them; leave --dtype "
-                         "out")
-    check_writable(args.db, flag="--db")
     on_cuda = torch.cuda.is_available()
+    if args.dtype != "fp32" and not on_cuda:  # a CPU run trains in fp32: other times would be of no run
+        raise ValueError(f"--dtype {args.dtype}: on a CPU ops are profiled in fp32, as autopar run trains them; "
+                         "leave --dtype out (bf16 and fp16 are profiled on a CUDA device)")
+    if on_cuda and args.nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} CUDA device(s), one "
+                         f"per rank; use --nproc {torch.cuda.device_count()} or fewer")
+    check_writable(args.db, flag="--db")
     device = this_device(torch.device("cuda", 0) if on_cuda else None, threads=1)
     db = ProfileDB.load(args.db, device=device) if Path(args.db).exists() else ProfileDB(device=device)
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))

@@ -41,24 +41,28 @@ class Calibration:
     seconds: tuple[float, ...]
     bandwidth: float  # fitted bus bandwidth, bytes/s
     latency: float  # per ring step, seconds
-    fit_error: float  # largest relative error of the fitted line over messages >= 4 MiB
+    fit_error: float | None  # largest relative error of the fitted line over messages >= 4 MiB; None on one rank
     wall_seconds: float
     compute: ComputeProfile | None = None  # rank 0's, measured while every rank measured its own
+    base: Cluster | None = None  # the preset the measurements replaced figures of
+    links_measured: bool = True  # false on one rank: the links are the base's
 
 
-def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...], compute: bool) -> tuple[list[float], Any]:
+def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...], compute: bool,
+            ) -> tuple[list[float], Any, float | None]:
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= rendezvous.world else "gloo"
     rendezvous.join(rank, backend=backend)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     try:
-        results = _time_all_reduce(sizes, device)
+        results = _time_all_reduce(sizes, device) if rendezvous.world > 1 else []
         dist.barrier()
         profile = measure_compute(device, together=dist.barrier) if compute else None  # as they train
         dist.barrier()  # no rank tears the group down while a peer still finishes its last collective
     finally:
         dist.destroy_process_group()
-    return results, profile
+    return results, profile, memory
 
 
 def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float]:
@@ -81,16 +85,20 @@ def _time_all_reduce(sizes: tuple[int, ...], device: torch.device) -> list[float
 
 
 def measure(nproc: int, sizes: tuple[int, ...] = SIZES, *, compute: bool = False,
-            ) -> tuple[list[float], ComputeProfile | None]:
-    """Median all-reduce seconds per size on ``nproc`` new ranks (rank 0's timings), and with
-    ``compute`` rank 0's `ComputeProfile`, measured while every rank measures its own.
+            ) -> tuple[list[float], ComputeProfile | None, float | None]:
+    """Median all-reduce seconds per size on ``nproc`` new ranks (rank 0's timings; none on one rank), with
+    ``compute`` rank 0's `ComputeProfile`, measured while every rank measures its own, and its GPU's memory in
+    bytes (None on a CPU).
 
     A rank that dies or raises stops the others and raises `RankError` naming it, within a second."""
-    if nproc < 2:
-        raise ValueError(f"--nproc must be at least 2 to measure a link, got {nproc}")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if nproc == 1 and not compute:
+        raise ValueError("--nproc 1 measures no link (an all-reduce needs 2 ranks) and --links-only no compute: "
+                         "nothing to measure; use --nproc 2 or more, or leave --links-only out")
     with sigterm_raises():
-        seconds, profile = run_ranks(_worker, nproc, args=(sizes, compute))[0]
-    return list(seconds), profile
+        seconds, profile, memory = run_ranks(_worker, nproc, args=(sizes, compute))[0]
+    return list(seconds), profile, memory
 
 
 def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[float, float, float]:
@@ -112,22 +120,50 @@ def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[
     return float(bandwidth), float(latency), error
 
 
+def base_preset(name: str | None = None) -> Cluster:
+    """The preset a calibration starts from: ``name``, else the one whose device is this machine's first GPU (by
+    its name: H100, H200, A100 80 or 40 GB, V100), else the ``cpu`` preset (which a GPU without a preset also
+    gets: its links stay unmeasured guesses on one rank)."""
+    if name is not None:
+        if name not in PRESETS:
+            raise ValueError(f"--base {name!r} is not a preset; presets: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0).upper()
+        memory = torch.cuda.get_device_properties(0).total_memory
+        for marker, preset in (("H200", "h200-141g-sxm"), ("H100", "h100-80g-sxm"), ("V100", "v100-32g-nvlink")):
+            if marker in gpu:
+                return PRESETS[preset]
+        if "A100" in gpu:
+            return PRESETS["a100-80g-sxm" if memory > 48 * 2**30 else "a100-40g-pcie"]
+    return PRESETS["cpu"]
+
+
 def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[str], None] | None = None,
               compute: bool = True) -> Calibration:
-    """Measure, fit, and return ``base`` (default: the ``cpu`` preset) with the measured links and, with
-    ``compute``, the measured device (`ComputeProfile.device`)."""
+    """Measure, fit, and return ``base`` (default `base_preset`) with the measured links and, with ``compute``,
+    the measured device (`ComputeProfile.device`). On one rank no link is measured: the links are ``base``'s,
+    its topology too, and `Calibration.links_measured` is false."""
     start = time.perf_counter()
-    base = base or PRESETS["cpu"]
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    base = base or base_preset()
     if progress:
-        progress(f"measuring all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB"
+        what = f"all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB" if nproc > 1 else \
+            "one rank (no link: the preset's links are kept)"
+        progress(f"measuring {what}"
                  + (", then each rank's compute (GEMMs, bandwidth, attention, per-op cost)" if compute else "")
                  + " ...")
-    sizes = tuple(sorted(SIZES))
-    seconds, profile = measure(nproc, sizes, compute=compute)
+    sizes = tuple(sorted(SIZES)) if nproc > 1 else ()
+    seconds, profile, memory = measure(nproc, sizes, compute=compute)
+    device = profile.device(base.device, memory=memory) if profile is not None else base.device
+    if nproc == 1:
+        cluster = replace(base, name=f"{base.name}-calibrated", device=device)
+        return Calibration(cluster, nproc, (), (), base.intra.bandwidth, base.intra.latency, None,
+                           time.perf_counter() - start, profile, base, links_measured=False)
     bandwidth, latency, error = fit_link(sizes, seconds, nproc)
     link = Link(bandwidth=bandwidth, latency=latency, measured=Measured(ranks=nproc, bytes=sizes, seconds=tuple(seconds)))
-    device = profile.device(base.device) if profile is not None else base.device
     cluster = replace(base, name=f"{base.name}-calibrated", devices_per_node=nproc, nodes=1, intra=link, inter=link,
                       device=device)
     return Calibration(cluster, nproc, sizes, tuple(seconds), bandwidth, latency, error, time.perf_counter() - start,
-                       profile)
+                       profile, base)

@@ -60,6 +60,16 @@ PRESETS: dict[str, Cluster] = {
         intra=Link(bandwidth=370 * GB, latency=3e-6),  # NVLink 4 through NVSwitch
         inter=Link(bandwidth=45 * GB, latency=8e-6),  # 8 x 400 Gb/s InfiniBand
     ),
+    "h200-141g-sxm": Cluster(
+        name="h200-141g-sxm",
+        device=Device(
+            name="H200-141G-SXM", memory=141 * GB, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+            hbm_bandwidth=4800 * GB, efficiency=dict(_GPU_EFFICIENCY),
+        ),
+        devices_per_node=8, nodes=1,
+        intra=Link(bandwidth=370 * GB, latency=3e-6),  # NVLink 4 through NVSwitch, as the H100's
+        inter=Link(bandwidth=45 * GB, latency=8e-6),  # 8 x 400 Gb/s InfiniBand
+    ),
     # This machine: gloo over loopback between processes on 2 cores (see PYTORCH-FACTS); replace with
     # `autopar calibrate` output for a measured table.
     "cpu": Cluster(

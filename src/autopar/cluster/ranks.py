@@ -73,6 +73,10 @@ class Rendezvous:
             interface = loopback_interface()
             if interface:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
+        if backend == "nccl":  # one GPU per rank, as NCCL requires; rank 0 of one rank takes the first
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=rank, world_size=self.world)
 

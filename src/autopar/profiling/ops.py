@@ -112,25 +112,40 @@ def shapes_at(node: Node, samples: int, ways: int) -> tuple[tuple[int, ...], ...
     return tuple(tuple(s) for s in shapes)
 
 
-def _operator(name: str) -> Any:
-    """The aten overload a node's op names ("aten.addmm.default")."""
+def _operator(name: str, device: str = "cpu") -> Any:
+    """The aten overload a node's op names ("aten.addmm.default"); on a GPU, the attention core a CPU trace
+    recorded becomes the device's own (`_attention`)."""
+    if device != "cpu" and name in _CPU_ATTENTION:
+        return _attention
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
-def _tensor(shape: tuple[int, ...], dtype: str, generator: torch.Generator) -> torch.Tensor:
+# models are traced on a CPU's fake tensors, where SDPA dispatches to a CPU kernel no GPU has
+_CPU_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default"}
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+               is_causal: bool = False, *_: Any) -> torch.Tensor:
+    """What the CPU op computes, on this device's fastest kernel (flash attention on a GPU), grouped-query
+    attention included."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=query.shape[-3] != key.shape[-3])
+
+
+def _tensor(shape: tuple[int, ...], dtype: str, generator: torch.Generator, device: str = "cpu") -> torch.Tensor:
     torch_dtype = _TORCH_DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype {dtype}")
     if torch_dtype.is_floating_point:
-        return torch.randn(shape, dtype=torch_dtype, generator=generator).requires_grad_()
+        return torch.randn(shape, dtype=torch_dtype, generator=generator, device=device).requires_grad_()
     if torch_dtype is torch.bool:
-        return torch.ones(shape, dtype=torch.bool)
-    return torch.zeros(shape, dtype=torch_dtype)
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return torch.zeros(shape, dtype=torch_dtype, device=device)
 
 
 def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync: Any = None,
-            barrier: Any = None, wrap: Any = None, inside: Any = None) -> tuple[float, float]:
+            barrier: Any = None, wrap: Any = None, inside: Any = None, device: str = "cpu") -> tuple[float, float]:
     """Median seconds of ``node``'s op forward, and of its backward (0 where no output needs a gradient), on
     random inputs of ``shapes``, after a warm-up. ``barrier`` (called before each run) keeps ranks measuring one
     op at once in step. ``wrap`` turns each input and output gradient into what the op runs on (a DTensor, to
@@ -140,15 +155,17 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
     sync = sync or (lambda: None)
     barrier = barrier or (lambda: None)
     wrap = wrap or (lambda t: t)
-    generator = torch.Generator().manual_seed(0)
-    tensors = [wrap(_tensor(shape, info.dtype, generator)) for shape, info in zip(shapes, node.inputs)]
-    operator = _operator(node.op)
+    generator = torch.Generator(device=device).manual_seed(0)
+    tensors = [wrap(_tensor(shape, info.dtype, generator, device)) for shape, info in zip(shapes, node.inputs)]
+    operator = _operator(node.op, device)
 
     in_place = node.op.split(".")[1].endswith("_")  # an in-place op writes a copy: a leaf cannot be written
 
     def call() -> Any:
         it = iter(t.clone() if in_place else t for t in tensors)
-        args = [next(it) if a == TENSOR_ARG else a for a in node.args]
+        # a list of tensors (cat, stack) was recorded as a tuple of TENSOR_ARG
+        args = [next(it) if a == TENSOR_ARG else [next(it) if x == TENSOR_ARG else x for x in a]
+                if isinstance(a, tuple) and TENSOR_ARG in a else a for a in node.args]
         args += list(it)  # tensors the record kept apart from its arguments (none for most ops)
         with inside():
             return operator(*args)
@@ -172,7 +189,7 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
         out = flat(call())
         if not out or not inputs:
             continue
-        grads = [wrap(torch.randn(o.shape, dtype=o.dtype, generator=generator)) for o in out]
+        grads = [wrap(torch.randn(o.shape, dtype=o.dtype, generator=generator, device=device)) for o in out]
         barrier()
         sync()
         begin = time.perf_counter()
@@ -220,7 +237,8 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
     sync = torch.cuda.synchronize if on_cuda else None
     barrier = dist.barrier if dist.get_world_size() > 1 else None
     try:
-        times, skipped = measure(jobs, points, repeats=repeats, sync=sync, barrier=barrier)
+        times, skipped = measure(jobs, points, repeats=repeats, sync=sync, barrier=barrier,
+                                 device="cuda" if on_cuda else "cpu")
         dispatch = dispatch_overhead(jobs, repeats=repeats, sync=sync, barrier=barrier,
                                      device="cuda" if on_cuda else "cpu")
     finally:
@@ -253,9 +271,9 @@ def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, ba
         if shapes is None:
             continue
         try:
-            plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier)
+            plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, device=device)
             wrapped = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, wrap=replicated,
-                              inside=running)
+                              inside=running, device=device)
         except Exception:  # noqa: BLE001 - an op DTensor has no rule for, or that cannot be replayed: left out
             continue
         forward.append(wrapped[0] - plain[0])
@@ -267,7 +285,7 @@ def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, ba
 
 
 def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: int, sync: Any = None,
-            barrier: Any = None) -> tuple[list[tuple], list[tuple]]:
+            barrier: Any = None, device: str = "cpu") -> tuple[list[tuple], list[tuple]]:
     """`profile_ops_rank`'s work in this process."""
     times: list[tuple] = []
     skipped: list[tuple] = []
@@ -279,7 +297,8 @@ def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: 
             if shapes is None:
                 continue
             try:
-                forward, backward = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier)
+                forward, backward = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier,
+                                            device=device)
             except Exception as exc:  # noqa: BLE001 - an op that cannot run at these shapes: the roofline prices it
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
                 continue
