@@ -151,10 +151,18 @@ def test_profile_ops_times_each_distinct_op_and_estimate_reads_them(capsys, tmp_
     code, out, err = run_cli(capsys, *argv)  # measured again: replaced, not added
     assert code == 0, err
     assert len(ProfileDB.load(db).ops) == data["timed_ops"]
+    # every collective kind on the group of both ranks, at the model's sizes, ascending
+    assert sorted(c["kind"] for c in data["collectives"]) == ["all_gather", "all_reduce", "all_to_all",
+                                                              "reduce_scatter"]
+    assert all(c["group"] == 2 and len(c["points"]) >= 2 and all(p["ms"] > 0 for p in c["points"])
+               for c in data["collectives"])
+    assert all(a["bytes"] < b["bytes"] for c in data["collectives"] for a, b in zip(c["points"], c["points"][1:]))
     estimate = ["estimate", *GPT, "--gpus", "2", "--batch", "4", "--dtype", "fp32", "--cluster", "cpu", "--json"]
     code, out, err = run_cli(capsys, *estimate, "--profile-db", str(db))
     assert code == 0, err
-    assert json.loads(out)["profile"]["measured_share"] > 0.5
+    profile = json.loads(out)["profile"]
+    assert profile["measured_share"] > 0.5
+    assert profile["collectives"] == ["all_gather/2", "all_reduce/2", "all_to_all/2", "reduce_scatter/2"]
     code, out, err = run_cli(capsys, *argv[:-1], "--dtype", "bf16")
     assert code == 2 and "--dtype bf16" in err and "Traceback" not in err
 
@@ -212,3 +220,46 @@ def test_ops_taking_a_list_of_tensors_replay_and_a_gpu_runs_the_attention_core_a
     for causal in (False, True):
         expected = cpu(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), 0.0, causal)[0]
         torch.testing.assert_close(_attention(q, k, v, 0.0, causal), expected)
+
+
+def test_collectives_measured_by_kind_price_that_kind_on_groups_of_their_size(tmp_path) -> None:
+    """A profile database's collective tables become the cluster's link tables (`ProfileDB.links`): a collective
+    of that kind on a group of that size is read from its table (log-log between sizes, the smallest's time below
+    them, scaled by size above), every other one priced as before. The tables survive the database's and the
+    cluster file's round trips; a malformed entry is refused naming the file."""
+    from autopar.cluster import Collective, flat_seconds
+    from autopar.cluster.spec import cluster_from_dict, cluster_to_dict
+    from autopar.profiling.db import CollectiveEntry
+
+    db = ProfileDB(device=DEVICE)
+    db.add_collective(CollectiveEntry("all_gather", 2, 2, ((4096, 1e-4), (1 << 20, 4e-3)), 3))
+    db.add_collective(CollectiveEntry("all_gather", 2, 2, ((1 << 20, 2e-3), (1 << 22, 9e-3)), 3))  # replaced
+    db.add_collective(CollectiveEntry("reduce_scatter", 2, 4, ((4096, 1e-4), (1 << 20, 5e-3)), 3))  # 4 on the host
+    path = tmp_path / "db.json"
+    db.save(path)
+    again = ProfileDB.load(path)
+    assert again.collectives[("all_gather", 2, 2)].points == ((4096, 1e-4), (1 << 20, 2e-3), (1 << 22, 9e-3))
+    cluster = load_cluster("cpu").with_devices(2)
+    priced = again.links(cluster)
+    link = priced.intra
+    assert [(t.kind, t.ranks) for t in link.tables] == [("all_gather", 2)]  # measured with 2 ranks on the host
+    assert flat_seconds(Collective.ALL_GATHER, 1 << 20, 2, link) == pytest.approx(2e-3)
+    assert flat_seconds(Collective.ALL_GATHER, 1 << 21, 2, link) == pytest.approx(math.sqrt(2e-3 * 9e-3))
+    assert flat_seconds(Collective.ALL_GATHER, 1024, 2, link) == pytest.approx(1e-4)
+    assert flat_seconds(Collective.ALL_GATHER, 1 << 23, 2, link) == pytest.approx(18e-3)
+    for kind, n in ((Collective.REDUCE_SCATTER, 2), (Collective.ALL_GATHER, 4)):  # no table: priced as before
+        assert flat_seconds(kind, 1 << 20, n, link) == flat_seconds(kind, 1 << 20, n, cluster.intra)
+    assert cluster_from_dict(cluster_to_dict(priced)) == priced
+    data = json.loads(path.read_text())
+    data["collectives"][0]["points"][1][1] = -1.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=f"{re.escape(str(path))}: collectives\\[0\\]: points must be"):
+        ProfileDB.load(path)
+    data["collectives"][0]["points"] = [[1 << 20, 1e-3], [4096, 1e-4]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="ascending bytes"):
+        ProfileDB.load(path)
+    data["collectives"][0].update(points=[[4096, 1e-4]], group=3)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="group 3 does not divide the 2 ranks"):
+        ProfileDB.load(path)

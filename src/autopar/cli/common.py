@@ -155,12 +155,13 @@ def add_profile_argument(parser: argparse.ArgumentParser) -> None:
         "time was measured")
 
 
-def load_profile(args: argparse.Namespace, cluster: Any) -> Any:
-    """The --profile-db database, or None; refused (naming the file) where it was measured on another kind of
-    device than the cluster's: a CPU process's times say nothing of a GPU, nor the reverse."""
+def load_profile(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
+    """The --profile-db database, or None, and ``cluster`` with the collectives it timed on this many ranks per
+    host as its links' tables (`ProfileDB.links`); refused (naming the file) where it was measured on another kind
+    of device than the cluster's: a CPU process's times say nothing of a GPU, nor the reverse."""
     path = getattr(args, "profile_db", None)
     if path is None:
-        return None
+        return None, cluster
     from autopar.profiling import ProfileDB
 
     db = ProfileDB.load(path)
@@ -169,7 +170,7 @@ def load_profile(args: argparse.Namespace, cluster: Any) -> Any:
         raise ValueError(f"{path}: measured on {db.device!r}, but --cluster {cluster.name} is of "
                          f"{cluster.device.name} devices: profile on the cluster's kind of device, or leave "
                          "--profile-db out")
-    return db
+    return db, db.links(cluster)
 
 
 def profile_data(db: Any, model: Any, config: Any, *, global_batch: int) -> dict[str, Any] | None:
@@ -179,7 +180,9 @@ def profile_data(db: Any, model: Any, config: Any, *, global_batch: int) -> dict
         return None
     return {"db": db.path, "device": db.device,
             "measured_share": model.measured_share(config, global_batch=global_batch),
-            "root_units_measured": model.root_units_measured(config)}
+            "root_units_measured": model.root_units_measured(config),
+            # the collectives priced by the database's times on groups of that size: "all_gather/2", ...
+            "collectives": [f"{t.kind}/{t.ranks}" for t in model.cluster.intra.tables]}
 
 
 def check_out(args: argparse.Namespace) -> None:

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     global_batch = args.batch
     traced = load_and_trace(args, batch=config.mbs)
     zoo, graph = traced.zoo, traced.graph
-    profile = load_profile(args, cluster)
+    profile, cluster = load_profile(args, cluster)
     model = PipelineModel(graph, cluster, traced_batch=config.mbs, dtype=args.dtype, kernels=args.kernels,
                           profile=profile)
     uneven = sorted(w for w in model.split_widths if w % config.tp)

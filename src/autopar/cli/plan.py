@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     cluster = base.with_devices(math.prod(shape))
     # intra-op layouts are priced op by op: a profile database's op times (autopar profile-ops) apply, its layer
     # times (profile-segments, Megatron's layouts as the runtime applies them) do not
-    profile = load_profile(args, cluster)
+    profile, cluster = load_profile(args, cluster)
     ops = profile.op_times(ranks=cluster.ranks_per_host, dtype=args.dtype) or None if profile is not None else None
     zoo = _load(args).zoo
     start = time.perf_counter()
@@ -286,7 +286,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     traced = _load(args)
     zoo = traced.zoo
     cluster = load_cluster(args.cluster).with_devices(args.gpus)
-    profile = load_profile(args, cluster)
+    profile, cluster = load_profile(args, cluster)
     start = time.perf_counter()
     show = sys.stderr.isatty() and not args.json
     graph = traced.graph

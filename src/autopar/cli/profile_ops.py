@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from autopar.cli.common import add_model_arguments, load_and_trace
-from autopar.cli.render import table
+from autopar.cli.render import binary_bytes, table
 from autopar.files import check_writable
-from autopar.profiling.db import DispatchEntry, OpEntry, ProfileDB, this_device
+from autopar.profiling.collectives import sizes_for
+from autopar.profiling.db import CollectiveEntry, DispatchEntry, OpEntry, ProfileDB, this_device
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +29,9 @@ def register(subparsers: Any) -> None:
         "(--samples) and each tensor-parallel split of the op (--tp), with --nproc ranks timing at once as a "
         "plan's ranks share the host, one thread each. Times are added to --db (created if absent; points measured "
         "again are replaced): estimate/plan/analyze --profile-db then price those ops by them, the rest by the "
-        "roofline. Measured in fp32 on a CPU, as autopar run trains; on a CUDA device in --dtype (default fp32).",
+        "roofline. With 2 ranks or more, each collective kind is timed too, at the message sizes the model's plans "
+        "send, on groups of each size dividing N: the cost model then prices those collectives by their times. "
+        "Measured in fp32 on a CPU, as autopar run trains; on a CUDA device in --dtype (default fp32).",
     )
     add_model_arguments(parser)
     parser.add_argument("--db", required=True, metavar="FILE", help="profile database to create or extend (JSON)")
@@ -87,9 +90,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     say(f"timing {len(jobs)} distinct ops of {traced.zoo.config.name} at {len(points)} sizes on {args.nproc} "
         f"rank{'s' if args.nproc != 1 else ''} of {device}")
     started = time.perf_counter()
+    sizes = sizes_for(graph, samples=args.samples, ways=args.tp) if args.nproc > 1 else []
+    if sizes:
+        say(f"then each collective kind at {len(sizes)} sizes ({binary_bytes(sizes[0])} to "
+            f"{binary_bytes(sizes[-1])}) on groups of {', '.join(str(g) for g in range(2, args.nproc + 1) if args.nproc % g == 0)}")
     with sigterm_raises():
-        times, skipped, dispatch = run_ranks(profile_ops_rank, args.nproc,
-                                             args=(jobs, points, args.repeats, on_cuda))[0]
+        times, skipped, dispatch, collectives = run_ranks(profile_ops_rank, args.nproc,
+                                                          args=(jobs, points, args.repeats, on_cuda, sizes))[0]
     by_key: dict[tuple, list] = {}
     names: dict[tuple, str] = {}
     for key, name, work, forward, backward in times:
@@ -103,6 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         entry = DispatchEntry(ranks=args.nproc, dtype="fp32", forward=dispatch[0], backward=dispatch[1],
                               repeats=args.repeats)
         db.dispatch[entry.key] = entry
+    for kind, group, measured in collectives:
+        db.add_collective(CollectiveEntry(kind, group, args.nproc, tuple(measured), args.repeats))
     db.save(args.db)
     data = {
         "model": traced.zoo.config.name,
@@ -117,6 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "ops": [{"op": key[0], "inputs": json.loads(key[1]), "name": names[key],
                  "points": [{"work": w, "forward_ms": f * 1e3, "backward_ms": b * 1e3} for w, f, b in sorted(pts)]}
                 for key, pts in by_key.items()],
+        # each collective kind on groups of `group` of the ranks, all groups at once: seconds by whole buffer size
+        "collectives": [{"kind": kind, "group": group, "points": [{"bytes": b, "ms": t * 1e3} for b, t in measured]}
+                        for kind, group, measured in collectives],
         "skipped": [{"op": key[0], "inputs": json.loads(key[1]), "name": name, "why": why}
                     for key, name, why in skipped],
         "seconds": time.perf_counter() - started,
@@ -138,6 +150,14 @@ def render(data: dict[str, Any]) -> str:
     if data["dispatch"] is not None:
         lines.append(f"DTensor's dispatch adds {data['dispatch']['forward_ms']:.3f} ms forward and "
                      f"{data['dispatch']['backward_ms']:.3f} ms backward to an op (intra-op plans pay it on every op)")
+    if data["collectives"]:
+        sizes = [p["bytes"] for p in data["collectives"][0]["points"]]
+        shown = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+        lines += ["", "collectives (all groups at once; median ms per call, by the whole buffer):",
+                  table(["kind", "group", *(binary_bytes(b) for b in shown)],
+                        [[c["kind"], str(c["group"]),
+                          *(f"{next(p['ms'] for p in c['points'] if p['bytes'] == b):.2f}" for b in shown)]
+                         for c in data["collectives"]], align="lr" + "r" * len(shown))]
     for skip in data["skipped"]:
         lines.append(f"skipped {skip['op']} in {skip['name'] or '(model)'}: {skip['why']} (priced by the roofline)")
     return "\n".join(lines)

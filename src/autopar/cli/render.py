@@ -91,5 +91,7 @@ def profile_line(data: dict[str, Any]) -> list[str]:
         return []
     units = profile.get("root_units_measured", 0)
     roots = "; the root FSDP unit's gathers and reduce-scatters measured too" if units else ""
+    kinds = profile.get("collectives") or []
+    timed = f"; {', '.join(kinds)} (kind/group) priced by its collective times" if kinds else ""
     return [f"measured: {profile['measured_share']:.1%} of the layers' time from {profile['db']} "
-            f"({profile['device']}){roots}; the rest priced by the roofline"]
+            f"({profile['device']}){roots}{timed}; the rest priced by the roofline"]

@@ -14,7 +14,10 @@ B is the bus bandwidth of the tier. An axis spanning nodes runs hierarchically: 
 collective across nodes on 1/intra of the data, all-gather inside the node (all-reduce); all-gather and
 reduce-scatter run their inter-node step on M/intra. Where a tier carries a measured table (`autopar calibrate`),
 the bus bandwidth is interpolated from it by message size instead, since a single line misfits gloo by 20-45% in
-mid sizes (PYTORCH-FACTS).
+mid sizes (PYTORCH-FACTS). Where it carries a table of the collective's own kind on groups of its size (`autopar
+profile-ops --nproc N` times each kind; `--profile-db` adds them), the time is read from that table: gloo's
+all-gather and reduce-scatter of 16 MiB on 2 ranks take 1.3-1.9 times an all-reduce of the same buffer, where the
+ring model says half.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from enum import Enum
 import numpy as np
 
 from autopar.cluster.mesh import AxisPlacement
-from autopar.cluster.spec import Cluster, Link
+from autopar.cluster.spec import Cluster, Link, Measured
 
 
 class Collective(str, Enum):
@@ -64,6 +67,18 @@ def _measured_bus_bandwidth(link: Link, nbytes: float) -> float:
     return float(np.exp(np.interp(np.log(max(nbytes, 1.0)), np.log(sizes), np.log(bus))))
 
 
+def _from_table(table: Measured, nbytes: float) -> float:
+    """Seconds of one collective of ``nbytes`` from a table of its kind: interpolated log-log between the sizes
+    measured; below the smallest, the smallest's time (latency bound); above the largest, the largest's time
+    scaled by size (bandwidth bound)."""
+    sizes, seconds = table.bytes, table.seconds
+    if nbytes <= sizes[0]:
+        return seconds[0]
+    if nbytes >= sizes[-1]:
+        return seconds[-1] * nbytes / sizes[-1]
+    return float(np.exp(np.interp(np.log(nbytes), np.log(np.asarray(sizes, dtype=float)), np.log(seconds))))
+
+
 def flat_seconds(kind: Collective, nbytes: float, n: int, link: Link) -> float:
     """One collective on n ranks all on one link tier."""
     if nbytes < 0:
@@ -72,6 +87,9 @@ def flat_seconds(kind: Collective, nbytes: float, n: int, link: Link) -> float:
         raise ValueError(f"collective group size must be at least 1, got {n}")
     if n == 1 and kind is not Collective.SEND_RECV:
         return 0.0
+    table = link.table(kind.value, n)
+    if table is not None:  # this kind measured on groups of n (a profile database's collectives)
+        return _from_table(table, nbytes) if nbytes else 0.0
     factor = bus_factor(kind, n)
     if link.measured is not None:  # latency is inside the measured bandwidth
         return factor * nbytes / _measured_bus_bandwidth(link, nbytes) if nbytes else 0.0

@@ -21,6 +21,8 @@ File format (YAML or TOML; units in the key names):
       inter: {bandwidth_gbps: 22, latency_us: 8}
       # optional measured table (from `autopar calibrate`): all-reduce bus bandwidth by message size
       # intra: {..., measured: {ranks: 2, bytes: [...], seconds: [...]}}
+      # optional tables of one collective kind on groups of `ranks` (from a profile database's collectives):
+      # intra: {..., tables: [{kind: all_gather, ranks: 2, bytes: [...], seconds: [...]}]}
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ def _positive(owner: str, name: str, value: float) -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Measured:
-    """All-reduce times measured on a live process group, by message size (bytes ascending)."""
+    """Times of one collective kind (all-reduce unless named) measured on a live process group of ``ranks``, by
+    message size (bytes ascending)."""
 
     ranks: int
     bytes: tuple[int, ...]
     seconds: tuple[float, ...]
+    kind: str = "all_reduce"
 
     def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"measured.kind must be one of {', '.join(COLLECTIVE_KINDS)}, got {self.kind!r}")
         if not isinstance(self.ranks, int) or self.ranks < 2:
             raise ValueError(f"measured.ranks must be at least 2, got {self.ranks!r}")
         if len(self.bytes) != len(self.seconds) or len(self.bytes) < 2:
@@ -74,7 +80,13 @@ class Link:
 
     bandwidth: float
     latency: float
-    measured: Measured | None = None
+    measured: Measured | None = None  # all-reduce on the ranks `calibrate` ran
+    # collectives timed by kind on groups of their ranks (a profile database's; `autopar.profiling.db.ProfileDB.links`)
+    tables: tuple[Measured, ...] = ()
+
+    def table(self, kind: str, ranks: int) -> Measured | None:
+        """The table measured for ``kind`` on groups of ``ranks``, if any."""
+        return next((t for t in self.tables if t.kind == kind and t.ranks == ranks), None)
 
     def __post_init__(self) -> None:
         _positive("link", "bandwidth", self.bandwidth)
@@ -222,6 +234,8 @@ MAX_MESSAGE_BYTES = 2**50
 MAX_MEASURED_SECONDS = 3_600
 MAX_GFLOP = 1_000_000_000_000  # GFLOPs of one GEMM kernel: a zettaFLOP, beyond any real one
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MAX_TABLES = 64  # collective tables on one link tier
 EFFICIENCY_KINDS = ("matmul", "attention", "memory")
 _FIELDS = {
     "": ("name", "devices_per_node", "nodes", "device", "links"),
@@ -229,8 +243,8 @@ _FIELDS = {
                 "reserved_gib"),
     "device.gemm_efficiency.": ("gflop", "efficiency"),
     "links.": ("intra", "inter"),
-    "link": ("bandwidth_gbps", "latency_us", "measured"),
-    "measured": ("ranks", "bytes", "seconds"),
+    "link": ("bandwidth_gbps", "latency_us", "measured", "tables"),
+    "measured": ("ranks", "bytes", "seconds", "kind"),
 }
 
 
@@ -347,10 +361,14 @@ def _measured(r: _FileReader, value: Any, where: str) -> Measured:
     sizes = [r.count(b, f"{where}.bytes[{i}]", least=1, most=MAX_MESSAGE_BYTES) for i, b in enumerate(sizes)]
     if any(a >= b for a, b in zip(sizes, sizes[1:])):
         raise r.fail(f"{where}.bytes must be strictly ascending, got {_shown(sizes)}")
+    kind = m.get("kind", "all_reduce")
+    if kind not in COLLECTIVE_KINDS:
+        raise r.fail(f"{where}.kind must be one of {', '.join(COLLECTIVE_KINDS)}, got {_shown(kind)}")
     return Measured(
         ranks=r.count(r.need(m, "ranks", f"{where}."), f"{where}.ranks", least=2, most=MAX_NODES),
         bytes=tuple(sizes),
         seconds=tuple(r.number(s, f"{where}.seconds[{i}]", most=MAX_MEASURED_SECONDS) for i, s in enumerate(seconds)),
+        kind=kind,
     )
 
 
@@ -360,8 +378,12 @@ def _link(r: _FileReader, links: dict[str, Any], tier: str) -> Link:
     bandwidth = r.number(r.need(spec, "bandwidth_gbps", f"{where}."), f"{where}.bandwidth_gbps", most=MAX_GBPS)
     latency = r.number(spec.get("latency_us", 0.0), f"{where}.latency_us", zero=True, most=MAX_LATENCY_US)
     measured = spec.get("measured")
+    tables = spec.get("tables", [])
+    if not isinstance(tables, list) or len(tables) > MAX_TABLES:
+        raise r.fail(f"{where}.tables must be a list of at most {MAX_TABLES} tables, got {_shown(tables)}")
     return Link(bandwidth=bandwidth * GB, latency=latency / 1e6,
-                measured=None if measured is None else _measured(r, measured, f"{where}.measured"))
+                measured=None if measured is None else _measured(r, measured, f"{where}.measured"),
+                tables=tuple(_measured(r, t, f"{where}.tables[{i}]") for i, t in enumerate(tables)))
 
 
 def cluster_from_dict(data: dict[str, Any], *, source: str = "cluster") -> Cluster:
@@ -390,6 +412,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         if l.measured is not None:
             m = l.measured
             out["measured"] = {"ranks": m.ranks, "bytes": list(m.bytes), "seconds": list(m.seconds)}
+        if l.tables:
+            out["tables"] = [{"kind": t.kind, "ranks": t.ranks, "bytes": list(t.bytes), "seconds": list(t.seconds)}
+                             for t in l.tables]
         return out
 
     return {

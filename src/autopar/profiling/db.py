@@ -41,6 +41,13 @@ the model's ops), which intra-op plans, run op by op through DTensor, pay on eve
 
     {"ranks": 2, "dtype": "fp32", "forward": 6.1e-05, "backward": 9.8e-05, "repeats": 9}
 
+and ``collectives`` each collective kind timed on the live process group (`autopar.profiling.collectives`): on
+groups of ``group`` ranks, ``ranks`` ranks on the host all timing at once (``ranks / group`` groups side by side, as
+a plan's axis groups run), seconds by message size (bytes of the whole buffer, as `autopar.cluster.collectives`
+counts them):
+
+    {"kind": "all_gather", "group": 2, "ranks": 2, "points": [[4096, 0.0004], [1048576, 0.0016]], "repeats": 9}
+
 Files are read with every field checked: a truncated, corrupt or foreign file (another device, another torch,
 another layout version) is refused with one error naming the file and what is wrong, never used in part. Nothing
 is pickled.
@@ -171,6 +178,22 @@ class DispatchEntry:
         return (self.ranks, self.dtype)
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveEntry:
+    kind: str  # one of COLLECTIVE_KINDS
+    group: int  # ranks in each group
+    ranks: int  # ranks on the host timing at once
+    points: tuple[tuple[int, float], ...]  # (bytes, seconds), bytes ascending
+    repeats: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.group, self.ranks)
+
+
 @dataclass(slots=True)
 class ProfileDB:
     device: str
@@ -180,6 +203,7 @@ class ProfileDB:
     units: dict[tuple, UnitEntry] = field(default_factory=dict)
     ops: dict[tuple, OpEntry] = field(default_factory=dict)
     dispatch: dict[tuple, DispatchEntry] = field(default_factory=dict)
+    collectives: dict[tuple, CollectiveEntry] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -235,6 +259,31 @@ class ProfileDB:
             found = next((d for d in self.dispatch.values() if d.dtype == dtype), None)
         return OpTimes(curves, None if found is None else (found.forward, found.backward))
 
+    def add_collective(self, entry: CollectiveEntry) -> None:
+        """Add ``entry``'s points to what is known of its kind and group; a size measured again is replaced."""
+        old = self.collectives.get(entry.key)
+        points = dict(old.points) if old is not None else {}
+        points.update(dict(entry.points))
+        self.collectives[entry.key] = CollectiveEntry(entry.kind, entry.group, entry.ranks,
+                                                      tuple(sorted(points.items())), entry.repeats)
+
+    def links(self, cluster: Any) -> Any:
+        """``cluster`` with the collectives this database measured with as many ranks on the host as
+        ``cluster`` has per node as tables of its links within a node (`autopar.cluster.spec.Link.tables`; the
+        cost model then prices those collectives by them), or ``cluster`` itself where none was."""
+        from dataclasses import replace
+
+        from autopar.cluster.spec import Measured
+
+        host = cluster.devices_per_node
+        tables = tuple(Measured(ranks=e.group, bytes=tuple(b for b, _ in e.points),
+                                seconds=tuple(t for _, t in e.points), kind=e.kind)
+                       for e in sorted(self.collectives.values(), key=lambda e: e.key)
+                       if (e.ranks == host or self.kind == "cuda") and len(e.points) >= 2)
+        if not tables:
+            return cluster
+        return replace(cluster, intra=replace(cluster.intra, tables=tables))
+
     def to_json(self) -> str:
         entries = sorted(self.entries.values(),
                          key=lambda e: (e.name, e.tp, e.sp, e.recompute, e.zero, e.samples, e.ranks))
@@ -244,6 +293,9 @@ class ProfileDB:
             data["units"] = [asdict(u) for u in sorted(self.units.values(), key=lambda u: (u.name, u.dp, u.ranks))]
         if self.dispatch:
             data["dispatch"] = [asdict(d) for d in sorted(self.dispatch.values(), key=lambda d: d.key)]
+        if self.collectives:
+            data["collectives"] = [{**asdict(c), "points": [list(p) for p in c.points]}
+                                   for c in sorted(self.collectives.values(), key=lambda c: c.key)]
         if self.ops:  # files before op measurements have none
             data["ops"] = [{**asdict(o), "inputs": [list(s) for s in o.inputs], "points": [list(p) for p in o.points]}
                            for o in sorted(self.ops.values(), key=lambda o: o.key)]
@@ -294,7 +346,27 @@ class ProfileDB:
                 "forward": _non_negative, "backward": _non_negative})
             entry = DispatchEntry(**raw)
             db.dispatch[entry.key] = entry
+        for i, raw in _listed(shown, data, "collectives"):
+            db.add_collective(_collective(shown, i, raw))
         return db
+
+
+def _collective(shown: str, i: int, raw: Any) -> CollectiveEntry:
+    where = f"{shown}: collectives[{i}]"
+    _fields(where, raw, set(CollectiveEntry.__dataclass_fields__), checks={
+        "kind": lambda v: v in COLLECTIVE_KINDS, "group": lambda v: _positive_int(v) and v >= 2,
+        "ranks": _positive_int, "repeats": _positive_int, "points": lambda v: isinstance(v, list) and len(v) >= 1})
+    points = []
+    for point in raw["points"]:
+        if not (isinstance(point, list) and len(point) == 2 and _positive_int(point[0]) and _positive(point[1])):
+            raise ProfileError(f"{where}: points must be [bytes, seconds] pairs of a positive whole number of bytes "
+                               f"and positive seconds, got {point!r}")
+        points.append((point[0], float(point[1])))
+    if any(a[0] >= b[0] for a, b in zip(points, points[1:])):
+        raise ProfileError(f"{where}: points must be in ascending bytes, each size once")
+    if raw["ranks"] % raw["group"]:
+        raise ProfileError(f"{where}: group {raw['group']} does not divide the {raw['ranks']} ranks")
+    return CollectiveEntry(raw["kind"], raw["group"], raw["ranks"], tuple(points), raw["repeats"])
 
 
 def _listed(shown: str, data: dict, name: str) -> Iterable[tuple[int, Any]]:

@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -226,13 +227,17 @@ def distinct_ops(nodes: Iterable[Node]) -> list[Job]:
 
 
 def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Sequence[tuple[int, int]],
-                     repeats: int, on_cuda: bool) -> tuple[list[tuple], list[tuple]] | None:
+                     repeats: int, on_cuda: bool, sizes: Sequence[int] = ()) -> tuple | None:
     """One rank of `autopar profile-ops`: every job at every (samples, ways) point, all ranks on the same op at
-    once (as the ranks of a plan share the host while it trains). Returns on rank 0 (key, name, work, forward,
-    backward) per point measured and (key, name, why) per op that could not run; None on the others."""
+    once (as the ranks of a plan share the host while it trains), DTensor's dispatch, and with 2 ranks or more each
+    collective kind at ``sizes`` (`autopar.profiling.collectives`). Returns on rank 0 (key, name, work, forward,
+    backward) per point measured, (key, name, why) per op that could not run, the dispatch and the collectives'
+    (kind, group, points); None on the others."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # dropout's random ops on replicated DTensors (timing the dispatch) warn that a CPU mesh lacks DTensor's RNG
+    warnings.filterwarnings("ignore", message="DTensor random operators")
     rendezvous.join(rank, backend="nccl" if on_cuda else "gloo")
     sync = torch.cuda.synchronize if on_cuda else None
     barrier = dist.barrier if dist.get_world_size() > 1 else None
@@ -241,9 +246,15 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
                                  device="cuda" if on_cuda else "cpu")
         dispatch = dispatch_overhead(jobs, repeats=repeats, sync=sync, barrier=barrier,
                                      device="cuda" if on_cuda else "cpu")
+        collectives = []
+        if dist.get_world_size() > 1 and sizes:
+            from autopar.profiling.collectives import time_collectives
+
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+            collectives = time_collectives(sizes, repeats=repeats, device=device, sync=sync)
     finally:
         dist.destroy_process_group()
-    return (times, skipped, dispatch) if rank == 0 else None
+    return (times, skipped, dispatch, collectives) if rank == 0 else None
 
 
 def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, barrier: Any = None,
