@@ -207,6 +207,15 @@ class Cluster:
         """Ranks sharing one host: a node's devices, or all of them where the cluster is part of one node."""
         return min(self.devices_per_node, self.num_devices)
 
+    @property
+    def overlaps_communication(self) -> bool:
+        """Whether data-parallel collectives can run beside compute, as DDP and FSDP issue them. On GPUs they do
+        (NCCL on its own multiprocessors). Ranks that are CPU processes compute and communicate on the same cores
+        (gloo's threads), so their collectives add to the step: on 2 shared cores a ZeRO 3 step of a small GPT
+        measured 0.536 s where its ops and its collectives, each timed alone, sum to 0.368 s and overlapped
+        would be 0.222 s."""
+        return not self.device.name.startswith("cpu")
+
     def with_devices(self, count: int) -> Cluster:
         """The same hardware sized to ``count`` devices (whole nodes, or part of one node)."""
         if count < 1:

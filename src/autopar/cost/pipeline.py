@@ -490,8 +490,10 @@ class PipelineModel:
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
                  overlap: bool = True) -> PipelineEstimate:
         """Price ``config``: simulated (`cost.simulator`, data-parallel collectives overlapped unless ``overlap``
-        is False) unless ``simulate`` is False, or it is None on a model built with ``screen=True``: then the
-        closed form prices it, and the result carries no simulation."""
+        is False or the cluster's devices cannot overlap them, `Cluster.overlaps_communication`) unless
+        ``simulate`` is False, or it is None on a model built with ``screen=True``: then the closed form prices it,
+        and the result carries no simulation."""
+        overlap = overlap and self.cluster.overlaps_communication
         if config.devices != self.cluster.num_devices:
             raise ValueError(f"the configuration uses {config.devices} devices, the cluster has {self.cluster.num_devices}")
         if config.stages[-1].end != len(self.layers):
