@@ -249,3 +249,5 @@ def test_a_calibration_with_nothing_to_measure_or_an_unknown_base_is_refused(cap
     assert code == 2 and "--base 'tpu' is not a preset" in err and len(err.strip().splitlines()) == 1
     code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--links-only")
     assert code == 2 and "nothing to measure" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "2", "--base", "h100-80g-sxm")  # CPU ranks here
+    assert code == 2 and "--base h100-80g-sxm: the 2 rank(s) run on CPU processes" in err

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.nproc == 1 and args.links_only:
         raise ValueError("--nproc 1 measures no link (an all-reduce needs 2 ranks) and --links-only no compute: "
                          "nothing to measure; use --nproc 2 or more, or leave --links-only out")
-    base = base_preset(args.base)
+    base = base_preset(args.base, args.nproc)
     result = calibrate(args.nproc, base=base, progress=None if args.json else lambda m: print(m, file=sys.stderr),
                        compute=not args.links_only)
     data = cluster_to_dict(result.cluster)

@@ -92,8 +92,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     started = time.perf_counter()
     sizes = sizes_for(graph, samples=args.samples, ways=args.tp) if args.nproc > 1 else []
     if sizes:
+        groups = ", ".join(str(g) for g in range(2, args.nproc + 1) if args.nproc % g == 0)
         say(f"then each collective kind at {len(sizes)} sizes ({binary_bytes(sizes[0])} to "
-            f"{binary_bytes(sizes[-1])}) on groups of {', '.join(str(g) for g in range(2, args.nproc + 1) if args.nproc % g == 0)}")
+            f"{binary_bytes(sizes[-1])}) on groups of {groups}")
     with sigterm_raises():
         times, skipped, dispatch, collectives = run_ranks(profile_ops_rank, args.nproc,
                                                           args=(jobs, points, args.repeats, on_cuda, sizes))[0]
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         db.add_op(OpEntry(op=op, inputs=tuple(tuple(s) for s in json.loads(inputs)), dtype=dtype, ranks=args.nproc,
                           name=names[key], points=tuple(sorted(entries)), repeats=args.repeats))
     if dispatch is not None:
-        entry = DispatchEntry(ranks=args.nproc, dtype="fp32", forward=dispatch[0], backward=dispatch[1],
+        entry = DispatchEntry(ranks=args.nproc, dtype=args.dtype, forward=dispatch[0], backward=dispatch[1],
                               repeats=args.repeats)
         db.dispatch[entry.key] = entry
     for kind, group, measured in collectives:

@@ -51,7 +51,7 @@ class Calibration:
 def _worker(rank: int, rendezvous: Rendezvous, sizes: tuple[int, ...], compute: bool,
             ) -> tuple[list[float], Any, float | None]:
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= rendezvous.world else "gloo"
+    backend = "nccl" if on_gpus(rendezvous.world) else "gloo"
     rendezvous.join(rank, backend=backend)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -120,15 +120,28 @@ def fit_link(sizes: tuple[int, ...], seconds: list[float], ranks: int) -> tuple[
     return float(bandwidth), float(latency), error
 
 
-def base_preset(name: str | None = None) -> Cluster:
-    """The preset a calibration starts from: ``name``, else the one whose device is this machine's first GPU (by
-    its name: H100, H200, A100 80 or 40 GB, V100), else the ``cpu`` preset (which a GPU without a preset also
-    gets: its links stay unmeasured guesses on one rank)."""
+def on_gpus(nproc: int) -> bool:
+    """Whether ``nproc`` calibration ranks run on GPUs (one each, NCCL), as `_worker` starts them."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+
+
+def base_preset(name: str | None = None, nproc: int = 1) -> Cluster:
+    """The preset a calibration of ``nproc`` ranks starts from: ``name``, else, where the ranks run on GPUs, the
+    one whose device is this machine's first GPU (by its name: H100, H200, A100 80 or 40 GB, V100), else the
+    ``cpu`` preset (which a GPU without a preset also gets). A preset of the other kind of device than the ranks
+    run on is refused: its figures would be replaced by another device's."""
     if name is not None:
         if name not in PRESETS:
             raise ValueError(f"--base {name!r} is not a preset; presets: {', '.join(sorted(PRESETS))}")
-        return PRESETS[name]
-    if torch.cuda.is_available():
+        preset = PRESETS[name]
+        if preset.device.name.startswith("cpu") == on_gpus(nproc):
+            where = "GPUs" if on_gpus(nproc) else (
+                f"CPU processes ({nproc} ranks, {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                "CUDA devices)")
+            raise ValueError(f"--base {name}: the {nproc} rank(s) run on {where} here, and {name} is of "
+                             f"{preset.device.name} devices: name a preset of the devices measured")
+        return preset
+    if on_gpus(nproc):
         gpu = torch.cuda.get_device_name(0).upper()
         memory = torch.cuda.get_device_properties(0).total_memory
         for marker, preset in (("H200", "h200-141g-sxm"), ("H100", "h100-80g-sxm"), ("V100", "v100-32g-nvlink")):
@@ -147,7 +160,7 @@ def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[st
     start = time.perf_counter()
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    base = base or base_preset()
+    base = base or base_preset(nproc=nproc)
     if progress:
         what = f"all-reduce on {nproc} ranks, {len(SIZES)} sizes from 1 KiB to 64 MiB" if nproc > 1 else \
             "one rank (no link: the preset's links are kept)"

@@ -331,16 +331,18 @@ class IntraParallelModel(ParallelModel):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        named = [(name, p) for name, p in self.module.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
         for axis in range(self.mesh.ndim):
             pending = [p for p in params
                        if isinstance(p.grad, DTensor) and isinstance(p.grad.placements[axis], Partial)]
             if not pending:
                 continue
-            for p in pending:
-                if p.grad.placements[axis].reduce_op != "sum":
-                    raise NotImplementedError(f"the gradient of a parameter is a pending {p.grad.placements[axis]}"
-                                              " on a mesh axis; only sums are reduced")
+            for name, p in named:
+                if any(p is q for q in pending) and p.grad.placements[axis].reduce_op != "sum":
+                    axis_name = self.mesh.mesh_dim_names[axis] if self.mesh.mesh_dim_names else axis
+                    raise NotImplementedError(f"the gradient of {name} is a pending {p.grad.placements[axis]} on "
+                                              f"mesh axis {axis_name}; only sums are reduced")
             flat = torch.cat([p.grad.to_local().reshape(-1) for p in pending])
             dist.all_reduce(flat, group=self.mesh.get_group(axis))
             offset = 0
