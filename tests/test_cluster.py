@@ -225,21 +225,23 @@ def test_a_gpu_calibration_keeps_each_dtype_and_is_set_beside_the_preset_it_repl
 @pytest.mark.slow
 def test_one_rank_calibrates_compute_and_keeps_the_presets_links(capsys) -> None:
     """``--nproc 1`` (one GPU's compute): no link is measured, the base preset's links and topology are kept and the
-    report says so; a preset named with --base is the one replaced, and each GEMM is set beside it."""
+    report says so; the preset named with --base (by default this machine's: here the CPU's) is the one replaced, and
+    each GEMM is set beside it."""
     from autopar.cluster import compute
     from tests.test_cli import run_cli
 
-    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "a100-80g-sxm", "--json")
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "cpu", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["fit"] is None and data["measurements"] == [] and data["base"] == "a100-80g-sxm"
+    assert data["fit"] is None and data["measurements"] == [] and data["base"] == "cpu"
     cluster = data["cluster"]
-    assert cluster["devices_per_node"] == 8 and cluster["links"]["inter"]["bandwidth_gbps"] == 24.0
-    assert cluster["device"]["name"] == "A100-80G-SXM (measured)"
+    assert cluster["devices_per_node"] == PRESETS["cpu"].devices_per_node
+    assert cluster["links"]["inter"]["bandwidth_gbps"] == PRESETS["cpu"].inter.bandwidth / 1e9
+    assert cluster["device"]["name"] == "cpu-process (measured)"
     assert len(data["against_base"]) == len(compute.GEMM_SHAPES)
-    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1", "--base", "a100-80g-sxm")
-    assert code == 0 and "links not measured (one rank): a100-80g-sxm's are kept" in out
-    assert "measured against the a100-80g-sxm preset" in out
+    code, out, err = run_cli(capsys, "calibrate", "--nproc", "1")
+    assert code == 0 and "links not measured (one rank): cpu's are kept" in out
+    assert "measured against the cpu preset" in out
 
 
 def test_a_calibration_with_nothing_to_measure_or_an_unknown_base_is_refused(capsys) -> None:
