@@ -165,8 +165,7 @@ def load_profile(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
     from autopar.profiling import ProfileDB
 
     db = ProfileDB.load(path)
-    on_cpu = cluster.device.name.startswith("cpu")
-    if (db.kind == "cpu") != on_cpu:
+    if (db.kind == "cpu") != cluster.device.is_cpu:
         raise ValueError(f"{path}: measured on {db.device!r}, but --cluster {cluster.name} is of "
                          f"{cluster.device.name} devices: profile on the cluster's kind of device, or leave "
                          "--profile-db out")

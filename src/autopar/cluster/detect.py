@@ -134,7 +134,7 @@ def base_preset(name: str | None = None, nproc: int = 1) -> Cluster:
         if name not in PRESETS:
             raise ValueError(f"--base {name!r} is not a preset; presets: {', '.join(sorted(PRESETS))}")
         preset = PRESETS[name]
-        if preset.device.name.startswith("cpu") == on_gpus(nproc):
+        if preset.device.is_cpu == on_gpus(nproc):
             where = "GPUs" if on_gpus(nproc) else (
                 f"CPU processes ({nproc} ranks, {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
                 "CUDA devices)")

@@ -8,9 +8,22 @@ The ``a100-80g-sxm`` figures are fitted to published runs (below); the others ar
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cluster.spec import GB, GIB, Cluster, Device, Link
 
 _GPU_EFFICIENCY = {"matmul": 0.7, "attention": 0.55, "memory": 0.8}
+
+_H100 = Cluster(
+    name="h100-80g-sxm",
+    device=Device(
+        name="H100-80G-SXM", memory=80 * GIB, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        hbm_bandwidth=3350 * GB, efficiency=dict(_GPU_EFFICIENCY),
+    ),
+    devices_per_node=8, nodes=1,
+    intra=Link(bandwidth=370 * GB, latency=3e-6),  # NVLink 4 through NVSwitch
+    inter=Link(bandwidth=45 * GB, latency=8e-6),  # 8 x 400 Gb/s InfiniBand
+)
 
 PRESETS: dict[str, Cluster] = {
     "a100-40g-pcie": Cluster(
@@ -50,26 +63,11 @@ PRESETS: dict[str, Cluster] = {
         intra=Link(bandwidth=130 * GB, latency=5e-6),  # NVLink 2 hybrid cube mesh
         inter=Link(bandwidth=6 * GB, latency=10e-6),  # 4 x 100 Gb/s per node
     ),
-    "h100-80g-sxm": Cluster(
-        name="h100-80g-sxm",
-        device=Device(
-            name="H100-80G-SXM", memory=80 * GIB, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            hbm_bandwidth=3350 * GB, efficiency=dict(_GPU_EFFICIENCY),
-        ),
-        devices_per_node=8, nodes=1,
-        intra=Link(bandwidth=370 * GB, latency=3e-6),  # NVLink 4 through NVSwitch
-        inter=Link(bandwidth=45 * GB, latency=8e-6),  # 8 x 400 Gb/s InfiniBand
-    ),
-    "h200-141g-sxm": Cluster(
-        name="h200-141g-sxm",
-        device=Device(
-            name="H200-141G-SXM", memory=141 * GB, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            hbm_bandwidth=4800 * GB, efficiency=dict(_GPU_EFFICIENCY),
-        ),
-        devices_per_node=8, nodes=1,
-        intra=Link(bandwidth=370 * GB, latency=3e-6),  # NVLink 4 through NVSwitch, as the H100's
-        inter=Link(bandwidth=45 * GB, latency=8e-6),  # 8 x 400 Gb/s InfiniBand
-    ),
+    "h100-80g-sxm": _H100,
+    # the H100's chip with more and faster memory: the same peaks, NVLink and network
+    "h200-141g-sxm": replace(_H100, name="h200-141g-sxm", device=replace(
+        _H100.device, name="H200-141G-SXM", memory=141 * GB, hbm_bandwidth=4800 * GB,
+        peak_flops=dict(_H100.device.peak_flops), efficiency=dict(_GPU_EFFICIENCY))),
     # This machine: gloo over loopback between processes on 2 cores (see PYTORCH-FACTS); replace with
     # `autopar calibrate` output for a measured table.
     "cpu": Cluster(
@@ -84,3 +82,4 @@ PRESETS: dict[str, Cluster] = {
         inter=Link(bandwidth=1.0 * GB, latency=1.5e-3),
     ),
 }
+

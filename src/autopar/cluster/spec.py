@@ -135,6 +135,11 @@ class Device:
             return self.efficiency["matmul"]
         return interpolate(self.gemm_efficiency, flops)
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU process (the ``cpu`` preset and what `autopar calibrate` measures of it), not a GPU."""
+        return self.name.startswith("cpu")
+
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; bf16 falls back to fp16 (V100) and then to fp32."""
         for candidate in (dtype, "fp16" if dtype == "bf16" else dtype, "fp32"):
@@ -214,7 +219,7 @@ class Cluster:
         (gloo's threads), so their collectives add to the step: on 2 shared cores a ZeRO 3 step of a small GPT
         measured 0.536 s where its ops and its collectives, each timed alone, sum to 0.368 s and overlapped
         would be 0.222 s."""
-        return not self.device.name.startswith("cpu")
+        return not self.device.is_cpu
 
     def with_devices(self, count: int) -> Cluster:
         """The same hardware sized to ``count`` devices (whole nodes, or part of one node)."""
