@@ -23,8 +23,8 @@ predicted against measured, and whether the plan predicted fastest is the one me
 them, if a plan was refused, could not be priced with the database, or failed on the ranks in any pass.
 
 The intra-op configuration is what `autopar plan --search ilp` offers for 2 ranks (a plan `autopar run` runs, with
-DTensor: where the programme's own plan cannot run, the fastest of the baselines and of the programme within ZeRO 0
-that can).
+DTensor: where the programme's own plan cannot run, the fastest that can of the baselines, data parallelism with
+ZeRO 1 and 2, and the programme within ZeRO 0-2).
 """
 
 from __future__ import annotations

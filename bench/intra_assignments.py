@@ -1,9 +1,10 @@
 """Random intra-op assignments of a tiny GPT and a tiny grouped-query LLaMA, trained on 4 gloo ranks beside one
 process: does every plan the rehearsal accepts train what one process trains?
 
-Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama].
-For each family, `--count` plans on a 2 x 2 mesh (Megatron's layout, pure data parallelism, then per-block splits
-and micro-batch counts drawn at random; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
+Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama]
+[--zero 0 1 2].
+For each family, `--count` plans on a 2 x 2 mesh (Megatron's layout, pure data parallelism, then per-block splits,
+micro-batch counts and ZeRO stages drawn at random; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
 those it accepts run `--steps` AdamW steps on 4 gloo ranks in one launch. Prints per family how many were refused
 (and why), how many ran, the largest loss and first-step gradient differences from one process and the largest
 difference between replicated copies of a shard; exits 1 if any plan failed on the ranks or differed.
@@ -32,17 +33,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--family", nargs="+", default=["gpt", "llama", "hf-llama"], choices=sorted(intra_ranks.MODELS))
+    parser.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 1, 2),
+                        help="ZeRO stages to draw from (default 0)")
     args = parser.parse_args()
     bad = False
     for family in args.family:
         start = time.perf_counter()
-        plans = intra_ranks.assignments(family, args.count, seed=args.seed)
+        plans = intra_ranks.assignments(family, args.count, seed=args.seed, zero=tuple(args.zero))
         accepted, refused = [], Counter()
         for data in plans:
             try:
                 rehearsal(Plan.from_dict(data))
                 accepted.append(data)
-            except ValueError as exc:
+            except (ValueError, NotImplementedError) as exc:  # a refusal, saying why
                 refused[str(exc)[:160]] += 1
         results = run_ranks(intra_ranks._catching, 4, args=(accepted, args.steps))
         failed = [k for k in range(len(accepted)) if any("error" in r[k] for r in results)]
@@ -50,9 +53,11 @@ def main() -> None:
                  for key in ("loss", "grads", "drift")}
         differ = worst["loss"] > 1e-4 or worst["grads"] > 1e-4 or worst["drift"] > 0
         bad |= bool(failed) or differ
-        print(f"{family}: {len(plans)} plans, {sum(refused.values())} refused by the rehearsal, {len(accepted)} run "
-              f"on 4 ranks ({len(failed)} failed); largest difference from one process: loss {worst['loss']:.1e}, "
-              f"first-step gradients {worst['grads']:.1e}; replicated shards apart by {worst['drift']:.1e}; "
+        stages = Counter(d["zero"] for d in accepted)
+        print(f"{family}: {len(plans)} plans (ZeRO drawn from {args.zero}), {sum(refused.values())} refused by the "
+              f"rehearsal, {len(accepted)} run on 4 ranks (by ZeRO stage {dict(sorted(stages.items()))}; "
+              f"{len(failed)} failed); largest difference from one process: loss {worst['loss']:.1e}, first-step "
+              f"gradients {worst['grads']:.1e}; replicated shards apart by {worst['drift']:.1e}; "
               f"{time.perf_counter() - start:.0f} s", flush=True)
         for why, n in refused.items():
             print(f"  refused ({n}): {why}")

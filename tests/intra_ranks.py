@@ -19,10 +19,10 @@ SEQ = 32
 
 
 def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (2, 2), batch: int = 8,
-                micro_batches: tuple[int, ...] = (1, 2)) -> list[dict[str, Any]]:
+                micro_batches: tuple[int, ...] = (1, 2), zero: tuple[int, ...] = (0,)) -> list[dict[str, Any]]:
     """``count`` plans (as dicts) of the tiny ``family`` model on ``mesh``: each block's split drawn at random
-    among its legal candidates, the micro-batch count at random among ``micro_batches`` (the first plan keeps
-    the programme's Megatron layout, the second pure data parallelism)."""
+    among its legal candidates, the micro-batch count at random among ``micro_batches`` and the ZeRO stage among
+    ``zero`` (the first plan keeps the programme's Megatron layout, the second pure data parallelism)."""
     from autopar.capture import trace
     from autopar.cluster import build_mesh, load_cluster
     from autopar.plan import Workload
@@ -45,7 +45,8 @@ def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (
         choice = baseline_choice(space, "megatron") if k == 0 else baseline_choice(space, "dp") if k == 1 else None
         if choice is None:
             choice = tuple(rng.randrange(len(c)) for c in space.candidates)
-        intra = plan_of_choice(space, choice, global_batch=batch, micro_batches=m, dtype="fp32")
+        stage = rng.choice(zero) if len(zero) > 1 else zero[0]  # one stage: the draws as they were
+        intra = plan_of_choice(space, choice, global_batch=batch, micro_batches=m, zero=stage, dtype="fp32")
         plans.append(intra.to_plan(name, work).to_dict())
     return plans
 

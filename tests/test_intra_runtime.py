@@ -212,3 +212,47 @@ def test_the_programmes_own_plan_that_is_not_megatrons_runs_with_the_collectives
     assert (splits["layers.0.mlp.fc1"], splits["layers.0.mlp.fc2"]) == ("n", "k")
     log = run_plan(plan, nproc=2, steps=3, check=True, check_comm=True)
     assert check_ranks(plan, log.collectives)["ok"]
+
+
+def test_zero_1_and_2_of_intra_op_plans_train_as_one_process_with_the_collectives_they_priced() -> None:
+    """Megatron's layout under ZeRO 2 (two micro-batches: each gradient reduce-scattered as soon as it is made, in
+    each) and pure data parallelism under ZeRO 1, on a 2 x 2 mesh: each passes the plan-time check (its
+    reduce-scatters and all-gathers, axis by axis, as priced) and trains what one process trains, replicated
+    weights identical. ZeRO 3 is refused."""
+    from autopar.runtime.validate import check_runnable
+
+    megatron = intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(2,), zero=(2,))[0]
+    with pytest.raises(NotImplementedError, match="ZeRO 0-2 only"):
+        check_runnable(Plan.from_dict({**megatron, "zero": 3}))
+    dp = intra_ranks.assignments("llama", 2, seed=0, micro_batches=(1,), zero=(1,))[1]
+    for data in (megatron, dp):
+        check_runnable(Plan.from_dict(data))
+    results = run_ranks(intra_ranks.train_each, 4, args=([megatron, dp], 3))
+    for per_plan in results:
+        for got in per_plan:
+            assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
+            assert got["drift"] == 0.0, got
+
+
+def test_zero_1_of_an_intra_op_plan_scatters_over_each_axis_the_shard_the_one_before_left() -> None:
+    """Data parallelism on a 2 x 2 mesh under ZeRO 1: the gradients are reduce-scattered over the first axis
+    whole, then over the second half of them, and the weights gathered back the same way; the optimizer holds a
+    quarter of them on each device."""
+    from autopar.search.intra import baseline_choice, estimate_choice
+
+    space = _tiny_space("gpt")
+    estimate = estimate_choice(space, baseline_choice(space, "dp"), zero=1, micro_batches=1, global_batch=8,
+                               dtype="fp32")
+    calls = {(c.kind, c.axis): c for c in estimate.collectives}
+    assert set(calls) == {(k, a) for k in ("reduce_scatter", "all_gather") for a in ("dp0", "dp1")}
+    weights = calls[("reduce_scatter", "dp0")].bytes
+    for kind in ("reduce_scatter", "all_gather"):
+        assert calls[(kind, "dp0")].bytes == weights and calls[(kind, "dp1")].bytes == weights / 2
+        assert calls[(kind, "dp0")].count == calls[(kind, "dp1")].count == 1
+
+
+def test_zero_of_an_intra_op_plan_refuses_an_optimizer_that_is_not_elementwise() -> None:
+    from autopar.runtime.intra import _ShardedOptimizer
+
+    with pytest.raises(NotImplementedError, match="LBFGS is not known to update elementwise"):
+        _ShardedOptimizer(None, torch.optim.LBFGS, lr=1.0)

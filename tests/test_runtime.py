@@ -249,9 +249,11 @@ def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) ->
     intra["mesh"] = {"shape": [2], "axes": ["dp"]}
     del intra["stages"], intra["schedule"], intra["chunks"]
     intra["modules"] = {}
-    check_supported(Plan.from_dict(intra))  # intra-op plans run (`runtime.intra`), with ZeRO 0
-    intra["zero"] = 1
-    with pytest.raises(NotImplementedError, match="intra-op plans run with ZeRO 0 only"):
+    check_supported(Plan.from_dict(intra))  # intra-op plans run (`runtime.intra`), with ZeRO 0-2
+    intra["zero"] = 2
+    check_supported(Plan.from_dict(intra))
+    intra["zero"] = 3
+    with pytest.raises(NotImplementedError, match="intra-op plans run with ZeRO 0-2 only"):
         check_supported(Plan.from_dict(intra))
     model = build_model(Workload.of(plan))
     check_matches(model, plan)

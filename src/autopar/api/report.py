@@ -222,6 +222,8 @@ def comparison(data: dict[str, Any], out: str | None) -> list[str]:
     e = data["estimate"]
     # an intra-op search may offer a baseline's plan (the fastest that runs): the row says which
     label = data["plan"].get("kind", data["search"]) if data["search"] == "ilp" else data["search"]
+    if label in data["baselines"] and data["plan"].get("zero"):  # a baseline's layout, its states sharded
+        label += f" + ZeRO {data['plan']['zero']}"
     rows = [[label, *_summary(e, e)]]
     for kind, other in data["baselines"].items():
         rows.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])

@@ -29,7 +29,7 @@ from autopar.cluster import load_cluster
 from autopar.plan import FieldError, Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.intra import ZERO_STAGES, measured_share
+from autopar.search.intra import ZERO_STAGES, measured_share, plan_of_choice
 
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
@@ -140,10 +140,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     faster = None
     if reason and not args.allow_unrunnable:  # the fastest plan that runs, and this one named
         options = [p for p in found.values() if p is not None and p is not chosen]
-        if chosen.zero > 0 and args.search == "ilp":  # the programme again, within what the runtime runs
+        if chosen.zero > 2 and args.search == "ilp":  # the programme again, within what the runtime runs
             again, _ = _anytime_intra(args, zoo, cluster, shape, _progress(show, start), kinds=("ilp",),
-                                      zero_stages=(0,), ops=ops)
+                                      zero_stages=(0, 1, 2), ops=ops)
             options += [p for p in again.values() if p is not None]
+        dp = found.get("dp")
+        if dp is not None and args.search == "ilp":  # data parallelism with its model states sharded, which runs
+            options += [plan_of_choice(dp.space, dp.choice, global_batch=args.batch, micro_batches=dp.micro_batches,
+                                       zero=zero, dtype=args.dtype, kind="dp") for zero in (1, 2)]
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
             if refusal(offered) is None:

@@ -26,7 +26,7 @@ from typing import Any
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
 from autopar.analysis.dims import OpDims, split_axis
 from autopar.capture import Node
-from autopar.cluster import Cluster, collective_seconds
+from autopar.cluster import Cluster, Collective, collective_seconds
 from autopar.cluster.calls import CommCall, Phase
 from autopar.cluster.mesh import Mesh
 from autopar.cost.compute import sequence_seconds
@@ -549,7 +549,11 @@ def sync_seconds(
 ) -> float:
     """Gradient synchronisation per iteration for the parameters listed: all-reduce over their data-parallel
     axes (ZeRO 0), reduce-scatter + all-gather (ZeRO 1-2), or per micro-batch two all-gathers and a
-    reduce-scatter (ZeRO 3, FSDP). Under ZeRO 0-2 the gradients reduced over one axis go in one collective, as
+    reduce-scatter (ZeRO 3, FSDP). Under ZeRO 1-2 a gradient reduced over several axes is scattered over them in
+    turn, axis by axis in order, each on the shard the axes before it left (and the weights gathered back the
+    other way): its optimizer state is split over all of them, as `model_states` counts it. Under ZeRO 2 each
+    gradient is reduce-scattered on its own as soon as the backward makes it, in every micro-batch (so that only
+    one is whole at a time), and pays its own latency. Under ZeRO 0-2 the gradients reduced over one axis go in one collective, as
     DDP's buckets and the runtime's flattened sum of sequence-parallel norm gradients send them (bucket latency
     once, not once per parameter); ZeRO 3 gathers each parameter's unit on its own. Without ``latency`` the
     buckets' fixed cost (a collective of no bytes) is left out: a block's share of the model's buckets, additive
@@ -561,6 +565,16 @@ def sync_seconds(
         nbytes = p.local * itemsize
         for axis in p.reduce_axes:
             for kind, count in gradient_sync(zero, micro_batches):
+                if zero in (1, 2):  # nested: each axis scatters (and gathers) the shard the axes before it left
+                    shard = nbytes / math.prod(mesh.sizes[a] for a in p.reduce_axes if a < axis)
+                    if zero == 2 and kind == Collective.REDUCE_SCATTER:  # each gradient once made, on its own
+                        total += count * collective_seconds(kind, shard, mesh.placements[axis], cluster)
+                        if uses is not None:
+                            uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=shard, phase=Phase.SYNC,
+                                                 calls=count))
+                        continue
+                    buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + shard
+                    continue
                 if zero < 3:
                     buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + nbytes
                     continue

@@ -19,7 +19,11 @@ the layouts through everything else:
   of a residual add to convert, how to reduce a softmax's pending sum), `_AsPlanned` makes the plan's choice;
 - after the last micro-batch's backward, the gradients DTensor leaves pending (``Partial``: the data-parallel sums)
   are all-reduced over each mesh axis in one flat buffer per axis, as the cost model prices them
-  (`autopar.cost.intra.sync_seconds`), and every gradient is put in its parameter's layout for the optimizer.
+  (`autopar.cost.intra.sync_seconds`), and every gradient is put in its parameter's layout for the optimizer;
+- under ZeRO 1 they are reduce-scattered instead, axis by axis, and the optimizer updates only this rank's slice of
+  each weight the plan holds whole where it splits the work, then the weights are all-gathered back
+  (`_ZeroShards`); under ZeRO 2 each weight's gradient is reduce-scattered as soon as the backward has made it
+  (in every micro-batch), so that no more than one is whole at a time.
 
 What the runtime issues is counted and compared with the plan's prediction by ``autopar run --check-comm`` and by
 the plan-time rehearsal: where DTensor converts a value the plan did not price, the counts differ and the plan is
@@ -272,6 +276,7 @@ class IntraParallelModel(ParallelModel):
     mesh: Any = None
     loss_divisor: int = 1  # ranks whose local losses add up to one copy of the loss (`average_loss`)
     converted: dict | None = None  # the input hooks' conversions of the running forward (`_hook_inputs`)
+    shards: Any = None  # `_ZeroShards` under ZeRO 1-2: the slices of the weights this rank owns
 
     def forward_backward(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> torch.Tensor:
         """Forward and backward over the plan's micro-batches of the global ``batch`` (every rank reads all of
@@ -291,6 +296,8 @@ class IntraParallelModel(ParallelModel):
         whole = [Replicate()] * self.mesh.ndim
         losses = []
         m = len(micro)
+        if self.zero == 2:
+            self.shards.hook()
         for inputs in micro:
             placed = {k: DTensor.from_local(v, self.mesh, whole, run_check=False) if isinstance(v, torch.Tensor) else v
                       for k, v in inputs.items()}
@@ -314,6 +321,11 @@ class IntraParallelModel(ParallelModel):
         self.finish_backward()
         return torch.stack(losses).sum()
 
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        if self.shards is None:
+            return super().full_gradients()
+        return self._whole(self.shards.gradients().items())
+
     def average_loss(self, local: torch.Tensor) -> float:
         import torch.distributed as dist
 
@@ -331,6 +343,10 @@ class IntraParallelModel(ParallelModel):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
+        if self.shards is not None:  # reduce-scattered into this rank's slices (ZeRO 2: as the backward went)
+            if self.zero == 1:
+                self.shards.scatter()
+            return
         named = [(name, p) for name, p in self.module.named_parameters() if p.grad is not None]
         params = [p for _, p in named]
         for axis in range(self.mesh.ndim):
@@ -400,10 +416,243 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
-    parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: cls(model.parameters(), **kw), axes=axes)
+    if plan.zero in (1, 2):
+        shards = _ZeroShards(model, mesh)
+        parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: _ShardedOptimizer(shards, cls, **kw),
+                                      axes=axes)
+        parallel.shards = shards
+    else:
+        parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: cls(model.parameters(), **kw), axes=axes)
     parallel.mesh, parallel.plan, parallel.rank = mesh, plan, dist.get_rank()
     parallel.converted = converted
     return parallel
+
+
+# Optimizers whose update of an element reads only that element's weight, gradient and state: updating each rank's
+# slice of a flattened weight is then the same as updating the whole weight.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD")
+
+
+class _ZeroShards:
+    """ZeRO 1 and 2 for an intra-op plan's DTensor weights. A weight whose gradient DTensor leaves a pending sum on
+    some mesh axes (the plan holds it whole there while splitting the work) is owned slice by slice over those
+    axes: its local gradient, flattened and padded to divide evenly, is reduce-scattered over each such axis in
+    turn (one flat buffer per axis, every weight reduced over it in it, as `autopar.cost.intra.sync_seconds`
+    prices it), leaving this rank the sum of its slice. The optimizer steps those slices (`masters`), and the
+    weights are all-gathered back axis by axis the other way. A weight whose gradient is not pending anywhere is
+    stepped in place, on its own shard. Which axes a weight is owned over is learnt from its first gradient: a
+    weight can be held whole on an axis whose work is not split either (computed alike on every rank there), and
+    then its gradient is whole there too."""
+
+    def __init__(self, module: nn.Module, mesh: Any) -> None:
+        self.module, self.mesh = module, mesh
+        self.masters: dict[int, torch.Tensor] = {}  # id(parameter) -> the tensor the optimizer steps
+        self.axes: dict[int, tuple[int, ...]] = {}  # id(parameter) -> the axes its slice is owned over
+        self.params: dict[int, nn.Parameter] = {}
+        self.names: dict[int, str] = {}
+        self.hooked: set[int] = set()
+
+    def _ways(self, axes: tuple[int, ...]) -> int:
+        return math.prod(self.mesh.size(a) for a in axes)
+
+    def hook(self) -> None:
+        """ZeRO 2: every weight's gradient reduce-scattered as soon as the backward has made it (its whole copy let
+        go). Hooked on the parameters the module holds now (a caller may have replaced them since it was laid
+        out), once each."""
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in self.hooked:
+                p.register_post_accumulate_grad_hook(_scatter_one(self, name))
+                self.hooked.add(id(p))
+
+    def _own(self, name: str, p: nn.Parameter, axes: tuple[int, ...]) -> None:
+        """Take ``p`` on, owned over ``axes`` (learnt from its gradient); a later gradient pending elsewhere is
+        refused."""
+        known = self.axes.get(id(p))
+        if known is not None:
+            if known != axes:
+                raise NotImplementedError(
+                    f"ZeRO of an intra-op plan: the gradient of {name} is pending on mesh axes "
+                    f"{[_axis_name(self.mesh, a) for a in axes]}, and was on {[_axis_name(self.mesh, a) for a in known]} "
+                    "before; its slices must be owned over the same axes every micro-batch")
+            return
+        self.params[id(p)], self.axes[id(p)], self.names[id(p)] = p, axes, name
+        local = p._local_tensor.detach()
+        if axes:  # this rank's slice of the weight: what it steps
+            ways = self._ways(axes)
+            whole = local.is_contiguous() and local.numel() % ways == 0
+            flat = local.reshape(-1) if whole else _padded(local.reshape(-1), ways)
+            for a in axes:
+                flat = flat.view(self.mesh.size(a), -1)[self.mesh.get_local_rank(a)]
+            # a view of the weight's own storage where the slices divide it evenly (no copy: an fp32 weight has no
+            # master copy to hold), else a copy of the padded slice
+            self.masters[id(p)] = flat if whole else flat.clone()
+        else:  # its own shard, stepped in place
+            self.masters[id(p)] = local
+
+    def scatter(self, params: list[tuple[str, nn.Parameter]] | None = None) -> None:
+        """Reduce-scatter the pending gradients of ``params`` (default: every parameter) into the masters'
+        gradients (added to what they hold), each axis in one flat buffer; the weights' own gradients are then let
+        go. A gradient pending nowhere is put in its weight's layout and left where it is."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Partial
+
+        current: dict[int, torch.Tensor] = {}
+        for name, p in self.module.named_parameters() if params is None else params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if not isinstance(grad, DTensor):
+                raise NotImplementedError(f"ZeRO of an intra-op plan: the gradient of {name} is not laid out on the "
+                                          "mesh")
+            sharded = [a for a, pl in enumerate(grad.placements)
+                       if isinstance(pl, Partial) and not p.placements[a].is_replicate()]
+            if sharded:  # a pending sum where its weight is split: summed onto the weight's split (DTensor's way)
+                grad = grad.redistribute(p.device_mesh, [p.placements[a] if a in sharded else pl
+                                                         for a, pl in enumerate(grad.placements)])
+            axes = tuple(a for a, pl in enumerate(grad.placements) if isinstance(pl, Partial))
+            for a in axes:
+                if grad.placements[a].reduce_op != "sum":
+                    raise NotImplementedError(f"the gradient of {name} is a pending {grad.placements[a]} on mesh "
+                                              f"axis {_axis_name(self.mesh, a)}; only sums are reduced")
+            self._own(name, p, axes)
+            if not axes:
+                p.grad = grad if tuple(grad.placements) == tuple(p.placements) else grad.redistribute(
+                    p.device_mesh, p.placements)
+                continue
+            want = [pl if isinstance(pl, Partial) else mine for pl, mine in zip(grad.placements, p.placements)]
+            if want != list(grad.placements):  # on the axes it is not summed over: its weight's layout
+                grad = grad.redistribute(p.device_mesh, want)
+            current[id(p)] = _padded(grad.to_local().reshape(-1), self._ways(axes))
+            p.grad = None
+        for a in range(self.mesh.ndim):
+            keys = [k for k in current if a in self.axes[k]]
+            if not keys:
+                continue
+            n = self.mesh.size(a)
+            flat = torch.cat([current[k].view(n, -1) for k in keys], dim=1).reshape(-1)
+            out = flat.new_empty(flat.numel() // n)
+            # (torch 2.13 names it reduce_scatter_single; older releases reduce_scatter_tensor)
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, flat, group=self.mesh.get_group(a))
+            for k, piece in zip(keys, out.split([current[k].numel() // n for k in keys])):
+                current[k] = piece
+        for k, piece in current.items():
+            master = self.masters[k]
+            if master.grad is None:
+                master.grad = piece.clone()
+            else:
+                master.grad.add_(piece)
+
+    def gather(self, slices: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each weight's own shard, whole, from this rank's ``slices`` of weights owned over some axes:
+        all-gathered axis by axis the other way round, each axis in one flat buffer."""
+        import torch.distributed as dist
+
+        current = {k: v.reshape(-1) for k, v in slices.items()}
+        for a in reversed(range(self.mesh.ndim)):
+            keys = [k for k in current if a in self.axes[k]]
+            if not keys:
+                continue
+            n = self.mesh.size(a)
+            flat = torch.cat([current[k] for k in keys])
+            out = flat.new_empty(flat.numel() * n)
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=self.mesh.get_group(a))
+            rows = out.view(n, -1)
+            offset = 0
+            for k in keys:
+                size = current[k].numel()
+                current[k] = rows[:, offset : offset + size].reshape(-1)
+                offset += size
+        out = {}
+        for k, flat in current.items():
+            local = self.params[k]._local_tensor
+            out[k] = flat[: local.numel()].view(local.shape)
+        return out
+
+    def write_back(self) -> None:
+        """Every weight owned in slices made whole again from its stepped slice."""
+        owned = {k: m.detach() for k, m in self.masters.items() if self.axes[k]}
+        with torch.no_grad():
+            for k, whole in self.gather(owned).items():
+                self.params[k]._local_tensor.copy_(whole)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every gradient, each in its weight's layout (a DTensor), by parameter name: those owned in slices
+        gathered (`gather`), the others as they are."""
+        from torch.distributed.tensor import DTensor
+
+        owned = {k: m.grad for k, m in self.masters.items() if self.axes[k] and m.grad is not None}
+        out = {}
+        for k, local in self.gather(owned).items():
+            p = self.params[k]
+            out[self.names[k]] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride())
+        for name, p in self.module.named_parameters():
+            if p.grad is not None:
+                out.setdefault(name, p.grad)
+        return out
+
+    def zero_grad(self) -> None:
+        for master in self.masters.values():
+            master.grad = None
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def _scatter_one(shards: _ZeroShards, name: str) -> Any:  # noqa: ANN401
+    def hook(param: nn.Parameter) -> None:
+        shards.scatter([(name, param)])
+    return hook
+
+
+def _padded(flat: torch.Tensor, ways: int) -> torch.Tensor:
+    extra = -flat.numel() % ways
+    return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+
+
+def _axis_name(mesh: Any, axis: int) -> str:
+    return mesh.mesh_dim_names[axis] if mesh.mesh_dim_names else str(axis)
+
+
+class _ShardedOptimizer:
+    """The optimizer of an intra-op plan under ZeRO 1-2: the inner optimizer (an elementwise one, `ELEMENTWISE`)
+    steps this rank's slices (`_ZeroShards.masters`); then the weights are gathered whole. It is made at the first
+    step, once the first gradients have said which weights are owned in slices; ``zero_grad`` lets go of every
+    gradient."""
+
+    def __init__(self, shards: _ZeroShards, cls: type, **kwargs: Any) -> None:
+        if cls.__name__ not in ELEMENTWISE:
+            raise NotImplementedError(
+                f"ZeRO 1-2 of an intra-op plan updates each rank's slice of the flattened weights; {cls.__name__} is "
+                f"not known to update elementwise (known: {', '.join(ELEMENTWISE)}): plan with ZeRO 0")
+        self.shards, self.cls, self.kwargs = shards, cls, kwargs
+        self.inner: torch.optim.Optimizer | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        if self.inner is None:
+            raise RuntimeError("the optimizer of a ZeRO 1-2 intra-op plan is made at its first step")
+        return self.inner.param_groups
+
+    def state_dict(self) -> dict:
+        return {} if self.inner is None else self.inner.state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - gradients are always let go
+        self.shards.zero_grad()
+
+    def step(self, closure: Any = None) -> Any:  # noqa: ANN401
+        shards = self.shards
+        for k, master in shards.masters.items():
+            if not shards.axes[k]:  # its gradient in its weight's layout: this rank's shard of it
+                grad = shards.params[k].grad
+                master.grad = None if grad is None else grad.to_local()
+        if self.inner is None:
+            self.inner = self.cls(list(shards.masters.values()), **self.kwargs)
+        elif len(self.inner.param_groups[0]["params"]) != len(shards.masters):
+            raise NotImplementedError("ZeRO of an intra-op plan: a weight got its first gradient after the first "
+                                      "step; every weight the optimizer steps must have one at the first")
+        loss = self.inner.step(closure)
+        shards.write_back()
+        return loss
 
 
 def _place_state(model: nn.Module, plan: Plan, mesh: Any) -> None:

@@ -314,8 +314,11 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             shapes = _AttentionShapes(where, traced, tp) if traced and tp > 1 else contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
             schedule = _quiet("torch.distributed.pipelining.schedules")
+            # on a CPU process group DTensor gathers where an all-to-all would go, and says so once; the
+            # prediction the rehearsal is compared with counts it so (`comm.intra_prediction`)
+            fallback = _quiet("torch.distributed.tensor._collective_utils")
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes, \
-                    schedule, _strided_shards_on_real_indices():
+                    schedule, fallback, _strided_shards_on_real_indices():
                 batch = _cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype)
                 local = plan.local_batch(batch, rank) if plan.is_pipeline else split_batch(
                     batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, dp=1, dp_rank=0)
