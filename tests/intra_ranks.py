@@ -51,6 +51,32 @@ def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (
     return plans
 
 
+def variant(family: str, splits: dict[str, str], *, base: str = "dp", zero: int = 0, batch: int = 8,
+            mesh: tuple[int, ...] = (2, 2)) -> dict[str, Any]:
+    """The plan (as a dict) of the tiny ``family`` model laid out as the ``base`` baseline, except the blocks led by
+    the modules in ``splits``, split as named there (`Block.split`: ``"vocab,vocab"``)."""
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan import Workload
+    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
+    from autopar.zoo import load
+
+    name, overrides = MODELS[family]
+    cluster = load_cluster("a100-80g-sxm").with_devices(math.prod(mesh))
+    axes = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)})
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
+    zoo = load(name, batch=batch, seq=SEQ, dtype=torch.float32, **overrides)
+    space = build_space(trace(zoo.module, example_kwargs=zoo.inputs), axes, cluster)
+    choice = list(baseline_choice(space, base))
+    for block in space.blocks.blocks:
+        wanted = splits.get(space.graph.node(block.leader).module)
+        if wanted is not None:
+            v = space.var_of[block.id]
+            choice[v] = next(k for k, c in enumerate(space.candidates[v]) if space.cost.describe(block, c) == wanted)
+    intra = plan_of_choice(space, tuple(choice), global_batch=batch, zero=zero, dtype="fp32")
+    return intra.to_plan(name, work).to_dict()
+
+
 def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
     """Plans (as dicts) of the tiny ``family`` model on a 2 x 2 mesh that split weights: Megatron's layout (with
     its pending sums reduce-scattered over the sequence), and two that are not Megatron's: the attention blocks in

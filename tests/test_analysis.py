@@ -98,3 +98,18 @@ def test_t5_decoder_layers_match_despite_cross_attention() -> None:
     segments = find_segments(blocks.blocks)
     repeated = sorted(s.count for s in segments if s.count > 1)
     assert repeated == [10, 11]  # encoder and decoder layers after the first of each
+
+
+def test_a_chunk_cuts_the_dim_its_third_argument_names() -> None:
+    """``chunk(x, 3, dim=-1)`` (a fused QKV cut as nanoGPT does) cuts the last dim into pieces, like ``split``: its
+    second argument is the number of pieces, not a dim."""
+    from autopar.analysis.dims import split_axis
+    from autopar.capture.graph import Node, TensorInfo
+
+    whole, piece = TensorInfo((4, 8, 96), "fp32"), TensorInfo((4, 8, 32), "fp32")
+    node = Node(id=0, op="aten.chunk.default", module="m", module_type="M", inputs=(whole,), sources=(),
+                outputs=(piece,) * 3, args=(None, 3, -1))
+    assert split_axis(node) == 2
+    dims = op_dims(node).dims
+    assert dims[2].split is Split.FREE and dims[2].outputs == (2, 2, 2)
+    assert dims[1].outputs == (1, 1, 1)

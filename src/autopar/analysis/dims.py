@@ -338,10 +338,17 @@ def _expand(node: Node) -> OpDims:
 
 
 def split_axis(node: Node) -> int:
-    """The dim a slicing op (`_slice`'s) cuts: ``split``'s third argument, the others' second (0 if not given)."""
+    """The dim a slicing op (`_slice`'s) cuts: ``split``'s and ``chunk``'s third argument, the others' second (0 if
+    not given)."""
     rank = len(node.inputs[0].shape)
-    position = 2 if node.op.startswith("aten.split") else 1  # split(self, sizes, dim=0); slice(self, dim=0, ...)
+    # split(self, sizes, dim=0) and chunk(self, chunks, dim=0); slice(self, dim=0, ...), narrow, select, unbind
+    position = 2 if _cuts_in_pieces(node) else 1
     return _norm_dim(node.args[position] if len(node.args) > position else 0, rank)
+
+
+def _cuts_in_pieces(node: Node) -> bool:
+    """``split`` and ``chunk``: the whole dim cut into pieces that together hold all of it."""
+    return node.op.startswith(("aten.split", "aten.chunk"))
 
 
 @dim_rule("aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
@@ -359,7 +366,7 @@ def _slice(node: Node) -> OpDims:
             # pieces of unequal sizes too (grouped-query attention's [q; k; v]): each shard holds its share of
             # every piece, as the runtime lays the fused weight out (`runtime.apply._qkv_order`); every piece must
             # divide (`sharding.apply` checks each output)
-            dims.append(Dim(size, (i,), outs, Split.FREE if node.op.startswith("aten.split") else Split.FIXED))
+            dims.append(Dim(size, (i,), outs, Split.FREE if _cuts_in_pieces(node) else Split.FIXED))
         else:
             o = i if len(node.outputs[0].shape) == rank or i < axis else i - 1
             dims.append(Dim(size, (i,), tuple(o for _ in node.outputs), Split.FREE if size > 1 else Split.FIXED))

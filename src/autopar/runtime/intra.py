@@ -718,7 +718,54 @@ def _reduce_masked_lookups(model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, nn.Embedding):
+            if _rows_split_on_several_axes(module):
+                module.forward = _split_lookup(module)
             module.register_forward_hook(hook)
+
+
+def _rows_split_on_several_axes(module: nn.Embedding) -> bool:
+    """Whether ``module`` is a plain lookup (``nn.Embedding`` itself, no padding row, norm limit or sparse
+    gradient) whose table the plan splits by rows over more than one mesh axis: DTensor's masked lookup keeps one
+    mask per value and fails on the second axis ("MaskBuffer has been materialized with conflicting data")."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = module.weight
+    if type(module) is not nn.Embedding or not isinstance(weight, DTensor):
+        return False
+    if module.padding_idx is not None or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        return False
+    return sum(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) > 1
+
+
+def _split_lookup(module: nn.Embedding) -> Any:  # noqa: ANN401
+    """A lookup in a table split by rows over several mesh axes: each rank looks up the ids that fall in its own
+    rows (zeros for the others) and the output is a pending sum over those axes, summed at once (an all-reduce per
+    axis, as DTensor sums a lookup split over one). The gradient reaches each rank's rows through its own shard."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    weight = module.weight
+    mesh = weight.device_mesh
+    # this rank's rows (worked out here, on the real mesh: under a rehearsal's fake tensors it could not be)
+    (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+
+    def forward(ids: Any) -> Any:  # noqa: ANN401
+        weight = module.weight
+        if not isinstance(ids, DTensor):
+            ids = DTensor.from_local(ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        split = [isinstance(p, Shard) and p.dim == 0 for p in weight.placements]
+        if any(s and not p.is_replicate() for s, p in zip(split, ids.placements)):
+            raise NotImplementedError(f"the ids looked up in a table split by rows over mesh axes "
+                                      f"{[_axis_name(mesh, a) for a, s in enumerate(split) if s]} are split there too")
+        local = ids.to_local()
+        outside = (local < start) | (local >= start + rows)
+        found = torch.nn.functional.embedding((local - start).masked_fill(outside, 0), weight.to_local())
+        found = found.masked_fill(outside.unsqueeze(-1), 0.0)
+        pending = [Partial() if s else p for s, p in zip(split, ids.placements)]
+        out = DTensor.from_local(found, mesh, pending, run_check=False)
+        return out.redistribute(mesh, [Replicate() if s else p for s, p in zip(split, ids.placements)])
+
+    return forward
 
 
 def _converter(target: tuple, mesh: Any, *, flattened: bool, cache: dict[int, tuple]) -> Any:

@@ -317,15 +317,20 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # on a CPU process group DTensor gathers where an all-to-all would go, and says so once; the
             # prediction the rehearsal is compared with counts it so (`comm.intra_prediction`)
             fallback = _quiet("torch.distributed.tensor._collective_utils")
+            # and that a pending mean over two axes is reduced axis by axis (a loss), which the prediction counts
+            sequential = _quiet("torch.distributed.tensor._redistribute")
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes, \
-                    schedule, fallback, _strided_shards_on_real_indices():
+                    schedule, fallback, sequential, _strided_shards_on_real_indices():
                 batch = _cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype)
                 local = plan.local_batch(batch, rank) if plan.is_pipeline else split_batch(
                     batch, micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, dp=1, dp_rank=0)
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
                     local = dataclasses.replace(local, micro_batches=ends)
+                # where an error outside every module's forward came from (`where` names a module's)
+                phase = "the backward or the gradient synchronisation"
                 parallel.forward_backward(local)
+                phase = "the optimizer step"
                 optimizer.step()  # as rank 0
     except (ValueError, NotImplementedError) as exc:
         if _raised_by_autopar(exc):  # a refusal that says why already
@@ -339,7 +344,10 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         dist.destroy_process_group()
     if failed is not None:
         text = str(failed).strip().splitlines()
-        inside = f" in module {where[-1]!r}" if "where" in locals() and where else ""
+        if "where" in locals() and where:
+            inside = f" in module {where[-1]!r}"
+        else:  # before the plan was applied, or after every forward had returned
+            inside = f" in {phase}" if "phase" in locals() else ""
         raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
                          f"{type(failed).__name__}: {text[0] if text else ''}{_reshape_hint(failed, plan)}") from None
     return counter.summary() if count else None
