@@ -138,6 +138,24 @@ def test_the_check_names_the_first_mismatch() -> None:
     assert "loss" in compare(StepLog(losses=[1.0, 0.6], grads=[]), ref)["message"]
 
 
+def test_a_gradient_beyond_the_tolerance_matches_where_it_is_as_close_to_float64_as_one_process() -> None:
+    """A gradient outside the fp32 tolerance is compared with a float64 run: as close to it as the one-process fp32
+    gradient is (within `ROUNDING` times) it is rounding, and matches; farther, or with no float64 run, it does
+    not."""
+    from autopar.cli.run import ROUNDING
+
+    ref = StepLog(losses=[1.0], grads=[{"w": torch.tensor([1e-3, 2.0])}])
+    ours = StepLog(losses=[1.0], grads=[{"w": torch.tensor([1e-3 + 4e-6, 2.0])}])  # off by 4e-06 > 1e-06 + 1e-7
+    assert not compare(ours, ref)["ok"]
+    near = StepLog(losses=[1.0], grads=[{"w": torch.tensor([1e-3 + 2e-6, 2.0], dtype=torch.float64)}])
+    result = compare(ours, ref, exact=lambda: near)  # ours 2e-06 from float64, the reference 2e-06 too
+    assert result["ok"] and result["rounding"]["gradients"] == 1 and result["rounding"]["largest_ratio"] <= ROUNDING
+    far = StepLog(losses=[1.0], grads=[{"w": torch.tensor([1e-3 - 1e-7, 2.0], dtype=torch.float64)}])
+    result = compare(ours, ref, exact=lambda: far)  # the reference is 1e-07 from float64, ours 4.1e-06
+    assert not result["ok"] and "more than rounding" in result["message"]
+    assert compare(ref, ref)["rounding"] is None
+
+
 GPT4 = dict(GPT, layers=4)
 LLAMA4 = dict(LLAMA, layers=4)
 HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers

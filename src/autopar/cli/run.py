@@ -17,6 +17,9 @@ from autopar.runtime.comm import check_ranks
 
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+# A gradient outside GRAD_TOLERANCE still matches where it is no farther from a float64 run of the same steps than
+# this many times one fp32 process's own distance from it: both are that fp32 result, summed in another order.
+ROUNDING = 4.0
 
 
 def register(subparsers: Any) -> None:
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     }
     data["timing"] = timing(plan, log.seconds)
     if args.check:
-        data["check"] = compare(log, ref)
+        work = Workload.of(plan)
+        data["check"] = compare(log, ref, exact=lambda: reference(work, steps=args.steps, dtype=torch.float64))
     if args.check_comm:
         data["check_comm"] = check_ranks(plan, log.collectives)
     failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
@@ -125,9 +129,15 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def compare(log, ref) -> dict[str, Any]:  # noqa: ANN001
-    """Losses and gradients of every step against the reference; the first mismatch is named."""
+def compare(log, ref, exact: Any = None) -> dict[str, Any]:  # noqa: ANN001
+    """Losses and gradients of every step against the reference; the first mismatch is named. A gradient outside
+    the tolerance is checked again against ``exact()`` (the reference's steps in float64, run once, when first
+    needed): where the run's gradient is no farther from it than `ROUNDING` times the reference's own, the two
+    differ by fp32 rounding alone (sums in another order: a reduction over ranks, a contraction split over
+    features) and match; ``rounding`` then counts them."""
     worst = 0.0
+    rounding: list[float] = []  # per gradient matched so, its distance from float64 over the reference's
+    exact_log: list = []
     for step, (ours, theirs) in enumerate(zip(log.losses, ref.losses)):
         if not math.isfinite(theirs):
             return {"ok": False, "message": f"step {step}: the loss is {theirs} in one process too (here {ours}): "
@@ -144,8 +154,40 @@ def compare(log, ref) -> dict[str, Any]:  # noqa: ANN001
             diff = float((ours[name] - grad).abs().max())
             worst = max(worst, diff)
             if not torch.allclose(ours[name], grad, **GRAD_TOLERANCE):
-                return {"ok": False, "message": f"step {step}: gradient of {name} differs by up to {diff:.3g}"}
-    return {"ok": True, "max_grad_diff": worst, "steps": len(ref.losses), "message": "losses and gradients match"}
+                ratio = _rounding_ratio(ours[name], grad, step, name, exact, exact_log)
+                if ratio is None or ratio > ROUNDING:
+                    beyond = "" if ratio is None else (
+                        f" ({ratio:.1f}x as far from a float64 run as one fp32 process is: more than rounding)")
+                    return {"ok": False, "message": f"step {step}: gradient of {name} differs by up to {diff:.3g}"
+                                                    + beyond}
+                rounding.append(ratio)
+    out = {"ok": True, "max_grad_diff": worst, "steps": len(ref.losses), "message": "losses and gradients match",
+           "rounding": None}
+    if rounding:
+        out["rounding"] = {"gradients": len(rounding), "largest_ratio": max(rounding)}
+        out["message"] += (f" ({len(rounding)} gradient{'s' if len(rounding) != 1 else ''} beyond the tolerance "
+                           f"{'are' if len(rounding) != 1 else 'is'} as close to a float64 run as one fp32 process "
+                           f"is: within {max(rounding):.1f}x its rounding)")
+    return out
+
+
+def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, step: int, name: str, exact: Any,
+                    cache: list) -> float | None:
+    """How many times farther ``ours`` is from the float64 run's gradient than the reference's ``theirs`` is
+    (largest elements); None without a float64 run (none given, or the model cannot run in float64)."""
+    if exact is None:
+        return None
+    if not cache:
+        try:
+            cache.append(exact())
+        except (RuntimeError, TypeError, ValueError):  # an op with no float64 kernel: the fp32 tolerance stands
+            cache.append(None)
+    if cache[0] is None or step >= len(cache[0].grads) or name not in cache[0].grads[step]:
+        return None
+    truth = cache[0].grads[step][name]
+    ours_off = float((ours.double() - truth).abs().max())
+    theirs_off = float((theirs.double() - truth).abs().max())
+    return ours_off / theirs_off if theirs_off > 0 else math.inf
 
 
 def render(data: dict[str, Any]) -> str:

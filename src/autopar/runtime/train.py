@@ -77,6 +77,7 @@ def train(
     gradients=None,  # noqa: ANN001 - callable returning the whole gradients after backward
     counter: CollectiveCounter | None = None,  # counts the collectives of the last step
     watch_random: bool = False,  # note where the first step draws random numbers (`StepLog.random_draws`)
+    dtype: torch.dtype | None = None,  # the batches' floating tensors in this dtype (a float64 reference)
 ) -> StepLog:
     """``steps`` steps on the workload's synthetic batches; losses as one process sees them
     (`ParallelModel.average_loss`). A model `parallelize` made takes its own rows of each batch; any other (the
@@ -84,6 +85,9 @@ def train(
     log = StepLog()
     for step in range(steps):
         batch = global_batch(work, step)
+        if dtype is not None:
+            batch = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                     for k, v in batch.items()}
         if parallel.plan is None:
             batch = split_batch(batch, micro_batch_size=work.micro_batch, micro_batches=work.micro_batches, dp=1,
                                 dp_rank=0)
@@ -132,16 +136,19 @@ def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001
         counter.enabled = True
 
 
-def reference(work: Workload, *, steps: int, seed: int = 0) -> StepLog:
-    """The same steps in one process with no parallelism."""
+def reference(work: Workload, *, steps: int, seed: int = 0, dtype: torch.dtype | None = None) -> StepLog:
+    """The same steps in one process with no parallelism; ``dtype``: the model and its floating inputs cast to it
+    (float64: the rounding of an fp32 run shows against it)."""
     module = build_model(work, seed=seed)
+    if dtype is not None:
+        module = module.to(dtype)
     optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
 
     def grads() -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
     plain = ParallelModel(module, 0, lambda cls, **kw: cls(module.parameters(), **kw))
-    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True)
+    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True, dtype=dtype)
 
 
 class RandomDraws:
