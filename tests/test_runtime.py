@@ -97,6 +97,21 @@ def test_sequence_parallel_plans_match_one_process_and_the_predicted_collectives
     assert ("reduce_scatter", "tp") in kinds and ("all_gather", "tp") in kinds
 
 
+@pytest.mark.parametrize(("name", "overrides", "zero"), [("gpt3-125m", GPT, 1), ("llama-7b", LLAMA, 3)])
+def test_sequence_parallelism_with_zero_across_dp_matches_one_process_and_the_predicted_collectives(
+    tmp_path, name, overrides, zero
+) -> None:
+    """TP + SP on 2 x 2 ranks under FSDP's ZeRO 1 and 3: FSDP sums each norm weight's gradient over tp on its own
+    before reducing over dp (once a step under ZeRO 1, every micro-batch under ZeRO 3), as priced."""
+    path = _pipeline_plan(tmp_path, name, overrides, tp=2, dp=2, zero=zero, sp=True)
+    data = _run(path, 4)
+    rows = {(row["kind"], row["axis"]): row for row in data["check_comm"]["ranks"][0]["rows"]}
+    norms = 2 * 2 + 1  # two per layer, then the final one
+    weights = 2 if name == "gpt3-125m" else 1  # LayerNorm's weight and bias; RMSNorm's weight
+    times = 1 if zero == 1 else load_plan(path).micro_batches
+    assert rows[("all_reduce", "tp")]["counted"] == norms * weights * times
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "overrides", "tp", "dp", "zero", "recompute"),

@@ -67,9 +67,8 @@ def register(subparsers: Any) -> None:
     runnable = parser.add_mutually_exclusive_group()
     runnable.add_argument("--runnable", action="store_true",
                           help="the default for pipeline searches: offer only plans `autopar run` can run on this "
-                          "model (one dp x tp grid for every stage, Megatron's layouts, sequence parallelism with "
-                          "ZeRO 0 only where dp > 1), checked on the model; a faster plan it cannot run is named "
-                          "beside it")
+                          "model (one dp x tp grid for every stage, Megatron's layouts), checked on the model; a "
+                          "faster plan it cannot run is named beside it")
     runnable.add_argument("--allow-unrunnable", action="store_true",
                           help="offer the fastest plan whatever `autopar run` can run (intra-op stages, say); such a "
                           "plan says why it cannot run (`not_runnable`)")

@@ -32,6 +32,7 @@ class LayerCost:
     sharded_params: int = 0  # of those, what TP splits (column weights and biases, row weights)
     tied: list[tuple[str, int]] = field(default_factory=list)  # (owner's row, size) of weights read from elsewhere
     sp_partial_params: int = 0  # norm weights that see sequence shards: gradients summed over tp once a step
+    sp_partial_tensors: int = 0  # how many weights those are (FSDP sums each on its own)
     # replicated weights applied to the activations tp splits (q and k norms per head, `_applied_to_shards`):
     # each rank's gradient covers its own heads, so they are summed over tp once a step, with or without SP
     tp_partial: frozenset[str] = frozenset()
@@ -188,6 +189,7 @@ def _sequence_shards(graph: Graph, ordered: list[LayerCost], first: LayerCost) -
                             if s.state and s.state in graph.state and not graph.state[s.state].is_buffer)
         read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such
         layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
+        layer.sp_partial_tensors = len(read)
 
 
 def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:

@@ -390,7 +390,8 @@ class PipelineModel:
     @staticmethod
     def _layer_signature(layer: LayerCost) -> tuple:
         return (
-            layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, layer.tp_partial_params,
+            layer.repeated, layer.params, layer.sharded_params, layer.sp_partial_params, layer.sp_partial_tensors,
+            layer.tp_partial_params,
             len(layer.nodes), layer.saved_sharded, layer.saved_replicated, layer.input_bytes, layer.stream_input,
             sum(n.flops_forward for n in layer.nodes), sum(n.bytes_read + n.bytes_written for n in layer.nodes),
         )
@@ -556,7 +557,20 @@ class PipelineModel:
             # (a ZeRO shard of it under ZeRO 1-3)
             heads = sum(self.layers[r].tp_partial_params * n for r, n in alike if r not in view.layouts)
             # norm weights' gradients from sequence shards, and those: summed in one all-reduce (a layout's own
-            # partial gradients are in ``reduced``)
+            # partial gradients are in ``reduced``). Under ZeRO 1-3 across dp, FSDP sums each norm weight's
+            # gradient over tp on its own, whole, before it reduce-scatters them over dp: once a step under ZeRO 1,
+            # every micro-batch under ZeRO 2 and 3
+            fsdp_sums = config.zero > 0 and stage.dp > 1 and partial
+            if fsdp_sums:
+                tensors = sum(self.layers[r].sp_partial_tensors * n for r, n in alike if r not in view.layouts)
+                times = 1 if config.zero == 1 else m
+                each = partial * gradient_itemsize(self.dtype) / tensors
+                seconds = times * tensors * collective_seconds(Collective.ALL_REDUCE, each, mesh.axis("tp"),
+                                                               self.cluster)
+                split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
+                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=each, phase=Phase.SYNC,
+                                            calls=times * tensors))
+                partial = 0.0
             if partial or heads:
                 nbytes = (partial + heads / (stage.dp if config.zero else 1)) * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)

@@ -23,8 +23,8 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   a layer dynamo cannot capture whole raises instead of running partly eager.
 
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Intra-op (``ilp``) plans, stages whose layers the intra-op planner lays out, stages of different dp x tp and
-sequence parallelism with ZeRO 1-3 across dp are refused with an error that says so.
+Stages whose layers the intra-op planner lays out and stages of different dp x tp are refused with an error that
+says so (intra-op plans of one stage run with DTensor, `autopar.runtime.intra`).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def check_supported(plan: Plan) -> None:
     stages = plan.stages
     compiled_selective = plan.kernels == "compiled" and any(
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
-    reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages}, zero=plan.zero, sp=plan.sp,
+    reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
                          intra=any(s.intra for s in stages), compiled_selective=compiled_selective)
     if reason:
         raise NotImplementedError(reason)
@@ -316,7 +316,7 @@ def intra_unsupported(plan: Plan) -> str | None:
     return None
 
 
-def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool, intra: bool = False,
+def unsupported(*, stages: int, grids: set[tuple[int, int]], intra: bool = False,
                 compiled_selective: bool = False) -> str | None:
     """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
     planner keeps its search to shapes this accepts (unless ``--allow-unrunnable``). ``compiled_selective``: the
@@ -328,8 +328,6 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], zero: int, sp: bool
     if intra:
         return ("the plan lays layers out by the intra-op planner (a stage marked intra); the runtime applies "
                 "Megatron's column/row layouts only so far")
-    if sp and max(dp for dp, _ in grids) > 1 and zero > 0:
-        return f"the plan combines sequence parallelism with ZeRO {zero}; it runs with ZeRO 0 only so far"
     if len(grids) > 1:
         return "the plan's stages have different dp x tp; the runtime needs one grid for all"
     return None

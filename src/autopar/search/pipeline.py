@@ -184,8 +184,8 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
         return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA and Hugging Face " \
                "LLaMA-style models it can)"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
-    return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages}, zero=config.zero,
-                       sp=config.sp, intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
+    return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
+                       intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
 
 
 def shape(config: PipelineConfig) -> tuple:
