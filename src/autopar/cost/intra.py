@@ -551,11 +551,12 @@ def sync_seconds(
     axes (ZeRO 0), reduce-scatter + all-gather (ZeRO 1-2), or per micro-batch two all-gathers and a
     reduce-scatter (ZeRO 3, FSDP). Under ZeRO 1-2 a gradient reduced over several axes is scattered over them in
     turn, axis by axis in order, each on the shard the axes before it left (and the weights gathered back the
-    other way): its optimizer state is split over all of them, as `model_states` counts it. Under ZeRO 2 each
-    gradient is reduce-scattered on its own as soon as the backward makes it, in every micro-batch (so that only
-    one is whole at a time), and pays its own latency. Under ZeRO 0-2 the gradients reduced over one axis go in one collective, as
-    DDP's buckets and the runtime's flattened sum of sequence-parallel norm gradients send them (bucket latency
-    once, not once per parameter); ZeRO 3 gathers each parameter's unit on its own. Without ``latency`` the
+    other way): its optimizer state is split over all of them, as `model_states` counts it. Otherwise the
+    gradients reduced over one axis go in one collective under ZeRO 0-2, as DDP's buckets and the runtime's
+    flattened sum of sequence-parallel norm gradients send them (bucket latency once, not once per parameter),
+    except ZeRO 2's reduce-scatters: each gradient on its own, as soon as the backward makes it, in every
+    micro-batch (so that only one is whole at a time), paying its own latency; ZeRO 3 gathers each parameter's
+    unit on its own. Without ``latency`` the
     buckets' fixed cost (a collective of no bytes) is left out: a block's share of the model's buckets, additive
     over blocks as the ILP needs it. Records each collective (its calls an iteration, on its mesh axis by name) in
     ``uses`` when given."""
