@@ -18,30 +18,38 @@ MODELS = {
 SEQ = 32
 
 
+def _space(family: str, mesh: tuple[int, ...], *, batch: int, traced: int) -> tuple[str, Any, Any]:
+    """(model name, workload of ``batch`` samples, intra-op space of the tiny ``family`` model traced at ``traced``
+    samples on ``mesh`` of an A100 cluster)."""
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan import Workload
+    from autopar.search.intra import build_space
+    from autopar.zoo import load
+
+    name, overrides = MODELS[family]
+    cluster = load_cluster("a100-80g-sxm").with_devices(math.prod(mesh))
+    axes = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)})
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
+    zoo = load(name, batch=traced, seq=SEQ, dtype=torch.float32, **overrides)
+    return name, work, build_space(trace(zoo.module, example_kwargs=zoo.inputs), axes, cluster)
+
+
 def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (2, 2), batch: int = 8,
                 micro_batches: tuple[int, ...] = (1, 2), zero: tuple[int, ...] = (0,)) -> list[dict[str, Any]]:
     """``count`` plans (as dicts) of the tiny ``family`` model on ``mesh``: each block's split drawn at random
     among its legal candidates, the micro-batch count at random among ``micro_batches`` and the ZeRO stage among
     ``zero`` (the first plan keeps the programme's Megatron layout, the second pure data parallelism)."""
-    from autopar.capture import trace
-    from autopar.cluster import build_mesh, load_cluster
-    from autopar.plan import Workload
-    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
-    from autopar.zoo import load
+    from autopar.search.intra import baseline_choice, plan_of_choice
 
-    name, overrides = MODELS[family]
     rng = random.Random(seed)
-    cluster = load_cluster("a100-80g-sxm").with_devices(math.prod(mesh))
-    axes = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)})
-    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
     spaces = {}
     plans = []
     for k in range(count):
         m = rng.choice(micro_batches)
         if m not in spaces:
-            zoo = load(name, batch=batch // m, seq=SEQ, dtype=torch.float32, **overrides)
-            spaces[m] = build_space(trace(zoo.module, example_kwargs=zoo.inputs), axes, cluster)
-        space = spaces[m]
+            spaces[m] = _space(family, mesh, batch=batch, traced=batch // m)
+        name, work, space = spaces[m]
         choice = baseline_choice(space, "megatron") if k == 0 else baseline_choice(space, "dp") if k == 1 else None
         if choice is None:
             choice = tuple(rng.randrange(len(c)) for c in space.candidates)
@@ -55,18 +63,9 @@ def variant(family: str, splits: dict[str, str], *, base: str = "dp", zero: int 
             mesh: tuple[int, ...] = (2, 2)) -> dict[str, Any]:
     """The plan (as a dict) of the tiny ``family`` model laid out as the ``base`` baseline, except the blocks led by
     the modules in ``splits``, split as named there (`Block.split`: ``"vocab,vocab"``)."""
-    from autopar.capture import trace
-    from autopar.cluster import build_mesh, load_cluster
-    from autopar.plan import Workload
-    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
-    from autopar.zoo import load
+    from autopar.search.intra import baseline_choice, plan_of_choice
 
-    name, overrides = MODELS[family]
-    cluster = load_cluster("a100-80g-sxm").with_devices(math.prod(mesh))
-    axes = build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)})
-    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
-    zoo = load(name, batch=batch, seq=SEQ, dtype=torch.float32, **overrides)
-    space = build_space(trace(zoo.module, example_kwargs=zoo.inputs), axes, cluster)
+    name, work, space = _space(family, mesh, batch=batch, traced=batch)
     choice = list(baseline_choice(space, base))
     for block in space.blocks.blocks:
         wanted = splits.get(space.graph.node(block.leader).module)
@@ -82,18 +81,9 @@ def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
     its pending sums reduce-scattered over the sequence), and two that are not Megatron's: the attention blocks in
     Megatron's layout and the MLP's split by batch on both axes, and the other way round (the stream converted
     between the sequence split and the batch split by all-to-alls)."""
-    from autopar.capture import trace
-    from autopar.cluster import build_mesh, load_cluster
-    from autopar.plan import Workload
-    from autopar.search.intra import baseline_choice, build_space, plan_of_choice
-    from autopar.zoo import load
+    from autopar.search.intra import baseline_choice, plan_of_choice
 
-    name, overrides = MODELS[family]
-    cluster = load_cluster("a100-80g-sxm").with_devices(4)
-    mesh = build_mesh(cluster, {"x0": 2, "x1": 2})
-    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=SEQ, batch=batch, dtype="fp32")
-    zoo = load(name, batch=batch, seq=SEQ, dtype=torch.float32, **overrides)
-    space = build_space(trace(zoo.module, example_kwargs=zoo.inputs), mesh, cluster)
+    name, work, space = _space(family, (2, 2), batch=batch, traced=batch)
     megatron, dp = baseline_choice(space, "megatron"), baseline_choice(space, "dp")
     modules = [space.graph.node(b.leader).module for b in space.representative]
 

@@ -82,4 +82,3 @@ PRESETS: dict[str, Cluster] = {
         inter=Link(bandwidth=1.0 * GB, latency=1.5e-3),
     ),
 }
-

@@ -355,10 +355,8 @@ class IntraParallelModel(ParallelModel):
             if not pending:
                 continue
             for name, p in named:
-                if any(p is q for q in pending) and p.grad.placements[axis].reduce_op != "sum":
-                    axis_name = self.mesh.mesh_dim_names[axis] if self.mesh.mesh_dim_names else axis
-                    raise NotImplementedError(f"the gradient of {name} is a pending {p.grad.placements[axis]} on "
-                                              f"mesh axis {axis_name}; only sums are reduced")
+                if isinstance(p.grad, DTensor):
+                    _check_summed(name, p.grad, axis, self.mesh)
             flat = torch.cat([p.grad.to_local().reshape(-1) for p in pending])
             dist.all_reduce(flat, group=self.mesh.get_group(axis))
             offset = 0
@@ -511,9 +509,7 @@ class _ZeroShards:
                                                          for a, pl in enumerate(grad.placements)])
             axes = tuple(a for a, pl in enumerate(grad.placements) if isinstance(pl, Partial))
             for a in axes:
-                if grad.placements[a].reduce_op != "sum":
-                    raise NotImplementedError(f"the gradient of {name} is a pending {grad.placements[a]} on mesh "
-                                              f"axis {_axis_name(self.mesh, a)}; only sums are reduced")
+                _check_summed(name, grad, a, self.mesh)
             self._own(name, p, axes)
             if not axes:
                 p.grad = grad if tuple(grad.placements) == tuple(p.placements) else grad.redistribute(
@@ -607,6 +603,16 @@ def _scatter_one(shards: _ZeroShards, name: str) -> Any:  # noqa: ANN401
 def _padded(flat: torch.Tensor, ways: int) -> torch.Tensor:
     extra = -flat.numel() % ways
     return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+
+
+def _check_summed(name: str, grad: Any, axis: int, mesh: Any) -> None:  # noqa: ANN401
+    """Refuse a gradient left pending on mesh ``axis`` as anything but a sum (the runtime reduces sums only)."""
+    from torch.distributed.tensor import Partial
+
+    placement = grad.placements[axis]
+    if isinstance(placement, Partial) and placement.reduce_op != "sum":
+        raise NotImplementedError(f"the gradient of {name} is a pending {placement} on mesh axis "
+                                  f"{_axis_name(mesh, axis)}; only sums are reduced")
 
 
 def _axis_name(mesh: Any, axis: int) -> str:

@@ -294,6 +294,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         raise ValueError("a pipeline is rehearsed whole: each of its ranks runs the plan's schedule")
     _forget_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
+    phase = None  # where an error outside every module's forward came from, once the step is under way
     try:
         model = source.meta() if model is None else model
         applied = plan if whole or count else thin(model, plan)
@@ -327,8 +328,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
                 if not (whole or count):  # the first micro-batch, and the last, which synchronises gradients
                     ends = local.micro_batches[:1] + local.micro_batches[1:][-1:]
                     local = dataclasses.replace(local, micro_batches=ends)
-                # where an error outside every module's forward came from (`where` names a module's)
-                phase = "the backward or the gradient synchronisation"
+                phase = "the backward or the gradient synchronisation"  # (`where` names a forward's module)
                 parallel.forward_backward(local)
                 phase = "the optimizer step"
                 optimizer.step()  # as rank 0
@@ -347,7 +347,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         if "where" in locals() and where:
             inside = f" in module {where[-1]!r}"
         else:  # before the plan was applied, or after every forward had returned
-            inside = f" in {phase}" if "phase" in locals() else ""
+            inside = f" in {phase}" if phase else ""
         raise ValueError(f"the plan fails{inside} when applied on a fake process group of {plan.devices} ranks: "
                          f"{type(failed).__name__}: {text[0] if text else ''}{_reshape_hint(failed, plan)}") from None
     return counter.summary() if count else None
