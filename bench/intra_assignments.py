@@ -2,9 +2,10 @@
 process: does every plan the rehearsal accepts train what one process trains?
 
 Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama]
-[--zero 0 1 2].
+[--zero 0 1 2] [--recompute].
 For each family, `--count` plans on a 2 x 2 mesh (Megatron's layout, pure data parallelism, then per-block splits,
-micro-batch counts and ZeRO stages drawn at random; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
+micro-batch counts and ZeRO stages drawn at random, and with `--recompute` each repeated layer recomputed in full or
+not; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
 those it accepts run `--steps` AdamW steps on 4 gloo ranks in one launch. Prints per family how many were refused
 (and why), how many ran, the largest loss and first-step gradient differences from one process and the largest
 difference between replicated copies of a shard; exits 1 if any plan failed on the ranks or differed.
@@ -35,11 +36,14 @@ def main() -> None:
     parser.add_argument("--family", nargs="+", default=["gpt", "llama", "hf-llama"], choices=sorted(intra_ranks.MODELS))
     parser.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 1, 2),
                         help="ZeRO stages to draw from (default 0)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="also draw, per repeated layer, whether it is recomputed in full")
     args = parser.parse_args()
     bad = False
     for family in args.family:
         start = time.perf_counter()
-        plans = intra_ranks.assignments(family, args.count, seed=args.seed, zero=tuple(args.zero))
+        plans = intra_ranks.assignments(family, args.count, seed=args.seed, zero=tuple(args.zero),
+                                        recompute=args.recompute)
         accepted, refused = [], Counter()
         for data in plans:
             try:
@@ -54,9 +58,11 @@ def main() -> None:
         differ = worst["loss"] > 1e-4 or worst["grads"] > 1e-4 or worst["drift"] > 0
         bad |= bool(failed) or differ
         stages = Counter(d["zero"] for d in accepted)
+        again = Counter(len(d.get("recompute", [])) for d in accepted)
         print(f"{family}: {len(plans)} plans (ZeRO drawn from {args.zero}), {sum(refused.values())} refused by the "
-              f"rehearsal, {len(accepted)} run on 4 ranks (by ZeRO stage {dict(sorted(stages.items()))}; "
-              f"{len(failed)} failed); largest difference from one process: loss {worst['loss']:.1e}, first-step "
+              f"rehearsal, {len(accepted)} run on 4 ranks (by ZeRO stage {dict(sorted(stages.items()))}"
+              + (f", by layers recomputed {dict(sorted(again.items()))}" if args.recompute else "")
+              + f"; {len(failed)} failed); largest difference from one process: loss {worst['loss']:.1e}, first-step "
               f"gradients {worst['grads']:.1e}; replicated shards apart by {worst['drift']:.1e}; "
               f"{time.perf_counter() - start:.0f} s", flush=True)
         for why, n in refused.items():

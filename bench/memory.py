@@ -2,8 +2,12 @@
 `MemTracker` on one training step of the same plan as the runtime applies it (the cases of
 tests/test_memory_tracker.py: two small zoo models, DP, ZeRO 1/2/3, TP and PP on 2 ranks, at two sizes).
 
-Run: python bench/memory.py [--quick]. Single-stage plans are measured on a fake process group with fake tensors
-(seconds each), pipelines on real gloo ranks (about 15 s each). Target: every case within 5%.
+Run: python bench/memory.py [--quick] [--intra]. Single-stage plans are measured on a fake process group with fake
+tensors (seconds each), pipelines on real gloo ranks (about 15 s each). Target: every case within 5%.
+
+``--intra`` measures intra-op plans instead (`autopar plan --search ilp`'s estimate): both models in data
+parallelism on 2 ranks and in Megatron's layout on a 2 x 2 mesh, at both sizes, one and two micro-batches, ZeRO
+0-2, with none, half and all of their layers recomputed in full.
 """
 
 from __future__ import annotations
@@ -14,12 +18,49 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memory_tracking import CASES, measured_peaks, plan_for  # noqa: E402
+from memory_tracking import (  # noqa: E402
+    CASES,
+    INTRA_KINDS,
+    MODELS,
+    intra_plan_for,
+    measured_peaks,
+    plan_for,
+    single_stage_peak,
+)
 
 MIB = 2**20
 
 
+INTRA_RUNS = [  # (size, micro-batches, ZeRO, layers recomputed of 4)
+    ("long", 1, 0, 0), ("long", 1, 0, 2), ("long", 1, 0, 4), ("long", 2, 1, 0), ("long", 2, 2, 2),
+    ("short", 1, 0, 0), ("short", 1, 1, 0), ("short", 1, 2, 0),
+]
+
+
+def intra() -> None:
+    print(f"{'case':44s} {'predicted':>10s} {'measured':>10s} {'error':>7s} {'seconds':>7s}")
+    worst = 0.0
+    for model in MODELS:
+        for kind in INTRA_KINDS:
+            for size, micro_batches, zero, recomputed in INTRA_RUNS:
+                start = time.perf_counter()
+                plan, memory = intra_plan_for(model, kind, recomputed=recomputed, size=size, zero=zero,
+                                              micro_batches=micro_batches)
+                predicted = memory.total - memory.reserve
+                single_stage_peak(plan)  # the first time a layout runs, fake tensors' caches hold more: let them fill
+                peak = single_stage_peak(plan)
+                error = (predicted - peak) / peak
+                worst = max(worst, abs(error))
+                name = f"{model} {kind} {size} x{micro_batches} ZeRO {zero}, {recomputed}/4 recomputed"
+                print(f"{name:44s} {predicted / MIB:6.1f} MiB {peak / MIB:6.1f} MiB {error:+7.1%} "
+                      f"{time.perf_counter() - start:7.1f}")
+    print(f"largest error {worst:.1%} (target 5%)")
+
+
 def main() -> None:
+    if "--intra" in sys.argv:
+        intra()
+        return
     cases = [c for c in CASES if c.kind != "PP"] if "--quick" in sys.argv else CASES
     print(f"{'case':24s} {'stage':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s} {'seconds':>7s}")
     worst = 0.0

@@ -36,11 +36,13 @@ def _space(family: str, mesh: tuple[int, ...], *, batch: int, traced: int) -> tu
 
 
 def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (2, 2), batch: int = 8,
-                micro_batches: tuple[int, ...] = (1, 2), zero: tuple[int, ...] = (0,)) -> list[dict[str, Any]]:
+                micro_batches: tuple[int, ...] = (1, 2), zero: tuple[int, ...] = (0,),
+                recompute: bool = False) -> list[dict[str, Any]]:
     """``count`` plans (as dicts) of the tiny ``family`` model on ``mesh``: each block's split drawn at random
     among its legal candidates, the micro-batch count at random among ``micro_batches`` and the ZeRO stage among
-    ``zero`` (the first plan keeps the programme's Megatron layout, the second pure data parallelism)."""
-    from autopar.search.intra import baseline_choice, plan_of_choice
+    ``zero`` (the first plan keeps the programme's Megatron layout, the second pure data parallelism); with
+    ``recompute``, each repeated layer also recomputed in full or not at random."""
+    from autopar.search.intra import baseline_choice, plan_of_choice, repeated_layers
 
     rng = random.Random(seed)
     spaces = {}
@@ -54,7 +56,9 @@ def assignments(family: str, count: int, *, seed: int, mesh: tuple[int, ...] = (
         if choice is None:
             choice = tuple(rng.randrange(len(c)) for c in space.candidates)
         stage = rng.choice(zero) if len(zero) > 1 else zero[0]  # one stage: the draws as they were
-        intra = plan_of_choice(space, choice, global_batch=batch, micro_batches=m, zero=stage, dtype="fp32")
+        again = [layer for layer in repeated_layers(space) if rng.random() < 0.5] if recompute else []
+        intra = plan_of_choice(space, choice, global_batch=batch, micro_batches=m, zero=stage, dtype="fp32",
+                               recompute=again)
         plans.append(intra.to_plan(name, work).to_dict())
     return plans
 

@@ -158,7 +158,7 @@ def single_stage_peak(plan: Plan, *, optimizer: type[torch.optim.Optimizer] = to
     from autopar.zoo import load
 
     work = Workload.of(plan)
-    ddp = uses_ddp(plan)
+    ddp = plan.is_pipeline and uses_ddp(plan)
     tracker = PeakTracker()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.devices)
     try:
@@ -219,3 +219,35 @@ def _pipeline_rank(rank: int, rendezvous: Any, plan: Plan) -> int:
         return tracker.peak
     finally:
         dist.destroy_process_group()
+
+
+# intra-op plans (`autopar plan --search ilp`) of the same models: a baseline layout on a mesh, the first
+# ``recomputed`` repeated layers recomputed in full
+INTRA_KINDS = {"DP": ("dp", (2,)), "Megatron 2x2": ("megatron", (2, 2))}
+
+
+def intra_plan_for(model: str, kind: str, *, recomputed: int, size: str = "long", zero: int = 0,
+                   micro_batches: int = 1) -> tuple[Plan, Any]:
+    """An intra-op plan of ``model`` in layout ``kind`` (`INTRA_KINDS`) with its first ``recomputed`` layers
+    recomputed, priced on the cpu preset as `autopar plan --search ilp` prices it, and its predicted memory."""
+    import math
+
+    from autopar.capture import trace
+    from autopar.cluster import build_mesh, load_cluster
+    from autopar.plan import Workload
+    from autopar.search.intra import baseline_choice, build_space, plan_of_choice, repeated_layers
+    from autopar.zoo import load
+
+    name, overrides = MODELS[model]
+    layout, mesh = INTRA_KINDS[kind]
+    seq, batch = SIZES[size]
+    cluster = load_cluster("cpu").with_devices(math.prod(mesh))
+    size = batch // micro_batches
+    zoo = load(name, batch=size, seq=seq, dtype=torch.float32, dropout=0.0, **overrides)
+    space = build_space(trace(zoo.module, example_kwargs=zoo.inputs),
+                        build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)}), cluster, traced_batch=size)
+    work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=seq, batch=batch, dtype="fp32")
+    intra = plan_of_choice(space, baseline_choice(space, layout), global_batch=batch, dtype="fp32", kind=layout,
+                           micro_batches=micro_batches, zero=zero, recompute=repeated_layers(space)[:recomputed])
+    plan = intra.to_plan(name, work)
+    return plan, plan.estimate.memory

@@ -275,3 +275,69 @@ def test_a_lookup_in_a_table_split_by_rows_over_both_axes_trains_as_one_process(
         for got in per_plan:
             assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
             assert got["drift"] == 0.0, got
+
+
+def test_an_intra_op_plan_names_the_layers_it_recomputes() -> None:
+    """``recompute`` lists layers of the plan's blocks, each once, and is an intra-op plan's own field (a pipeline
+    plan's stages name theirs); it round-trips through the plan's JSON and leaves older files as they read."""
+    import dataclasses
+
+    from autopar.plan import FieldError
+
+    data = intra_ranks.assignments("gpt", 1, seed=0)[0]
+    assert "recompute" not in data  # none recomputed: the field is left out, as files written before it
+    plan = Plan.from_dict({**data, "recompute": ["layers.1"]})
+    assert plan.recompute == ("layers.1",) and Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(FieldError, match="recompute\\[0\\] names 'layers.7', which none of the plan's blocks lies in"):
+        dataclasses.replace(plan, recompute=("layers.7",))
+    with pytest.raises(FieldError, match="recompute\\[1\\] names 'layers.1' twice"):
+        dataclasses.replace(plan, recompute=("layers.1", "layers.1"))
+    with pytest.raises(FieldError, match="must be a tuple of layer names"):
+        dataclasses.replace(plan, recompute=["layers.1"])
+
+
+def test_recomputed_layers_of_intra_op_plans_replay_their_conversions_and_train_as_one_process() -> None:
+    """Megatron's layout of the GPT under ZeRO 2 over 2 micro-batches with one layer recomputed, and the LLaMA in
+    data parallelism under ZeRO 1 with both: the rehearsal counts the priced collectives (the recomputed layer's
+    forward conversions issued again in the backward, as many as `replay` prices and no more), and 4 ranks train
+    what one process trains."""
+    from autopar.runtime.validate import check_runnable, rehearsal
+    from autopar.search.intra import choice_of, estimate_choice, plan_of_choice, replay
+
+    def recomputing(data: dict, family: str, layers: list[str]) -> Plan:  # the plan priced with them recomputed
+        name, work, space = intra_ranks._space(family, (2, 2), batch=8, traced=data["micro_batch_size"])
+        again = plan_of_choice(space, choice_of(space, Plan.from_dict(data).blocks), global_batch=8,
+                               micro_batches=data["micro_batches"], zero=data["zero"], dtype="fp32", recompute=layers)
+        return again.to_plan(name, work)
+
+    megatron = recomputing(intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(2,), zero=(2,))[0], "gpt",
+                           ["layers.0"])
+    dp = recomputing(intra_ranks.assignments("llama", 2, seed=0, micro_batches=(1,), zero=(1,))[1], "llama",
+                     ["layers.0", "layers.1"])
+    for plan, family in ((megatron, "gpt"), (dp, "llama")):
+        data = plan.to_dict()
+        check_runnable(plan)  # the collectives as priced, the replay's included
+        counted = {(c["kind"], c["axis"]): c["count"] for c in rehearsal(plan, count=True)}
+        kept = {(c["kind"], c["axis"]): c["count"]
+                for c in rehearsal(Plan.from_dict({**data, "recompute": []}), count=True)}
+        space = _tiny_space(family, plan.micro_batches)
+        again = replay(space, choice_of(space, plan.blocks), plan.recompute)
+        names = dict(zip(space.mesh.names, plan.mesh.axes))
+        priced: dict = {}
+        for call in again.calls:
+            key = (call.kind.value, names[call.axis])
+            priced[key] = priced.get(key, 0) + call.calls * plan.micro_batches
+        assert {k: counted.get(k, 0) - kept.get(k, 0) for k in set(counted) | set(kept)} == {
+            k: priced.get(k, 0) for k in set(counted) | set(kept)}
+        # Megatron's layout converts inside its layers (issued again); data parallelism converts nothing there
+        assert (sum(priced.values()) > 0) == (family == "gpt"), priced
+        kept_all = estimate_choice(space, choice_of(space, plan.blocks), zero=plan.zero,
+                                   micro_batches=plan.micro_batches, global_batch=8, dtype="fp32")
+        assert plan.estimate.compute_seconds == pytest.approx(
+            kept_all.compute_seconds + plan.micro_batches * again.compute)
+        assert again.activations < replay(space, choice_of(space, plan.blocks), ()).activations  # every one saved
+    results = run_ranks(intra_ranks.train_each, 4, args=([megatron.to_dict(), dp.to_dict()], 3))
+    for per_plan in results:
+        for got in per_plan:
+            assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
+            assert got["drift"] == 0.0, got

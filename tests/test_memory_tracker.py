@@ -220,3 +220,40 @@ def test_the_command_line_writes_the_plan_checked_here(tmp_path, capsys) -> None
     assert code == 0
     plan, (predicted,) = plan_for(Case("llama", "DP", "long"))
     assert load_plan(out).stages[0].memory.allocated == pytest.approx(predicted.allocated)
+
+
+@pytest.mark.parametrize("model, kind", [("llama", "DP"), ("gpt", "Megatron 2x2")])
+def test_recomputing_layers_of_an_intra_op_plan_frees_what_the_estimate_says(model: str, kind: str) -> None:
+    """An intra-op plan with 2 and then 4 of its 4 layers recomputed: the runtime's peak falls by the saving the
+    estimate prices (what the layers saved, less their inputs and one layer made again in the backward), within
+    5%. (The estimate's peak itself is `bench/memory.py --intra`'s.)"""
+    from memory_tracking import intra_plan_for, single_stage_peak
+
+    def measured(plan) -> int:  # noqa: ANN001
+        single_stage_peak(plan)  # the first step of a layout in a process also fills fake tensors' caches
+        return single_stage_peak(plan)
+
+    kept, kept_memory = intra_plan_for(model, kind, recomputed=0)
+    base = measured(kept)
+    for recomputed in (2, 4):
+        plan, memory = intra_plan_for(model, kind, recomputed=recomputed)
+        assert plan.recompute == tuple(f"layers.{k}" for k in range(recomputed))
+        saving = base - measured(plan)
+        assert saving > 0
+        assert kept_memory.total - memory.total == pytest.approx(saving, rel=0.05), (recomputed, saving / MIB)
+
+
+@pytest.mark.parametrize("model, kind, size, micro_batches, zero, recomputed", [
+    ("gpt", "DP", "long", 1, 0, 2), ("llama", "Megatron 2x2", "long", 2, 1, 0), ("gpt", "DP", "short", 1, 1, 0),
+    ("llama", "Megatron 2x2", "short", 1, 2, 0)])
+def test_an_intra_op_estimate_is_what_the_runtime_allocates(model: str, kind: str, size: str, micro_batches: int,
+                                                            zero: int, recomputed: int) -> None:
+    """The intra-op estimate's peak, at the loss's backward (activations and its gradients) or in the step
+    (ZeRO's flat buffers and gathered weights), within 5% of what the runtime allocates (`bench/memory.py --intra`
+    runs 32 such cases)."""
+    from memory_tracking import intra_plan_for, single_stage_peak
+
+    plan, memory = intra_plan_for(model, kind, recomputed=recomputed, size=size, zero=zero,
+                                  micro_batches=micro_batches)
+    single_stage_peak(plan)  # the first step of a layout in a process also fills fake tensors' caches
+    assert memory.total - memory.reserve == pytest.approx(single_stage_peak(plan), rel=0.05)

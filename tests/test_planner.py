@@ -132,3 +132,25 @@ def test_plan_is_never_slower_than_a_fitting_baseline(name: str, batch: int, ove
         other = found[kind]
         if other is not None and other.estimate.memory.fits:
             assert ilp.estimate.iteration_seconds <= other.estimate.iteration_seconds * (1 + 1e-9), kind
+
+
+def test_a_plan_that_fits_only_by_recomputing_recomputes_the_fewest_layers() -> None:
+    """GPT-3 350M cut to 8 layers on 8 devices of 3.2 GiB: one micro-batch of the whole batch fits no layout
+    keeping every activation, and more micro-batches split the sequence (slower); the plan recomputes the fewest
+    layers that make it fit (one fewer does not), and pays their forward again."""
+    from autopar.search.intra import estimate_choice, replay
+
+    found = _plan("gpt3-350m", gpus=8, batch=8, memory_gib=3.2, layers=8)
+    ilp = found["ilp"]
+    assert ilp.estimate.memory.fits and ilp.micro_batches == 1
+    assert 0 < len(ilp.recompute) < 8 and ilp.recompute == tuple(f"layers.{k}" for k in range(len(ilp.recompute)))
+    kw = dict(zero=ilp.zero, micro_batches=1, global_batch=8, dtype="bf16")
+    fewer = estimate_choice(ilp.space, ilp.choice, recompute=ilp.recompute[:-1], **kw)
+    assert not fewer.memory.fits
+    kept = estimate_choice(ilp.space, ilp.choice, **kw)
+    again = replay(ilp.space, ilp.choice, ilp.recompute)
+    assert ilp.estimate.compute_seconds == pytest.approx(kept.compute_seconds + again.compute)
+    assert ilp.estimate.memory.activations == pytest.approx(again.activations)
+    assert again.activations < kept.memory.activations
+    plan = ilp.to_plan("gpt3-350m")
+    assert plan.recompute == ilp.recompute

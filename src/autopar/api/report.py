@@ -6,6 +6,7 @@ file has no search beside it: `plan_text` explains its stages and estimate alone
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from autopar.api.search import Searched
@@ -140,7 +141,7 @@ def plan_text(plan: Plan) -> str:
              + (f" x seq {plan.workload.seq}" if plan.workload is not None else ""),
              f"plan ({plan.kind}): {_shape(data)}" if plan.stages else
              f"intra-op plan ({plan.kind}) on mesh {' x '.join(map(str, plan.mesh.shape))}: micro-batch "
-             f"{plan.micro_batch_size} x {plan.micro_batches}, ZeRO {plan.zero}", ""]
+             f"{plan.micro_batch_size} x {plan.micro_batches}, ZeRO {plan.zero}{recomputed_text(plan.recompute)}", ""]
     if plan.stages:
         lines += _stages(data)
     lines += [estimate_text(plan.estimate.to_dict()) if plan.estimate is not None else "(no estimate)"]
@@ -213,6 +214,21 @@ def _runners_up(data: dict[str, Any]) -> list[str]:
                   align="rlrrlrrr"), ""]
 
 
+def recomputed_text(layers: Sequence[str]) -> str:
+    """An intra-op plan's recomputed layers in a few words (``, layers.0-5 recomputed``), or nothing."""
+    if not layers:
+        return ""
+    heads = {name.rpartition(".")[0] for name in layers}
+    tails = [name.rpartition(".")[2] for name in layers]
+    if len(heads) == 1 and all(t.isdigit() for t in tails):
+        numbers = sorted(int(t) for t in tails)
+        head = heads.pop()
+        if numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) > 1:
+            return f", {head}.{numbers[0]}-{numbers[-1]} recomputed"
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    return f", {count(len(layers), 'layer')} recomputed ({shown})"
+
+
 def count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
@@ -224,6 +240,8 @@ def comparison(data: dict[str, Any], out: str | None) -> list[str]:
     label = data["plan"].get("kind", data["search"]) if data["search"] == "ilp" else data["search"]
     if label in data["baselines"] and data["plan"].get("zero"):  # a baseline's layout, its states sharded
         label += f" + ZeRO {data['plan']['zero']}"
+    if data["plan"].get("recompute"):
+        label += f" + {len(data['plan']['recompute'])} recomputed"
     rows = [[label, *_summary(e, e)]]
     for kind, other in data["baselines"].items():
         rows.append([kind, *(_summary(other["estimate"], e) if other else ["n/a"] * 5)])

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from autopar.api.report import comparison, entry, pipeline_report, render_pipeline, title
+from autopar.api.report import comparison, entry, pipeline_report, recomputed_text, render_pipeline, title
 from autopar.api.search import (  # noqa: F401 - simulated: bench/pipeline.py reads it here
     PIPELINE_SEARCHES, SearchOptions, Subject, refusal, search_pipeline, simulated,
 )
@@ -29,7 +29,7 @@ from autopar.cluster import load_cluster
 from autopar.plan import FieldError, Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.intra import ZERO_STAGES, measured_share, plan_of_choice
+from autopar.search.intra import ZERO_STAGES, fit_by_recomputing, measured_share, plan_of_choice
 
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
@@ -144,9 +144,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                                       zero_stages=(0, 1, 2), ops=ops)
             options += [p for p in again.values() if p is not None]
         dp = found.get("dp")
-        if dp is not None and args.search == "ilp":  # data parallelism with its model states sharded, which runs
-            options += [plan_of_choice(dp.space, dp.choice, global_batch=args.batch, micro_batches=dp.micro_batches,
-                                       zero=zero, dtype=args.dtype, kind="dp") for zero in (1, 2)]
+        if dp is not None and args.search == "ilp":
+            # data parallelism with its model states sharded, and as many layers recomputed as it needs to fit
+            for zero in (1, 2):
+                again, priced = fit_by_recomputing(dp.space, dp.choice, zero, dp.micro_batches, args.batch,
+                                                   args.dtype)
+                options.append(plan_of_choice(dp.space, dp.choice, global_batch=args.batch, zero=zero,
+                                              micro_batches=dp.micro_batches, dtype=args.dtype, kind="dp",
+                                              recompute=again if priced.memory.fits else ()))
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
             if refusal(offered) is None:
@@ -366,7 +371,8 @@ def render(data: dict[str, Any], *, out: str | None = None) -> str:
         f"{data['model']} on {data['gpus']} x {data['cluster']}, global batch {data['config']['batch']} x seq "
         f"{data['config']['seq']}: mesh {mesh}",
         f"plan ({_kind(data)}): micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} steps, "
-        f"ZeRO {plan['zero']}{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; searched in "
+        f"ZeRO {plan['zero']}{recomputed_text(plan.get('recompute', []))}"
+        f"{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}; searched in "
         f"{data['search_seconds']:.1f} s"
         + (" (interrupted: best so far)" if data.get("interrupted") else ""),
         *profile_line(data),

@@ -30,7 +30,7 @@ from autopar.cluster import Cluster, Collective, collective_seconds
 from autopar.cluster.calls import CommCall, Phase
 from autopar.cluster.mesh import Mesh
 from autopar.cost.compute import sequence_seconds
-from autopar.cost.memory import gradient_sync
+from autopar.cost.memory import gradient_sync, op_transient
 from autopar.sharding import (
     PASS,
     REPLICATE,
@@ -77,6 +77,7 @@ class BlockCost:
     # the same calls by conversion: (position of the op that needs it, the value converted as a key relative to the
     # block, layout needed, gradient layout, its calls)
     conversions: list[tuple[int, Key, Layout, Layout, tuple[CommCall, ...]]] = field(default_factory=list)
+    conversion_forward: list[float] = field(default_factory=list)  # seconds of each conversion's forward
     strategies: dict[int, Strategy] = field(default_factory=dict)  # position in the block -> the op's strategy
     measured: float = 0.0  # seconds of compute (forward and backward) priced by the profile database's op times
 
@@ -91,6 +92,7 @@ class BlockCost:
         self.comm_backward += transfer.backward
         self.collectives.extend(transfer.collectives)
         self.conversions.append((position, value, need, grad, tuple(transfer.collectives)))
+        self.conversion_forward.append(transfer.forward)
 
 
 class IntraCost:
@@ -302,8 +304,10 @@ class IntraCost:
                 cost.exits[("out", position[i], 0)] = whole
             priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
-            if not node.is_view and strategy.outputs:
-                cost.temporary = max(cost.temporary, node.output_bytes / self.ways(strategy.outputs[0]))
+            if strategy.outputs:  # its backward: the gradients of its output and of its activation inputs
+                cost.temporary = max(cost.temporary, op_transient(
+                    node, outputs=[self.ways(layout) for layout in strategy.outputs],
+                    inputs=[self.ways(layout) for layout in strategy.gradients]))
         tally = [0.0, 0.0]
         cost.compute_forward, cost.compute_backward = sequence_seconds(
             priced, self.cluster.device, kernels=self.kernels, ops=self.ops, traced_batch=self.traced_batch,

@@ -9,7 +9,8 @@ itself on construction, so a plan that exists is one whose numbers are in range 
 - ``micro_batch_size x micro_batches = workload.batch``, and every stage's dp divides the micro-batch (each
   data-parallel rank trains ``micro_batch_size / dp`` samples of each micro-batch);
 - a pipeline has ``pp x chunks`` stages, each of ``dp x tp`` = the devices per stage; no layer sits in two stages,
-  no stage is empty; recomputed layers and checkpointed runs belong to their stage;
+  no stage is empty; recomputed layers and checkpointed runs belong to their stage; an intra-op plan's recomputed
+  layers (``recompute``) are layers its blocks lie in, each named once;
 - placements are ``S(d)``, ``R`` or ``P``, one per mesh axis, ``d`` within the parameter's shape.
 
 What needs the model itself (that the stages cover its chain in order, that split widths and heads divide by tp)
@@ -53,7 +54,7 @@ from autopar.plan.records import (
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 _FIELDS = ("schema", "model", "kind", "mesh", "schedule", "chunks", "micro_batch_size", "micro_batches", "zero", "sp",
-           "kernels", "stages", "blocks", "modules", "workload")
+           "kernels", "stages", "blocks", "recompute", "modules", "workload")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +73,9 @@ class Plan:
     kernels: str = "eager"
     stages: tuple[Stage, ...] = ()  # a pipeline plan (one stage: no pipelining)
     blocks: tuple[Block, ...] = ()  # an intra-op plan
+    # an intra-op plan's layers recomputed in full in the backward (only each one's input kept), in chain order; a
+    # pipeline plan's stages name their own (`Stage.recompute`)
+    recompute: tuple[str, ...] = ()
     modules: tuple[ModuleLayout, ...] = ()
     workload: Workload | None = None  # how to rebuild the model; without it `autopar run` cannot run the plan
     estimate: Estimate | None = None
@@ -101,6 +105,7 @@ class Plan:
             _check_pipeline(self)
         elif self.schedule != "1f1b" or self.chunks != 1:
             raise FieldError("schedule", "applies to pipeline plans only; an intra-op plan has no stages")
+        _check_recompute(self)
         _check_modules(self)
         if self.report is not None and not isinstance(self.report, str):
             raise FieldError("report", f"must be text or None, got {quote(self.report)}")
@@ -183,6 +188,8 @@ class Plan:
             data["stages"] = [s.to_dict() for s in self.stages]
         else:
             data["blocks"] = [b.to_dict() for b in self.blocks]
+            if self.recompute:
+                data["recompute"] = list(self.recompute)
         data["modules"] = {m.fqn: m.to_dict() for m in self.modules}
         if self.workload is not None:
             data["workload"] = self.workload.to_dict()
@@ -207,6 +214,7 @@ class Plan:
             mesh = Mesh.from_dict(data["mesh"])
         stages = tuple(_each("stages", data.get("stages", []), Stage.from_dict))
         blocks = tuple(_each("blocks", data.get("blocks", []), Block.from_dict))
+        recompute = tuple(sequence("recompute", data.get("recompute", [])))
         modules = []
         for fqn, entry in mapping("modules", data["modules"]).items():
             with at(f"modules[{fqn!r}]"):
@@ -222,7 +230,7 @@ class Plan:
                    micro_batch_size=data["micro_batch_size"], micro_batches=data["micro_batches"],
                    zero=data.get("zero", 0), sp=data.get("sp", False), schedule=data.get("schedule", "1f1b"),
                    chunks=data.get("chunks", 1), kernels=data.get("kernels", "eager"), stages=stages, blocks=blocks,
-                   modules=tuple(modules), workload=workload, estimate=estimate)
+                   recompute=recompute, modules=tuple(modules), workload=workload, estimate=estimate)
 
 
 def _no_constant(name: str) -> None:
@@ -274,6 +282,22 @@ def _check_pipeline(plan: Plan) -> None:
             owner[name] = k
     if plan.sp and max(s.tp for s in plan.stages) < 2:
         raise FieldError("sp", "(sequence parallelism) needs tp 2 or more")
+
+
+def _check_recompute(plan: Plan) -> None:
+    """An intra-op plan's recomputed layers: names of layers its blocks lie in, each once."""
+    if not isinstance(plan.recompute, tuple):
+        raise FieldError("recompute", f"must be a tuple of layer names, got {type(plan.recompute).__name__}")
+    if plan.recompute and plan.stages:
+        raise FieldError("recompute", "lists an intra-op plan's recomputed layers; a pipeline plan's stages name "
+                         "their own (stages[k].recompute)")
+    layers = {b.layer for b in plan.blocks}
+    for k, name in enumerate(plan.recompute):
+        text(f"recompute[{k}]", name, limit=1024)
+        if name not in layers:
+            raise FieldError(f"recompute[{k}]", f"names {quote(name)}, which none of the plan's blocks lies in")
+        if name in plan.recompute[:k]:
+            raise FieldError(f"recompute[{k}]", f"names {quote(name)} twice")
 
 
 def _check_modules(plan: Plan) -> None:

@@ -411,6 +411,8 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     _place_state(model, plan, mesh)
     _reduce_masked_lookups(model)  # first: a masked lookup's sum is made before its output is converted
     converted = _hook_inputs(model, plan, mesh)
+    _recompute(model, plan, converted)
+    _layers_scope_conversions(model, plan, converted)
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
@@ -424,6 +426,78 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     parallel.mesh, parallel.plan, parallel.rank = mesh, plan, dist.get_rank()
     parallel.converted = converted
     return parallel
+
+
+def _layers_scope_conversions(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
+    """The conversions a layer of the plan caches (`_hook_inputs`: a value several of its modules read in one
+    layout, converted once) are dropped when the layer's forward returns: a value a layer converted is read by
+    that layer alone, and holding it to the end of the forward would keep what a recomputed layer lets go."""
+    modules = dict(model.named_modules())
+    for name in dict.fromkeys(b.layer for b in plan.blocks):
+        layer = modules.get(name) if name else None
+        if layer is None or name in plan.recompute:  # a recomputed layer scopes its own (`_recompute`)
+            continue
+        layer.register_forward_pre_hook(lambda *_: _scopes.append(set(cache)))
+        layer.register_forward_hook(lambda *_: _drop_new(cache, _scopes.pop()))
+
+
+_scopes: list[set] = []  # the cache's keys as each running layer found them
+
+
+def _drop_new(cache: dict[int, tuple], before: set) -> None:
+    for key in set(cache) - before:
+        del cache[key]
+
+
+def _recompute(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
+    """Checkpoint each layer the plan recomputes (``Plan.recompute``): only its inputs are kept, and its forward
+    runs again in the backward, with every conversion in it, as the cost model prices it (`replay`). The replay
+    runs the whole forward (checkpoint's early stop is off: a replay that stopped at the last tensor the backward
+    needs would skip the conversions after it) and runs it as planned (`_AsPlanned`, which the backward is not
+    inside). What the layer's conversions cache is dropped when its forward, or its replay, returns."""
+    if not plan.recompute:
+        return
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    modules = dict(model.named_modules())
+    scatter = plan.kind != "megatron"
+    for name in plan.recompute:
+        layer = modules.get(name)
+        if layer is None:
+            raise ValueError(f"the plan recomputes {name!r}, which the model does not have")
+
+        def replayed(*args: Any, _forward: Any = layer.forward, **kwargs: Any) -> Any:  # noqa: ANN401
+            before = set(cache)
+            try:
+                with _as_planned(scatter=scatter):
+                    return _forward(*args, **kwargs)
+            finally:
+                _drop_new(cache, before)
+
+        def checkpointed(*args: Any, _replayed: Any = replayed, **kwargs: Any) -> Any:  # noqa: ANN401
+            # (the setting, not the argument: a setting made around the step would override the argument)
+            with set_checkpoint_early_stop(False):
+                return checkpoint(_replayed, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+
+
+def _as_planned(*, scatter: bool) -> Any:  # noqa: ANN401
+    """`running`'s context, entering only what is not already active: the forward is inside it already, the
+    backward's replay of a recomputed layer is not (and leaving a second `implicit_replication` would switch it off
+    for the rest of the backward)."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = contextlib.ExitStack()
+    if not any(isinstance(mode, _AsPlanned) for mode in _get_current_function_mode_stack()):
+        stack.enter_context(_AsPlanned(scatter=scatter))
+    if not DTensor._op_dispatcher._allow_implicit_replication:
+        stack.enter_context(implicit_replication())
+    return stack
 
 
 # Optimizers whose update of an element reads only that element's weight, gradient and state: updating each rank's
@@ -538,9 +612,11 @@ class _ZeroShards:
             else:
                 master.grad.add_(piece)
 
-    def gather(self, slices: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def gather(self, slices: Mapping[int, torch.Tensor], *, into: Mapping[int, torch.Tensor] | None = None,
+               ) -> dict[int, torch.Tensor]:
         """Each weight's own shard, whole, from this rank's ``slices`` of weights owned over some axes:
-        all-gathered axis by axis the other way round, each axis in one flat buffer."""
+        all-gathered axis by axis the other way round, each axis in one flat buffer. With ``into`` (a tensor per
+        weight, of its shard's shape), the last axis's pieces are copied there rather than into new tensors."""
         import torch.distributed as dist
 
         current = {k: v.reshape(-1) for k, v in slices.items()}
@@ -556,20 +632,33 @@ class _ZeroShards:
             offset = 0
             for k in keys:
                 size = current[k].numel()
-                current[k] = rows[:, offset : offset + size].reshape(-1)
+                if into is not None and k in into and a == min(self.axes[k]):
+                    # its last axis: rank r's piece is the r-th run of the whole (padded) flattened shard, copied
+                    # into place
+                    target = into[k].reshape(-1)
+                    for r in range(n):
+                        stop = min((r + 1) * size, target.numel())
+                        if stop > r * size:
+                            target[r * size : stop].copy_(rows[r, offset : offset + stop - r * size])
+                    current[k] = into[k]
+                else:
+                    current[k] = rows[:, offset : offset + size].reshape(-1)
                 offset += size
         out = {}
         for k, flat in current.items():
             local = self.params[k]._local_tensor
-            out[k] = flat[: local.numel()].view(local.shape)
+            out[k] = flat.reshape(-1)[: local.numel()].view(local.shape)
         return out
 
     def write_back(self) -> None:
-        """Every weight owned in slices made whole again from its stepped slice."""
+        """Every weight owned in slices made whole again from its stepped slice, gathered into the weight's own
+        storage (the gather's buffers are the only copies made)."""
         owned = {k: m.detach() for k, m in self.masters.items() if self.axes[k]}
         with torch.no_grad():
-            for k, whole in self.gather(owned).items():
-                self.params[k]._local_tensor.copy_(whole)
+            into = {k: self.params[k]._local_tensor for k in owned if self.params[k]._local_tensor.is_contiguous()}
+            for k, whole in self.gather(owned, into=into).items():
+                if k not in into:
+                    self.params[k]._local_tensor.copy_(whole)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Every gradient, each in its weight's layout (a DTensor), by parameter name: those owned in slices

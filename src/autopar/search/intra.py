@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,10 +26,10 @@ import numpy as np
 from autopar.analysis import BlockGraph, ParallelBlock, Segment, build_blocks, find_segments
 from autopar.capture import Graph
 from autopar.cluster import Cluster, build_mesh
-from autopar.cluster.calls import CommCall
+from autopar.cluster.calls import CommCall, Phase
 from autopar.cluster.mesh import Mesh
 from autopar.cost.intra import GATHERED, Candidate, IntraCost, Key, ParamUse, sync_seconds
-from autopar.cost.memory import gradient_itemsize, model_states
+from autopar.cost.memory import Precision, gradient_itemsize, model_states
 from autopar.cost.types import Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
 from autopar.plan import Block, ModuleLayout, ParamLayout, Plan, Workload
@@ -253,6 +253,7 @@ class IntraPlan:
     estimate: Estimate
     solution: Solution | None = None
     floor: float = 0.0  # bytes no micro-batch count goes below (model states + reserve): above the budget, stop
+    recompute: tuple[str, ...] = ()  # layers recomputed in full (`replay`)
 
 
     @property
@@ -264,9 +265,11 @@ class IntraPlan:
 
 
 def estimate_choice(
-    space: Space, choice: tuple[int, ...], *, zero: int, micro_batches: int, global_batch: int, dtype: str
+    space: Space, choice: tuple[int, ...], *, zero: int, micro_batches: int, global_batch: int, dtype: str,
+    recompute: Collection[str] = (),
 ) -> Estimate:
-    """The Estimate (CLI.md) of one assignment: compute and communication are not overlapped (no pipeline)."""
+    """The Estimate (CLI.md) of one assignment: compute and communication are not overlapped (no pipeline).
+    ``recompute``: layers recomputed in full (`replay`)."""
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     compute = comm = saved = temporary = 0.0
     weights = grads = optim = 0.0
@@ -290,14 +293,25 @@ def estimate_choice(
     for transfer in conversions(space, choice):
         comm += m * transfer.seconds
         calls += [c.times(m) for c in transfer.collectives]
+    if recompute:
+        again = replay(space, choice, recompute)
+        compute += m * again.compute
+        comm += m * again.comm
+        calls += [c.times(m) for c in again.calls]
+        saved = again.activations
     device = ic.cluster.device
     iteration = compute + comm
     model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
     per_device = model_flops / iteration / ic.cluster.num_devices
-    memory = MemoryBreakdown(
-        parameters=weights, gradients=grads, optimizer=optim, activations=saved,
-        other=temporary, reserve=device.reserved, budget=device.memory,
-    )
+    # the peak is the largest of the first backward's start (every activation saved, the loss's backward holding
+    # its gradients; parameter gradients only where earlier micro-batches left them) and the moments of the
+    # gradient synchronisation and the optimizer step (`_step_moments`)
+    held = grads if m > 1 else 0.0
+    moments = [(held, saved, temporary), *_step_moments(synced, zero=zero, dtype=dtype, sizes=sizes, grads=grads)]
+    held, saved, other = max(moments, key=lambda moment: sum(moment))
+    buffers = sum(s.tensor.nbytes for s in space.graph.state.values() if s.is_buffer)  # whole on every device
+    memory = MemoryBreakdown(parameters=weights, gradients=held, optimizer=optim, activations=saved,
+                             other=other + buffers, reserve=device.reserved, budget=device.memory)
     return Estimate(
         iteration_seconds=iteration,
         compute_seconds=compute,
@@ -313,13 +327,48 @@ def estimate_choice(
     )
 
 
+def _step_moments(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...],
+                  grads: float) -> list[tuple[float, float, float]]:
+    """(gradients, activations, other) bytes beside the weights and optimizer state at the moments of the step
+    where the runtime's buffers peak (`autopar.runtime.intra`), from its weights pending on some mesh axis (held
+    whole there): ``Wp`` and ``Gp`` bytes of them and of their gradients, ``n`` the size of the first such axis.
+
+    - ZeRO 0, the all-reduce: every gradient, and the pending ones of one axis concatenated (the largest axis's);
+    - ZeRO 1, the reduce-scatter: every gradient, their concatenation ``Gp`` and its scattered slice ``Gp / n``;
+    - ZeRO 1 and 2, the gather after the step: the slices' gradients ``Gp / n`` (let go at the next step's start),
+      the gradients of weights pending nowhere, and the gather's buffers: the slices concatenated ``Wp / n`` and
+      the gathered weights ``Wp`` (copied from there into each weight)."""
+    p = Precision.of(dtype)
+    pending = [u for u in params if u.reduce_axes]
+    if zero == 0:
+        copy = max((sum(u.local * p.gradient for u in pending if a in u.reduce_axes) for a in range(len(sizes))),
+                   default=0.0)
+        return [(grads, 0.0, copy)]
+    if zero > 2:
+        return [(grads, 0.0, 0.0)]
+    weights = sum(u.local * p.weight for u in pending)
+    gradients = sum(u.local * p.gradient for u in pending)
+    first = sum(u.local * p.weight / sizes[min(u.reduce_axes)] for u in pending)
+    sliced = sum(u.local * p.gradient / sizes[min(u.reduce_axes)] for u in pending)
+    others = sum(u.local * p.gradient for u in params if not u.reduce_axes)
+    moments = [(sliced + others, 0.0, first + weights)]
+    if zero == 1:
+        moments.append((gradients + others, 0.0, gradients + sliced))
+    return moments
+
+
 def conversions(space: Space, choice: tuple[int, ...]) -> list[Transfer]:
     """The conversions of values between blocks per micro-batch, each value converted once per layout it is read
     in: two blocks reading one value in one layout (gate and up projections of one norm's output) share its
     conversion, and their gradients, summed by autograd, are converted back once. (The ILP's edge terms charge each
     reading block its own conversion: a bound the estimate of the chosen plan then tightens.)"""
+    return [transfer for transfer, _ in _conversions(space, choice).values()]
+
+
+def _conversions(space: Space, choice: tuple[int, ...]) -> dict[tuple, tuple[Transfer, list[int]]]:
+    """`conversions`, each with the nodes that read the converted value (in the order the blocks run)."""
     ic = space.cost
-    done: dict[tuple, Transfer] = {}
+    done: dict[tuple, tuple[Transfer, list[int]]] = {}
     for block in space.blocks.blocks:
         v = space.var_of[block.id]
         cand = space.candidates[v][choice[v]]
@@ -331,8 +380,104 @@ def conversions(space: Space, choice: tuple[int, ...]) -> list[Transfer]:
             pv = space.var_of[owner]
             what = (ic.origin(value), need, grad)
             if what not in done:
-                done[what] = ic.transfer(block, key, producer, space.candidates[pv][choice[pv]], cand)
-    return list(done.values())
+                done[what] = (ic.transfer(block, key, producer, space.candidates[pv][choice[pv]], cand), [])
+            done[what][1].append(block.nodes[key[1]])
+    return done
+
+
+@dataclass(slots=True)
+class Replay:
+    """What recomputing some layers in full adds per micro-batch: their forward again in the backward (compute,
+    and every forward collective of a conversion made inside them, issued again), and the activation bytes held
+    at the step's peak (`replay`)."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+    calls: list[CommCall] = field(default_factory=list)
+    activations: float = 0.0  # bytes per device at the peak, in place of every saved activation
+
+
+def replay(space: Space, choice: tuple[int, ...], layers: Collection[str]) -> Replay:
+    """The `Replay` of recomputing ``layers`` (module names: everything run inside each one's forward is replayed,
+    which a node's module says). Compute is priced by block (a block whose leading op lies in a layer is replayed
+    with it), collectives and activations by the node that needs or saves them, so the calls counted are the ones
+    the runtime's replay issues.
+
+    Activations peak either at the end of the forward (what every other layer saved, and each recomputed layer's
+    inputs) or while a recomputed layer's backward runs: by then the backward has freed what everything after it
+    saved, and the layer's own activations are made again (what ran before it still holds its share)."""
+    ic, graph = space.cost, space.graph
+    wanted = frozenset(layers)
+    owner_of: dict[str, str | None] = {}
+
+    def layer_of(module: str) -> str | None:
+        found = owner_of.get(module, ...)
+        if found is ...:
+            name, found = module, None
+            while name:
+                if name in wanted:
+                    found = name
+                    break
+                name = name.rpartition(".")[0]
+            owner_of[module] = found
+        return found
+
+    out = Replay()
+    saved: dict[str, float] = {}  # recomputed layer -> what it saves when it runs
+    kept: dict[str, float] = {}  # recomputed layer -> its inputs, held from its forward to its backward
+    first: dict[str, int] = {}  # recomputed layer -> its first node
+    others: list[tuple[int, float]] = []  # (node, bytes saved) outside the recomputed layers
+    inputs: set[tuple[str, int, int]] = set()
+    costs = [ic.block_cost(b, space.candidates[space.var_of[b.id]][choice[space.var_of[b.id]]])
+             for b in space.blocks.blocks]
+
+    def again(transfer_calls: Sequence[CommCall], seconds: float) -> None:
+        out.comm += seconds
+        out.calls.extend(replace(c, phase=Phase.BACKWARD) for c in transfer_calls if c.phase is Phase.FORWARD)
+
+    for block, bc in zip(space.blocks.blocks, costs):
+        assert bc is not None
+        if block.layer in wanted:
+            out.compute += bc.compute_forward
+        for (position, _, _, _, calls), seconds in zip(bc.conversions, bc.conversion_forward):
+            if layer_of(graph.node(block.nodes[position]).module) is not None:
+                again(calls, seconds)
+        for position, i in enumerate(block.nodes):
+            node = graph.node(i)
+            strategy = bc.strategies.get(position)
+            held = node.saved_bytes * (1.0 if strategy is None else ic.saved_fraction(node, strategy))
+            layer = layer_of(node.module)
+            if layer is None:
+                others.append((i, held))
+                continue
+            saved[layer] = saved.get(layer, 0.0) + held
+            first[layer] = min(first.get(layer, i), i)
+            for src in node.sources:  # what the layer reads from before it: kept as its input
+                if src.state is not None or src.node < 0 or not space.blocks.activation[src.node]:
+                    continue
+                made = graph.node(src.node)
+                if layer_of(made.module) == layer or (layer, src.node, src.index) in inputs:
+                    continue
+                inputs.add((layer, src.node, src.index))
+                by = space.blocks.owner[src.node]
+                making = costs[by].strategies.get(space.blocks.blocks[by].nodes.index(src.node))
+                ways = ic.ways(making.outputs[src.index]) if making is not None and making.outputs else 1
+                kept[layer] = kept.get(layer, 0.0) + made.outputs[src.index].nbytes / ways
+    for transfer, readers in _conversions(space, choice).values():
+        for layer in dict.fromkeys(layer_of(graph.node(i).module) for i in readers):
+            if layer is not None:  # converted again in each replay that reads it
+                again(transfer.collectives, transfer.forward)
+    peak = sum(held for _, held in others) + sum(kept.values())  # the forward's end
+    others.sort()
+    before = np.cumsum([0.0] + [held for _, held in others])
+    starts = [i for i, _ in others]
+    for layer in sorted(first, key=first.get):
+        # what ran before the layer (the recomputed layers among it keep their inputs only), and the layer again
+        earlier = float(before[np.searchsorted(starts, first[layer])])
+        inputs_held = sum(kept.get(other, 0.0) for other in first if first[other] <= first[layer])
+        peak = max(peak, earlier + inputs_held + saved[layer])
+    out.activations = peak
+    return out
 
 
 # ---- baselines ------------------------------------------------------------------------------------------------
@@ -458,6 +603,16 @@ def _plan_intra(
             return tried[m]
 
         lo, hi, first_fit = 0, len(counts) - 1, None
+        if kind == "ilp" and budget.left():
+            # the whole batch at once first: the fastest where it fits, recomputing layers, say, where fewer
+            # micro-batches would fit otherwise (the baselines keep every activation: their memory falls with more)
+            found = attempt(0)
+            if found is None:
+                hi = -1
+            elif found.estimate.memory.fits:
+                first_fit, hi = 0, -1
+            else:
+                lo = 1
         while lo <= hi and budget.left():
             mid = (lo + hi) // 2
             found = attempt(mid)
@@ -473,7 +628,10 @@ def _plan_intra(
             i = first_fit
             while i + 1 < len(counts) and budget.left():
                 following = attempt(i + 1)
-                if following is None or _rank(following) >= _rank(tried[counts[i]]):
+                # more micro-batches, while they get faster; and past a plan that recomputes layers to fit, until
+                # one keeps every activation (smaller micro-batches may fit without replaying anything)
+                if following is None or (_rank(following) >= _rank(tried[counts[i]])
+                                         and not tried[counts[i]].recompute):
                     break
                 i += 1
         candidates = [p for p in tried.values() if p is not None]
@@ -518,17 +676,53 @@ def _best_of_kind(
         choice, estimate = _better(space, options, zero, m, global_batch, dtype)
         if not math.isfinite(estimate.iteration_seconds):  # a baseline that needs an illegal conversion
             continue
+        again: tuple[str, ...] = ()
+        if kind == "ilp" and not estimate.memory.fits:
+            # recomputing layers may make it fit: the assignment found, and the fastest one whatever its memory
+            fastest = solve(terms.costs, terms.edges, None, time_limit=max(deadline - time.perf_counter(), 1.0))
+            tries = [choice, *([fastest.choice] if fastest.feasible else [])]
+            fitted = [(c, *fit_by_recomputing(space, c, zero, m, global_batch, dtype)) for c in dict.fromkeys(tries)]
+            fitting = [f for f in fitted if f[2].memory.fits]
+            if fitting:
+                choice, again, estimate = min(fitting, key=lambda f: f[2].iteration_seconds)
         floor = terms.constant_memory + (
             sum(float(row.min()) for row in terms.states) if kind == "ilp"
             else sum(float(terms.states[v][i]) for v, i in enumerate(choice))
         )
-        plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution)
+        plan = IntraPlan(kind, space, choice, zero, m, size, estimate, solution, recompute=again)
         if best is None or _rank(plan) < _rank(best):
             best = plan
         lowest = min(lowest, floor)
     if best is not None:
         best.floor = lowest
     return best
+
+
+def fit_by_recomputing(space: Space, choice: tuple[int, ...], zero: int, m: int, global_batch: int,
+                       dtype: str) -> tuple[tuple[str, ...], Estimate]:
+    """The fewest repeated layers, first ones first, whose recomputation in full makes ``choice`` fit the device
+    (none where it fits as it is), with its Estimate; all of them where nothing fits. Memory falls as more are
+    recomputed (each keeps only its input; one layer's activations are made again at a time), so the count is
+    found by bisection."""
+    layers = repeated_layers(space)
+
+    def priced(k: int) -> Estimate:
+        return estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype,
+                               recompute=layers[:k])
+
+    found = ((), priced(0))
+    if found[1].memory.fits or not layers:
+        return found
+    found = (tuple(layers), priced(len(layers)))
+    lo, hi = 1, len(layers) - 1
+    while found[1].memory.fits and lo <= hi:
+        mid = (lo + hi) // 2
+        estimate = priced(mid)
+        if estimate.memory.fits:
+            found, hi = (tuple(layers[:mid]), estimate), mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def _better(space: Space, options: list[tuple[int, ...] | None], zero: int, m: int, global_batch: int,
@@ -568,14 +762,19 @@ def _axis_labels(space: Space, choice: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def plan_of_choice(space: Space, choice: tuple[int, ...], *, global_batch: int, micro_batches: int = 1, zero: int = 0,
-                   dtype: str = "bf16", kind: str = "ilp") -> IntraPlan:
+                   dtype: str = "bf16", kind: str = "ilp", recompute: Sequence[str] = ()) -> IntraPlan:
     """The intra-op plan of one assignment (``choice``: a candidate per variable of ``space``, traced at the
     micro-batch size), priced: what a search would return had it chosen that assignment. Tests and benchmarks
-    use it to run assignments no search would pick."""
+    use it to run assignments no search would pick. ``recompute``: layers recomputed in full (see `repeated_layers`)."""
     estimate = estimate_choice(space, choice, zero=zero, micro_batches=micro_batches, global_batch=global_batch,
-                               dtype=dtype)
+                               dtype=dtype, recompute=recompute)
     return IntraPlan(kind=kind, space=space, choice=tuple(choice), zero=zero, micro_batches=micro_batches,
-                     micro_batch_size=global_batch // micro_batches, estimate=estimate)
+                     micro_batch_size=global_batch // micro_batches, estimate=estimate, recompute=tuple(recompute))
+
+
+def repeated_layers(space: Space) -> list[str]:
+    """The repeated layers of ``space``'s model (what an intra-op plan may recompute), in the order they run."""
+    return list(dict.fromkeys(b.layer for b in space.blocks.blocks if space.count[space.var_of[b.id]] > 1))
 
 
 def choice_of(space: Space, blocks: Sequence[Block]) -> tuple[int, ...]:
@@ -608,9 +807,10 @@ def repriced(plan: Plan, graph: Graph, cluster: Cluster, *, dtype: str = "fp32",
                         ops=ops, traced_batch=plan.micro_batch_size)
     choice = choice_of(space, plan.blocks)
     estimate = estimate_choice(space, choice, zero=plan.zero, micro_batches=plan.micro_batches,
-                               global_batch=plan.micro_batch_size * plan.micro_batches, dtype=dtype)
+                               global_batch=plan.micro_batch_size * plan.micro_batches, dtype=dtype,
+                               recompute=plan.recompute)
     return IntraPlan(kind=plan.kind, space=space, choice=choice, zero=plan.zero, micro_batches=plan.micro_batches,
-                     micro_batch_size=plan.micro_batch_size, estimate=estimate)
+                     micro_batch_size=plan.micro_batch_size, estimate=estimate, recompute=plan.recompute)
 
 
 def measured_share(plan: IntraPlan) -> float:
@@ -672,4 +872,5 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
     )
     return Plan(model=model, kind=plan.kind, mesh=PlanMesh(shape=tuple(space.mesh.sizes), axes=tuple(names)),
                 micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches, zero=plan.zero,
-                kernels=ic.kernels, blocks=tuple(blocks), modules=modules, workload=workload, estimate=plan.estimate)
+                kernels=ic.kernels, blocks=tuple(blocks), recompute=plan.recompute, modules=modules, workload=workload,
+                estimate=plan.estimate)
