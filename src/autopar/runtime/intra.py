@@ -438,7 +438,7 @@ def _layers_scope_conversions(model: nn.Module, plan: Plan, cache: dict[int, tup
         if layer is None or name in plan.recompute:  # a recomputed layer scopes its own (`_recompute`)
             continue
         layer.register_forward_pre_hook(lambda *_: _scopes.append(set(cache)))
-        layer.register_forward_hook(lambda *_: _drop_new(cache, _scopes.pop()))
+        layer.register_forward_hook(lambda *_: _drop_new(cache, _scopes.pop()), always_call=True)
 
 
 _scopes: list[set] = []  # the cache's keys as each running layer found them
