@@ -242,10 +242,10 @@ def intra_plan_for(model: str, kind: str, *, recomputed: int, size: str = "long"
     layout, mesh = INTRA_KINDS[kind]
     seq, batch = SIZES[size]
     cluster = load_cluster("cpu").with_devices(math.prod(mesh))
-    size = batch // micro_batches
-    zoo = load(name, batch=size, seq=seq, dtype=torch.float32, dropout=0.0, **overrides)
+    rows = batch // micro_batches  # one micro-batch, as the search traces it
+    zoo = load(name, batch=rows, seq=seq, dtype=torch.float32, dropout=0.0, **overrides)
     space = build_space(trace(zoo.module, example_kwargs=zoo.inputs),
-                        build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)}), cluster, traced_batch=size)
+                        build_mesh(cluster, {f"x{i}": n for i, n in enumerate(mesh)}), cluster, traced_batch=rows)
     work = Workload(model=name, overrides=tuple(sorted(overrides.items())), seq=seq, batch=batch, dtype="fp32")
     intra = plan_of_choice(space, baseline_choice(space, layout), global_batch=batch, dtype="fp32", kind=layout,
                            micro_batches=micro_batches, zero=zero, recompute=repeated_layers(space)[:recomputed])
