@@ -29,7 +29,7 @@ from autopar.cluster import load_cluster
 from autopar.plan import FieldError, Plan, Workload, save_plan
 from autopar.cost.pipeline import PipelineModel
 from autopar.search import BASELINES, plan_intra
-from autopar.search.intra import ZERO_STAGES, fit_by_recomputing, measured_share, plan_of_choice
+from autopar.search.intra import ZERO_STAGES, IntraPlan, fit_by_recomputing, measured_share
 
 SEARCHES = (*PIPELINE_SEARCHES, "ilp")
 
@@ -146,12 +146,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         dp = found.get("dp")
         if dp is not None and args.search == "ilp":
             # data parallelism with its model states sharded, and as many layers recomputed as it needs to fit
-            for zero in (1, 2):
+            for zero in (1, 2):  # (only plans that fit are offered)
                 again, priced = fit_by_recomputing(dp.space, dp.choice, zero, dp.micro_batches, args.batch,
                                                    args.dtype)
-                options.append(plan_of_choice(dp.space, dp.choice, global_batch=args.batch, zero=zero,
-                                              micro_batches=dp.micro_batches, dtype=args.dtype, kind="dp",
-                                              recompute=again if priced.memory.fits else ()))
+                if priced.memory.fits:
+                    options.append(IntraPlan("dp", dp.space, dp.choice, zero, dp.micro_batches, dp.micro_batch_size,
+                                             priced, recompute=again))
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
             if refusal(offered) is None:

@@ -411,8 +411,7 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     _place_state(model, plan, mesh)
     _reduce_masked_lookups(model)  # first: a masked lookup's sum is made before its output is converted
     converted = _hook_inputs(model, plan, mesh)
-    _recompute(model, plan, converted)
-    _layers_scope_conversions(model, plan, converted)
+    _layers(model, plan, converted)
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
@@ -428,51 +427,32 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     return parallel
 
 
-def _layers_scope_conversions(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
-    """The conversions a layer of the plan caches (`_hook_inputs`: a value several of its modules read in one
-    layout, converted once) are dropped when the layer's forward returns: a value a layer converted is read by
-    that layer alone, and holding it to the end of the forward would keep what a recomputed layer lets go."""
-    modules = dict(model.named_modules())
-    for name in dict.fromkeys(b.layer for b in plan.blocks):
-        layer = modules.get(name) if name else None
-        if layer is None or name in plan.recompute:  # a recomputed layer scopes its own (`_recompute`)
-            continue
-        layer.register_forward_pre_hook(lambda *_: _scopes.append(set(cache)))
-        layer.register_forward_hook(lambda *_: _drop_new(cache, _scopes.pop()), always_call=True)
-
-
-_scopes: list[set] = []  # the cache's keys as each running layer found them
-
-
-def _drop_new(cache: dict[int, tuple], before: set) -> None:
-    for key in set(cache) - before:
-        del cache[key]
-
-
-def _recompute(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
-    """Checkpoint each layer the plan recomputes (``Plan.recompute``): only its inputs are kept, and its forward
-    runs again in the backward, with every conversion in it, as the cost model prices it (`replay`). The replay
-    runs the whole forward (checkpoint's early stop is off: a replay that stopped at the last tensor the backward
-    needs would skip the conversions after it) and runs it as planned (`_AsPlanned`, which the backward is not
-    inside). What the layer's conversions cache is dropped when its forward, or its replay, returns."""
-    if not plan.recompute:
-        return
+def _layers(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
+    """Each layer of the plan's blocks runs its forward in a scope of the conversion cache (`_scoped`), and each
+    layer the plan recomputes (``Plan.recompute``) runs as one checkpoint: only its inputs are kept, and its
+    forward runs again in the backward, with every conversion in it, as the cost model prices it (`replay`). The
+    replay runs the whole forward (checkpoint's early stop is off: a replay that stopped at the last tensor the
+    backward needs would skip the conversions after it) and runs it as planned (`_AsPlanned`, which the backward
+    is not inside)."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     modules = dict(model.named_modules())
     scatter = plan.kind != "megatron"
     for name in plan.recompute:
-        layer = modules.get(name)
-        if layer is None:
+        if name not in modules:
             raise ValueError(f"the plan recomputes {name!r}, which the model does not have")
+    for name in dict.fromkeys(b.layer for b in plan.blocks):
+        layer = modules.get(name) if name else None
+        if layer is None:
+            continue
+        scoped = _scoped(layer.forward, cache)
+        if name not in plan.recompute:
+            layer.forward = scoped
+            continue
 
-        def replayed(*args: Any, _forward: Any = layer.forward, **kwargs: Any) -> Any:  # noqa: ANN401
-            before = set(cache)
-            try:
-                with _as_planned(scatter=scatter):
-                    return _forward(*args, **kwargs)
-            finally:
-                _drop_new(cache, before)
+        def replayed(*args: Any, _scoped: Any = scoped, **kwargs: Any) -> Any:  # noqa: ANN401
+            with _as_planned(scatter=scatter):
+                return _scoped(*args, **kwargs)
 
         def checkpointed(*args: Any, _replayed: Any = replayed, **kwargs: Any) -> Any:  # noqa: ANN401
             # (the setting, not the argument: a setting made around the step would override the argument)
@@ -480,6 +460,22 @@ def _recompute(model: nn.Module, plan: Plan, cache: dict[int, tuple]) -> None:
                 return checkpoint(_replayed, *args, use_reentrant=False, **kwargs)
 
         layer.forward = checkpointed
+
+
+def _scoped(forward: Any, cache: dict[int, tuple]) -> Any:  # noqa: ANN401
+    """``forward``, the conversions it caches (`_hook_inputs`: a value several of the layer's modules read in one
+    layout, converted once) dropped when it returns, or raises: a value a layer converted is read by that layer
+    alone, and holding it to the end of the model's forward would keep what a recomputed layer lets go."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        before = set(cache)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for key in set(cache) - before:
+                del cache[key]
+
+    return run
 
 
 def _as_planned(*, scatter: bool) -> Any:  # noqa: ANN401

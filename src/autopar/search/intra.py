@@ -290,11 +290,12 @@ def estimate_choice(
     # the whole model's gradients at once: one bucketed collective per axis (ZeRO 0-2)
     comm += sync_seconds(synced, zero=zero, micro_batches=m, itemsize=gradient_itemsize(dtype), mesh=space.mesh,
                          cluster=ic.cluster, uses=calls)
-    for transfer in conversions(space, choice):
+    moved = _conversions(space, choice)
+    for transfer, _ in moved.values():
         comm += m * transfer.seconds
         calls += [c.times(m) for c in transfer.collectives]
     if recompute:
-        again = replay(space, choice, recompute)
+        again = replay(space, choice, recompute, moved=moved)
         compute += m * again.compute
         comm += m * again.comm
         calls += [c.times(m) for c in again.calls]
@@ -397,11 +398,12 @@ class Replay:
     activations: float = 0.0  # bytes per device at the peak, in place of every saved activation
 
 
-def replay(space: Space, choice: tuple[int, ...], layers: Collection[str]) -> Replay:
+def replay(space: Space, choice: tuple[int, ...], layers: Collection[str], *,
+           moved: dict[tuple, tuple[Transfer, list[int]]] | None = None) -> Replay:
     """The `Replay` of recomputing ``layers`` (module names: everything run inside each one's forward is replayed,
     which a node's module says). Compute is priced by block (a block whose leading op lies in a layer is replayed
     with it), collectives and activations by the node that needs or saves them, so the calls counted are the ones
-    the runtime's replay issues.
+    the runtime's replay issues. ``moved``: the conversions between blocks (`_conversions`), where already made.
 
     Activations peak either at the end of the forward (what every other layer saved, and each recomputed layer's
     inputs) or while a recomputed layer's backward runs: by then the backward has freed what everything after it
@@ -463,7 +465,7 @@ def replay(space: Space, choice: tuple[int, ...], layers: Collection[str]) -> Re
                 making = costs[by].strategies.get(space.blocks.blocks[by].nodes.index(src.node))
                 ways = ic.ways(making.outputs[src.index]) if making is not None and making.outputs else 1
                 kept[layer] = kept.get(layer, 0.0) + made.outputs[src.index].nbytes / ways
-    for transfer, readers in _conversions(space, choice).values():
+    for transfer, readers in (moved if moved is not None else _conversions(space, choice)).values():
         for layer in dict.fromkeys(layer_of(graph.node(i).module) for i in readers):
             if layer is not None:  # converted again in each replay that reads it
                 again(transfer.collectives, transfer.forward)
