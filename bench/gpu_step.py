@@ -1,7 +1,7 @@
 """One device's training step, predicted and measured: does the cost model price a real GPU's step?
 
-Run: python bench/gpu_step.py [--cluster LABEL=PRESET_OR_FILE ...] [--db FILE] [--steps 10] [--only NAME ...]
-[--tiny]
+Run: python bench/gpu_step.py [--cluster LABEL=PRESET_OR_FILE ...] [--db [LABEL=]FILE ...] [--steps 10]
+[--only NAME ...] [--tiny]
 
 For each model below, builds it on this machine's first CUDA device (on a CPU where there is none, for trying the
 script) at --dtype with random weights, trains it with AdamW on random tokens, and takes the median of --steps
@@ -9,7 +9,7 @@ steps after 3 warm-ups, each step synchronised: forward, loss, backward and the 
 a plan trains. Beside it prints what `autopar estimate MODEL --gpus 1 --dp 1 --mbs BATCH --cluster C --json`
 predicts for the same step on each cluster given (a preset's vendor figures, or the file `autopar calibrate --nproc
 1 --out FILE` wrote on this device), and with --db (a profile database `autopar profile-ops MODEL --dtype bf16`
-filled on this device) once more on each, with the share of the prediction that database priced.
+filled on this device; --db is repeatable) once more on each, with the share of the prediction it priced.
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", action="append", default=[], metavar="LABEL=PRESET_OR_FILE",
                         help="a cluster to price on (repeatable; default: the preset of this GPU)")
-    parser.add_argument("--db", help="a profile database of this device (autopar profile-ops)")
+    parser.add_argument("--db", action="append", default=[], metavar="[LABEL=]FILE",
+                        help="a profile database of this device (autopar profile-ops); repeatable, each priced on "
+                             "each cluster")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", nargs="+", help="models to run, by the names this script gives them")
     parser.add_argument("--tiny", action="store_true", help="two tiny models in fp32, to try the script on a CPU")
@@ -102,6 +104,7 @@ def main() -> None:
         from autopar.cluster.detect import base_preset
 
         clusters = [(base_preset().name, base_preset().name)]
+    dbs = [tuple(d.split("=", 1)) if "=" in d else (d, d) for d in args.db]
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (no CUDA device: a trial run only)"
     print(f"device: {gpu}; torch {torch.__version__}; median of {args.steps} steps after 3 warm-ups")
     rows = []
@@ -110,9 +113,9 @@ def main() -> None:
             continue
         seconds = measured_step(flags, batch, dtype, args.steps, device)
         for label, cluster in clusters:
-            for db in (None, args.db) if args.db else (None,):
+            for db_label, db in [(None, None), *dbs]:
                 guess, share = predicted(flags, batch, dtype, cluster, db)
-                how = label + (f" + {args.db} ({share:.0%} measured)" if db else "")
+                how = label + (f" + {db_label} ({share:.0%} measured)" if db else "")
                 rows.append((name, batch, dtype, how, guess, seconds))
                 print(f"{name:22s} batch {batch:2d} {dtype}  {how:48s} predicted {guess * 1e3:8.1f} ms  measured "
                       f"{seconds * 1e3:8.1f} ms  predicted/measured {guess / seconds:5.2f}", flush=True)

@@ -253,3 +253,24 @@ def test_a_calibration_with_nothing_to_measure_or_an_unknown_base_is_refused(cap
     assert code == 2 and "nothing to measure" in err and len(err.strip().splitlines()) == 1
     code, out, err = run_cli(capsys, "calibrate", "--nproc", "2", "--base", "h100-80g-sxm")  # CPU ranks here
     assert code == 2 and "--base h100-80g-sxm: the 2 rank(s) run on CPU processes" in err
+
+
+def test_a_burst_of_runs_counts_each_run_and_stops_after_the_time_measured() -> None:
+    """A GPU's figures are timed as bursts of runs issued back to back; each repeat's wall time counts towards the
+    time `_timed` measures for, so a burst of 10 runs stops after as long as single runs would, not ten times
+    longer."""
+    import time as clock
+
+    from autopar.cluster.compute import MIN_SECONDS, _timed
+
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        clock.sleep(0.005)
+
+    seconds = _timed(work, lambda: None, lambda: None, burst=10)
+    assert 0.004 < seconds < 0.05
+    # one warm-up, then bursts of 10 until their runs take MIN_SECONDS: about MIN_SECONDS / 5 ms runs
+    assert 30 <= len(calls) - 1 <= 10 * math.ceil(MIN_SECONDS / 0.005 / 10) + 10
+    assert (len(calls) - 1) % 10 == 0

@@ -263,3 +263,27 @@ def test_collectives_measured_by_kind_price_that_kind_on_groups_of_their_size(tm
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="group 3 does not divide the 2 ranks"):
         ProfileDB.load(path)
+
+
+def test_a_burst_times_runs_issued_back_to_back_and_walks_one_graph_again() -> None:
+    """On a GPU each op is timed as ``burst`` runs issued back to back (a training step's stream hides the later
+    launches behind the earlier kernels); its backward walks one graph that many times, which needs the graph kept
+    until the last walk."""
+    import contextlib
+
+    from autopar.profiling.ops import time_op
+
+    qkv = next(n for n in _graph().nodes if n.module.endswith("attn.qkv") and n.op == "aten.addmm.default")
+    entered = []
+
+    @contextlib.contextmanager
+    def counting():  # noqa: ANN202
+        entered.append(1)
+        yield
+
+    forward, backward = time_op(qkv, shapes_at(qkv, 1, 1), repeats=2, burst=3, inside=counting)
+    assert forward > 0 and backward > 0
+    # one warm-up, then per sample: the burst's runs and one run whose graph the backward walks
+    assert len(entered) == 1 + (2 + 1) * (3 + 1)
+    with pytest.raises(ValueError, match="burst"):
+        time_op(qkv, shapes_at(qkv, 1, 1), repeats=1, burst=0)

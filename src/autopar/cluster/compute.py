@@ -39,6 +39,9 @@ CUDA_ATTENTION_SHAPE = (4, 32, 4096, 128)  # a 7B model's attention at 4k tokens
 BANDWIDTH_FLOATS = 1 << 22  # 16 MiB per tensor: past the caches of a CPU core
 CUDA_BANDWIDTH_FLOATS = 1 << 28  # 1 GiB per tensor: far past a GPU's L2
 MIN_SECONDS = 0.2  # each figure is the mean of repeats that take at least this long together
+# runs a GPU's timings issue back to back between synchronisations: enough that the later launches hide behind the
+# earlier kernels, as in a training step's stream (a CPU runs each op as it is issued: 1 there)
+GPU_BURST = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +151,13 @@ def measure_compute(device: torch.device, *, together: Callable[[], None] = lamb
     on_cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
     shapes = CUDA_GEMM_SHAPES if on_cuda else GEMM_SHAPES
+    burst = GPU_BURST if on_cuda else 1
 
     def gemms(dtype: torch.dtype) -> tuple[tuple[int, int, int, float], ...]:
         rows = []
         for m, k, n in shapes:
             a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-            seconds = _timed(lambda: torch.mm(a, b), sync, together)
+            seconds = _timed(lambda: torch.mm(a, b), sync, together, burst)
             rows.append((m, k, n, 2.0 * m * k * n / seconds))
             del a, b
         return tuple(rows)
@@ -163,7 +167,7 @@ def measure_compute(device: torch.device, *, together: Callable[[], None] = lamb
     floats = CUDA_BANDWIDTH_FLOATS if on_cuda else BANDWIDTH_FLOATS
     x, y = torch.randn(floats, device=device), torch.randn(floats, device=device)
     out = torch.empty_like(x)
-    bandwidth = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, y, out=out), sync, together)
+    bandwidth = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, y, out=out), sync, together, burst)
     del x, y, out
     b, h, s, d = CUDA_ATTENTION_SHAPE if on_cuda else ATTENTION_SHAPE
     dtype = torch.bfloat16 if on_cuda else torch.float32  # `ComputeProfile.curve_dtype`
@@ -171,29 +175,35 @@ def measure_compute(device: torch.device, *, together: Callable[[], None] = lamb
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # causal on a GPU, as a language model trains; the FLOPs counted are the whole product's, as the cost model
     # counts them, so a causal kernel's rate reads up to twice what it computes
-    attention = 4.0 * b * h * s * s * d / _timed(lambda: sdpa(q, k, v, is_causal=on_cuda), sync, together)
+    attention = 4.0 * b * h * s * s * d / _timed(lambda: sdpa(q, k, v, is_causal=on_cuda), sync, together, burst)
     op_forward, op_backward = _op_seconds(device, sync, together)
     return ComputeProfile(gemm=gemm, bandwidth=bandwidth, attention=attention, op_forward=op_forward,
                           op_backward=op_backward, seconds=time.perf_counter() - start, low_precision=low)
 
 
-def _timed(work: Callable[[], object], sync: Callable[[], None], together: Callable[[], None]) -> float:
+def _timed(work: Callable[[], object], sync: Callable[[], None], together: Callable[[], None],
+           burst: int = 1) -> float:
     """Mean seconds of ``work`` over repeats taking `MIN_SECONDS` together (at least 3), after ``together`` and
-    one warm-up.
+    one warm-up; each repeat issues ``burst`` runs back to back before it synchronises.
 
     The mean, not the median: where ranks share cores, a kernel shorter than the scheduler's time slice mostly
     runs without being interrupted, so the median reports a core of its own (85-90 GFLOP/s per rank on 4 ranks
     and 2 cores, against about 40 for GEMMs longer than a slice); over a window several slices long, the mean
-    counts the time a rank waits for its core, as its training steps do."""
+    counts the time a rank waits for its core, as its training steps do.
+
+    A burst (on a GPU) measures the kernel's own rate: one synchronised run also counts its launch and the
+    synchronisation's round trip, which the cost model adds apart (``kernel_overhead``), so a small GEMM timed
+    alone would pay them twice."""
     together()
     work()
     sync()
     times: list[float] = []
-    while len(times) < 3 or sum(times) < MIN_SECONDS:
+    while len(times) < 3 or sum(times) * burst < MIN_SECONDS:
         begin = time.perf_counter()
-        work()
+        for _ in range(burst):
+            work()
         sync()
-        times.append(time.perf_counter() - begin)
+        times.append((time.perf_counter() - begin) / burst)
     return statistics.fmean(times)
 
 

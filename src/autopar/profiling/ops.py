@@ -36,6 +36,7 @@ import torch
 
 from autopar.capture import Node
 from autopar.capture.graph import TENSOR_ARG
+from autopar.cluster.compute import GPU_BURST
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
@@ -146,12 +147,17 @@ def _tensor(shape: tuple[int, ...], dtype: str, generator: torch.Generator, devi
 
 
 def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync: Any = None,
-            barrier: Any = None, wrap: Any = None, inside: Any = None, device: str = "cpu") -> tuple[float, float]:
+            barrier: Any = None, wrap: Any = None, inside: Any = None, device: str = "cpu",
+            burst: int = 1) -> tuple[float, float]:
     """Median seconds of ``node``'s op forward, and of its backward (0 where no output needs a gradient), on
     random inputs of ``shapes``, after a warm-up. ``barrier`` (called before each run) keeps ranks measuring one
     op at once in step. ``wrap`` turns each input and output gradient into what the op runs on (a DTensor, to
     time DTensor's dispatch); ``inside`` (a function making a context manager) is entered around each forward, as
-    a runtime runs its ops. Raises where the op cannot run on such inputs."""
+    a runtime runs its ops. Raises where the op cannot run on such inputs.
+
+    ``burst`` (above 1 on a GPU) times that many runs issued back to back between two synchronisations, and
+    counts their mean: in a training step the host queues the next op while the device runs this one, so an op
+    costs the longer of its kernels and its launch, not their sum as one synchronised run measures it."""
     inside = inside or contextlib.nullcontext
     sync = sync or (lambda: None)
     barrier = barrier or (lambda: None)
@@ -178,15 +184,18 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
     inputs = [t for t in tensors if t.requires_grad]
     with torch.no_grad():
         call()  # warm-up (and the error, if it cannot run)
+    if burst < 1:
+        raise ValueError(f"burst must be at least 1, got {burst}")
     forward, backward = [], []
     for _ in range(repeats + 1):
         barrier()
         sync()
         begin = time.perf_counter()
         with torch.no_grad():
-            call()
+            for _ in range(burst):
+                call()
         sync()
-        forward.append(time.perf_counter() - begin)
+        forward.append((time.perf_counter() - begin) / burst)
         out = flat(call())
         if not out or not inputs:
             continue
@@ -194,9 +203,10 @@ def time_op(node: Node, shapes: Sequence[tuple[int, ...]], *, repeats: int, sync
         barrier()
         sync()
         begin = time.perf_counter()
-        torch.autograd.grad(out, inputs, grads, allow_unused=True)
+        for i in range(burst):  # one graph, walked ``burst`` times: its saved tensors are kept until the last
+            torch.autograd.grad(out, inputs, grads, allow_unused=True, retain_graph=i < burst - 1)
         sync()
-        backward.append(time.perf_counter() - begin)
+        backward.append((time.perf_counter() - begin) / burst)
     return _median(forward[1:]), _median(backward[1:]) if backward else 0.0
 
 
@@ -241,11 +251,12 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
     rendezvous.join(rank, backend="nccl" if on_cuda else "gloo")
     sync = torch.cuda.synchronize if on_cuda else None
     barrier = dist.barrier if dist.get_world_size() > 1 else None
+    burst = GPU_BURST if on_cuda else 1  # `time_op`'s burst
     try:
         times, skipped = measure(jobs, points, repeats=repeats, sync=sync, barrier=barrier,
-                                 device="cuda" if on_cuda else "cpu")
+                                 device="cuda" if on_cuda else "cpu", burst=burst)
         dispatch = dispatch_overhead(jobs, repeats=repeats, sync=sync, barrier=barrier,
-                                     device="cuda" if on_cuda else "cpu")
+                                     device="cuda" if on_cuda else "cpu", burst=burst)
         collectives = []
         if dist.get_world_size() > 1 and sizes:
             from autopar.profiling.collectives import time_collectives
@@ -258,7 +269,7 @@ def profile_ops_rank(rank: int, rendezvous: Any, jobs: Sequence[Job], points: Se
 
 
 def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, barrier: Any = None,
-                      device: str = "cpu") -> tuple[float, float] | None:
+                      device: str = "cpu", burst: int = 1) -> tuple[float, float] | None:
     """What DTensor adds to one op, forward and backward (seconds): the median over ``jobs`` (at one sample, unsplit)
     of each op's time on replicated DTensors over every rank, inside the modes the runtime runs a forward in
     (`autopar.runtime.intra.running`), less its time on plain tensors. An intra-op plan runs
@@ -282,9 +293,10 @@ def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, ba
         if shapes is None:
             continue
         try:
-            plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, device=device)
+            plain = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, device=device,
+                            burst=burst)
             wrapped = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier, wrap=replicated,
-                              inside=running, device=device)
+                              inside=running, device=device, burst=burst)
         except Exception:  # noqa: BLE001 - an op DTensor has no rule for, or that cannot be replayed: left out
             continue
         forward.append(wrapped[0] - plain[0])
@@ -296,7 +308,7 @@ def dispatch_overhead(jobs: Sequence[Job], *, repeats: int, sync: Any = None, ba
 
 
 def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: int, sync: Any = None,
-            barrier: Any = None, device: str = "cpu") -> tuple[list[tuple], list[tuple]]:
+            barrier: Any = None, device: str = "cpu", burst: int = 1) -> tuple[list[tuple], list[tuple]]:
     """`profile_ops_rank`'s work in this process."""
     times: list[tuple] = []
     skipped: list[tuple] = []
@@ -309,7 +321,7 @@ def measure(jobs: Sequence[Job], points: Sequence[tuple[int, int]], *, repeats: 
                 continue
             try:
                 forward, backward = time_op(job.node, shapes, repeats=repeats, sync=sync, barrier=barrier,
-                                            device=device)
+                                            device=device, burst=burst)
             except Exception as exc:  # noqa: BLE001 - an op that cannot run at these shapes: the roofline prices it
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
                 continue
