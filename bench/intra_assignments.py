@@ -2,7 +2,7 @@
 process: does every plan the rehearsal accepts train what one process trains?
 
 Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama]
-[--zero 0 1 2] [--recompute].
+[--zero 0 1 2 3] [--recompute].
 For each family, `--count` plans on a 2 x 2 mesh (Megatron's layout, pure data parallelism, then per-block splits,
 micro-batch counts and ZeRO stages drawn at random, and with `--recompute` each repeated layer recomputed in full or
 not; tests/intra_ranks.py) are rehearsed on a fake process group of 4 ranks;
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--family", nargs="+", default=["gpt", "llama", "hf-llama"], choices=sorted(intra_ranks.MODELS))
-    parser.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 1, 2),
+    parser.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 1, 2, 3),
                         help="ZeRO stages to draw from (default 0)")
     parser.add_argument("--recompute", action="store_true",
                         help="also draw, per repeated layer, whether it is recomputed in full")

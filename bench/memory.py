@@ -34,6 +34,7 @@ MIB = 2**20
 INTRA_RUNS = [  # (size, micro-batches, ZeRO, layers recomputed of 4)
     ("long", 1, 0, 0), ("long", 1, 0, 2), ("long", 1, 0, 4), ("long", 2, 1, 0), ("long", 2, 2, 2),
     ("short", 1, 0, 0), ("short", 1, 1, 0), ("short", 1, 2, 0),
+    ("long", 1, 3, 0), ("long", 2, 3, 2), ("long", 1, 3, 4), ("short", 1, 3, 0),
 ]
 
 

@@ -168,7 +168,10 @@ def _compare(plan: Any, steps: int) -> dict[str, float]:
         theirs.step()
         loss_gap = max(loss_gap, abs(loss - total))
     drift = 0.0
-    for p in parallel.module.parameters():
+    shards = getattr(parallel, "shards", None)
+    # under ZeRO 3 a weight is whole only while a module reads it: its replicas are compared gathered
+    held = shards.weights().values() if shards is not None and shards.zero == 3 else parallel.module.parameters()
+    for p in held:
         if not isinstance(p, DTensor):
             continue
         for axis, placement in enumerate(p.placements):

@@ -218,12 +218,10 @@ def test_zero_1_and_2_of_intra_op_plans_train_as_one_process_with_the_collective
     """Megatron's layout under ZeRO 2 (two micro-batches: each gradient reduce-scattered as soon as it is made, in
     each) and pure data parallelism under ZeRO 1, on a 2 x 2 mesh: each passes the plan-time check (its
     reduce-scatters and all-gathers, axis by axis, as priced) and trains what one process trains, replicated
-    weights identical. ZeRO 3 is refused."""
+    weights identical."""
     from autopar.runtime.validate import check_runnable
 
     megatron = intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(2,), zero=(2,))[0]
-    with pytest.raises(NotImplementedError, match="ZeRO 0-2 only"):
-        check_runnable(Plan.from_dict({**megatron, "zero": 3}))
     dp = intra_ranks.assignments("llama", 2, seed=0, micro_batches=(1,), zero=(1,))[1]
     for data in (megatron, dp):
         check_runnable(Plan.from_dict(data))
@@ -232,6 +230,65 @@ def test_zero_1_and_2_of_intra_op_plans_train_as_one_process_with_the_collective
         for got in per_plan:
             assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
             assert got["drift"] == 0.0, got
+
+
+def test_zero_3_of_intra_op_plans_gathers_each_weight_where_it_is_read_and_trains_as_one_process() -> None:
+    """ZeRO 3 of two plans on a 2 x 2 mesh over 2 micro-batches: the GPT in Megatron's layout with one layer
+    recomputed (its table tied to its head, its position table read in the model's own forward, not through its
+    module) and the LLaMA in data parallelism over both axes. Each weight the plan holds whole where it splits the
+    work names those axes (``reduced``) and is kept in slices over them: gathered twice per micro-batch, on each
+    axis, and its gradient reduce-scattered once, each weight on its own, as the estimate prices it and the
+    rehearsal counts; 4 ranks train what one process trains, the weights' gathered copies identical."""
+    from autopar.runtime.validate import check_runnable, rehearsal
+    from autopar.search.intra import choice_of, plan_of_choice
+
+    name, work, space = intra_ranks._space("gpt", (2, 2), batch=8, traced=4)
+    megatron = intra_ranks.assignments("gpt", 1, seed=0, micro_batches=(2,), zero=(3,))[0]
+    megatron = plan_of_choice(space, choice_of(space, Plan.from_dict(megatron).blocks), global_batch=8,
+                              micro_batches=2, zero=3, dtype="fp32", recompute=["layers.0"]).to_plan(name, work)
+    dp = Plan.from_dict(intra_ranks.assignments("llama", 2, seed=0, micro_batches=(2,), zero=(3,))[1])
+    weights = [p for entry in dp.modules for p in entry.params]
+    assert weights and all(p.reduced == (0, 1) for p in weights)  # every weight whole on both axes
+    for plan in (megatron, dp):
+        assert plan.zero == 3 and plan.micro_batches == 2
+        check_runnable(plan)  # the collectives as priced
+        counted = {(c["kind"], c["axis"]): c["count"] for c in rehearsal(plan, count=True)}
+        sliced = [p for entry in plan.modules for p in entry.params if p.reduced]
+        for axis, label in enumerate(plan.mesh.axes):
+            over = sum(axis in p.reduced for p in sliced)
+            assert over > 0
+            assert counted[("reduce_scatter", label)] >= 2 * over  # each weight's own, each micro-batch
+            assert counted[("all_gather", label)] >= 2 * 2 * over  # twice each micro-batch
+    results = run_ranks(intra_ranks.train_each, 4, args=([megatron.to_dict(), dp.to_dict()], 3))
+    for per_plan in results:
+        for got in per_plan:
+            assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
+            assert got["drift"] == 0.0, got
+
+
+def test_an_intra_op_plan_names_the_axes_each_weight_is_summed_over() -> None:
+    """``reduced`` (the axes a parameter's gradient is summed over) round-trips through the plan's JSON, is left
+    out where empty, and names only axes that hold the weight whole."""
+    import dataclasses
+
+    from autopar.plan import FieldError
+
+    data = intra_ranks.assignments("llama", 2, seed=0, zero=(3,))[1]  # data parallelism: every weight reduced
+    plan = Plan.from_dict(data)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    entry = next(e for e in plan.modules if e.params)
+    assert "reduced" in entry.to_dict()
+    whole = dataclasses.replace(entry, params=tuple(dataclasses.replace(p, reduced=()) for p in entry.params))
+    assert "reduced" not in whole.to_dict()
+    weight = entry.params[0]
+    with pytest.raises(FieldError, match="in increasing order"):
+        dataclasses.replace(weight, reduced=(1, 0))
+    with pytest.raises(FieldError, match="from 0 to 1"):
+        dataclasses.replace(weight, reduced=(2,))
+    split = intra_ranks.variant("gpt", {"embed": "vocab,vocab"})
+    table = next(m for m in Plan.from_dict(split).modules if m.fqn == "embed").params[0]
+    with pytest.raises(FieldError, match="where the parameter is split"):
+        dataclasses.replace(table, reduced=(0,))
 
 
 def test_zero_1_of_an_intra_op_plan_scatters_over_each_axis_the_shard_the_one_before_left() -> None:

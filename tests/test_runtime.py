@@ -282,12 +282,13 @@ def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) ->
     intra["mesh"] = {"shape": [2], "axes": ["dp"]}
     del intra["stages"], intra["schedule"], intra["chunks"]
     intra["modules"] = {}
-    check_supported(Plan.from_dict(intra))  # intra-op plans run (`runtime.intra`), with ZeRO 0-2
-    intra["zero"] = 2
-    check_supported(Plan.from_dict(intra))
-    intra["zero"] = 3
-    with pytest.raises(NotImplementedError, match="intra-op plans run with ZeRO 0-2 only"):
+    for zero in (0, 1, 2, 3):  # intra-op plans run (`runtime.intra`), with ZeRO 0-3
+        intra["zero"] = zero
         check_supported(Plan.from_dict(intra))
+    intra["kernels"] = "compiled"
+    with pytest.raises(NotImplementedError, match="intra-op plans run eager only"):
+        check_supported(Plan.from_dict(intra))
+    intra["kernels"] = "eager"
     model = build_model(Workload.of(plan))
     check_matches(model, plan)
 

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         dp = found.get("dp")
         if dp is not None and args.search == "ilp":
             # data parallelism with its model states sharded, and as many layers recomputed as it needs to fit
-            for zero in (1, 2):  # (only plans that fit are offered)
+            for zero in (1, 2, 3):  # (only plans that fit are offered)
                 again, priced = fit_by_recomputing(dp.space, dp.choice, zero, dp.micro_batches, args.batch,
                                                    args.dtype)
                 if priced.memory.fits:

@@ -559,8 +559,8 @@ def sync_seconds(
     gradients reduced over one axis go in one collective under ZeRO 0-2, as DDP's buckets and the runtime's
     flattened sum of sequence-parallel norm gradients send them (bucket latency once, not once per parameter),
     except ZeRO 2's reduce-scatters: each gradient on its own, as soon as the backward makes it, in every
-    micro-batch (so that only one is whole at a time), paying its own latency; ZeRO 3 gathers each parameter's
-    unit on its own. Without ``latency`` the
+    micro-batch (so that only one is whole at a time), paying its own latency; ZeRO 3 gathers (twice per
+    micro-batch) and scatters each parameter on its own, nested over its axes as ZeRO 1-2. Without ``latency`` the
     buckets' fixed cost (a collective of no bytes) is left out: a block's share of the model's buckets, additive
     over blocks as the ILP needs it. Records each collective (its calls an iteration, on its mesh axis by name) in
     ``uses`` when given."""
@@ -583,9 +583,11 @@ def sync_seconds(
                 if zero < 3:
                     buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + nbytes
                     continue
-                total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
+                # ZeRO 3: each weight on its own, nested as under ZeRO 1-2 (`autopar.runtime.intra._ZeroShards`)
+                shard = nbytes / math.prod(mesh.sizes[a] for a in p.reduce_axes if a < axis)
+                total += count * collective_seconds(kind, shard, mesh.placements[axis], cluster)
                 if uses is not None:
-                    uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=nbytes, phase=Phase.SYNC, calls=count))
+                    uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=shard, phase=Phase.SYNC, calls=count))
     for (kind, axis, count), nbytes in buckets.items():
         total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
         if not latency:

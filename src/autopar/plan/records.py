@@ -143,16 +143,31 @@ def layout_text(placements: tuple[Placement, ...]) -> str:
 class ParamLayout:
     """One parameter's DTensor placements, one per mesh axis, and the shape it was planned for. ``summed``: tp keeps
     it whole but applies it to the activations it splits (a q or k norm per head), so each tp rank computes its
-    gradient from its own heads and the gradients are summed over tp after the backward."""
+    gradient from its own heads and the gradients are summed over tp after the backward. ``reduced`` (intra-op
+    plans): the mesh axes that hold it whole while the plan splits the work there, so that its gradient is a sum
+    over them (its data-parallel axes); ZeRO 3 keeps it in slices over them between its uses."""
 
     name: str
     placements: tuple[Placement, ...]
     shape: tuple[int, ...] | None = None
     summed: bool = False
+    reduced: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         text("name", self.name, limit=1024)
         flag(f"{self.name} summed", self.summed)
+        if not isinstance(self.reduced, tuple):
+            raise FieldError(f"{self.name} reduced", f"must be a list of mesh axes, got {quote(self.reduced)}")
+        for axis in self.reduced:
+            integer(f"{self.name} reduced", axis, low=0, high=len(self.placements) - 1)
+        if list(self.reduced) != sorted(set(self.reduced)):
+            raise FieldError(f"{self.name} reduced", f"must be mesh axes in increasing order, each once, got "
+                                                     f"{quote(list(self.reduced))}")
+        for axis in self.reduced:
+            if not self.placements[axis].is_replicate():
+                raise FieldError(f"{self.name} reduced", f"names mesh axis {axis}, where the parameter is split "
+                                                         f"({short(self.placements[axis])}); a gradient is summed "
+                                                         "only over axes that hold the parameter whole")
         if not isinstance(self.placements, tuple) or not all(isinstance(p, Placement) for p in self.placements):
             raise FieldError(self.name, f"placements must be DTensor placements, got {quote(self.placements)}")
         if self.shape is not None:
@@ -196,6 +211,9 @@ class ModuleLayout:
         summed = [p.name for p in self.params if p.summed]
         if summed:
             entry["summed"] = summed
+        reduced = {p.name: list(p.reduced) for p in self.params if p.reduced}
+        if reduced:
+            entry["reduced"] = reduced
         for key in ("input", "output"):
             value = getattr(self, key)
             if value is not None:
@@ -205,19 +223,24 @@ class ModuleLayout:
     @classmethod
     def from_dict(cls, fqn: str, data: Any) -> ModuleLayout:
         data = mapping("", data)
-        unknown_fields("", data, ("params", "shapes", "summed", "input", "output"))
+        unknown_fields("", data, ("params", "shapes", "summed", "reduced", "input", "output"))
         shapes = mapping("shapes", data.get("shapes", {}))
         layouts = mapping("params", data.get("params", {}))
         summed = strings("summed", data.get("summed", []))
         for name in summed:
             if name not in layouts:
                 raise FieldError("summed", f"names {quote(name)}, which is not one of the module's params")
+        reduced = mapping("reduced", data.get("reduced", {}))
+        for name in reduced:
+            if name not in layouts:
+                raise FieldError("reduced", f"names {quote(name)}, which is not one of the module's params")
         params = []
         for name, layout in layouts.items():
             shape = shapes.get(name)
             params.append(ParamLayout(name=name, placements=_layout(f"params[{name!r}]", layout),
                                       shape=None if shape is None else tuple(sequence(f"shapes[{name!r}]", shape)),
-                                      summed=name in summed))
+                                      summed=name in summed,
+                                      reduced=tuple(sequence(f"reduced[{name!r}]", reduced.get(name, [])))))
         return cls(fqn=fqn, params=tuple(params),
                    **{key: _layout(key, data[key]) for key in ("input", "output") if key in data})
 

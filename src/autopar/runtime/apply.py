@@ -308,9 +308,6 @@ def check_supported(plan: Plan) -> None:
 
 def intra_unsupported(plan: Plan) -> str | None:
     """Why the runtime cannot run an intra-op plan (`autopar.runtime.intra`), or None."""
-    if plan.zero > 2:
-        return (f"the intra-op plan shards its weights with ZeRO {plan.zero}; intra-op plans run with ZeRO 0-2 only "
-                "so far (a pipeline search plans ZeRO 3 that runs)")
     if plan.kernels == "compiled":
         return "the intra-op plan compiles its layers; intra-op plans run eager only so far (plan with --kernels eager)"
     return None

@@ -35,6 +35,7 @@ registers one: the batch and head dims split, the sequence and head dims whole, 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Mapping
@@ -296,15 +297,19 @@ class IntraParallelModel(ParallelModel):
         whole = [Replicate()] * self.mesh.ndim
         losses = []
         m = len(micro)
-        if self.zero == 2:
+        gathering = contextlib.nullcontext()
+        if self.zero in (2, 3):
             self.shards.hook()
+        if self.zero == 3:
+            self.shards.zero3.start(self.module)
+            gathering = self.shards.zero3
         for inputs in micro:
             placed = {k: DTensor.from_local(v, self.mesh, whole, run_check=False) if isinstance(v, torch.Tensor) else v
                       for k, v in inputs.items()}
             # a tensor the model makes in its forward (positions from arange, a mask) is read as replicated
             if self.converted is not None:
                 self.converted.clear()
-            with running(scatter=plan.kind != "megatron"):
+            with running(scatter=plan.kind != "megatron"), gathering:
                 loss = loss_of(self.module(**placed)) / m
             if self.converted is not None:
                 self.converted.clear()  # what it holds is this forward's: let it go with the graph
@@ -325,6 +330,11 @@ class IntraParallelModel(ParallelModel):
         if self.shards is None:
             return super().full_gradients()
         return self._whole(self.shards.gradients().items())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        if self.shards is None or self.shards.zero < 3:
+            return super().full_parameters()
+        return self._whole(self.shards.weights().items())
 
     def average_loss(self, local: torch.Tensor) -> float:
         import torch.distributed as dist
@@ -415,8 +425,12 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
-    if plan.zero in (1, 2):
-        shards = _ZeroShards(model, mesh)
+    if plan.zero in (1, 2, 3):
+        shards = _ZeroShards(model, mesh, plan.zero)
+        if plan.zero == 3:  # set up at the first forward, on the weights the module holds then
+            modules = dict(model.named_modules())
+            recomputed = {id(m) for name in plan.recompute if name in modules for m in modules[name].modules()}
+            shards.zero3 = _Zero3Hooks(shards, plan, recomputed)
         parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: _ShardedOptimizer(shards, cls, **kw),
                                       axes=axes)
         parallel.shards = shards
@@ -512,13 +526,19 @@ class _ZeroShards:
     weight can be held whole on an axis whose work is not split either (computed alike on every rank there), and
     then its gradient is whole there too."""
 
-    def __init__(self, module: nn.Module, mesh: Any) -> None:
-        self.module, self.mesh = module, mesh
+    def __init__(self, module: nn.Module, mesh: Any, zero: int = 1) -> None:
+        self.module, self.mesh, self.zero = module, mesh, zero
         self.masters: dict[int, torch.Tensor] = {}  # id(parameter) -> the tensor the optimizer steps
         self.axes: dict[int, tuple[int, ...]] = {}  # id(parameter) -> the axes its slice is owned over
         self.params: dict[int, nn.Parameter] = {}
         self.names: dict[int, str] = {}
         self.hooked: set[int] = set()
+        # ZeRO 3: the weights whose storage holds them whole now, and per weight the modules that read it and how
+        # many of them have still to run in this forward (`_Zero3Hooks`)
+        self.gathered: set[int] = set()
+        self.users: dict[int, int] = {}
+        self.remaining: dict[int, int] = {}
+        self.zero3: _Zero3Hooks | None = None
 
     def _ways(self, axes: tuple[int, ...]) -> int:
         return math.prod(self.mesh.size(a) for a in axes)
@@ -529,7 +549,7 @@ class _ZeroShards:
         out), once each."""
         for name, p in self.module.named_parameters():
             if p.requires_grad and id(p) not in self.hooked:
-                p.register_post_accumulate_grad_hook(_scatter_one(self, name))
+                p.register_post_accumulate_grad_hook(_scatter_one(self, name, free=self.zero == 3))
                 self.hooked.add(id(p))
 
     def _own(self, name: str, p: nn.Parameter, axes: tuple[int, ...]) -> None:
@@ -552,10 +572,70 @@ class _ZeroShards:
             for a in axes:
                 flat = flat.view(self.mesh.size(a), -1)[self.mesh.get_local_rank(a)]
             # a view of the weight's own storage where the slices divide it evenly (no copy: an fp32 weight has no
-            # master copy to hold), else a copy of the padded slice
-            self.masters[id(p)] = flat if whole else flat.clone()
+            # master copy to hold), else a copy of the padded slice; under ZeRO 3 always a copy, since the weight's
+            # storage is let go between its uses
+            self.masters[id(p)] = flat if whole and self.zero < 3 else flat.clone()
         else:  # its own shard, stepped in place
             self.masters[id(p)] = local
+
+    def own_planned(self, plan: Plan) -> None:
+        """ZeRO 3: every weight the plan names ``reduced`` axes for owned in slices over them from the start (its
+        first gradient then has to be pending exactly there, `_own`), its whole copy let go until it is read
+        (`_Zero3Hooks`)."""
+        reduced = {p.name: tuple(p.reduced) for entry in plan.modules for p in entry.params if p.reduced}
+        users: dict[int, int] = {}
+        for _, module in self.module.named_modules(remove_duplicate=False):
+            for p in module._parameters.values():
+                if p is not None:
+                    users[id(p)] = users.get(id(p), 0) + 1
+        for name, p in self.module.named_parameters():
+            axes = reduced.get(name)
+            if not axes or not p.requires_grad:
+                continue
+            local = p._local_tensor
+            compact = local.is_contiguous() and local.storage_offset() == 0 and \
+                local.untyped_storage().nbytes() == local.numel() * local.element_size()
+            if not compact:  # storage of its own (a shard cut from the whole weight can be a view of it)
+                with torch.no_grad():
+                    fresh = local.detach().clone(memory_format=torch.contiguous_format)
+                    local.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
+            self._own(name, p, axes)
+            self.users[id(p)] = self.remaining[id(p)] = users.get(id(p), 1)
+            self.gathered.add(id(p))
+            self.free(id(p))
+
+    def free(self, k: int) -> None:
+        """ZeRO 3: let go of weight ``k``'s whole copy (its storage emptied: what autograd saved of it is gathered
+        again before the backward reads it)."""
+        if k not in self.gathered:
+            return
+        self.gathered.discard(k)
+        self.params[k]._local_tensor.untyped_storage().resize_(0)
+
+    def materialize(self, k: int) -> None:
+        """ZeRO 3: weight ``k`` whole again in its own storage, gathered from the slices (one collective per axis,
+        for this weight alone, as the cost model prices it)."""
+        if k in self.gathered:
+            return
+        local = self.params[k]._local_tensor
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(local):
+            local.untyped_storage().resize_(local.numel() * local.element_size())
+            self.gather({k: self.masters[k].detach()}, into={k: local})
+        self.gathered.add(k)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every weight whole in its layout (a DTensor), by name; under ZeRO 3 those kept in slices gathered."""
+        from torch.distributed.tensor import DTensor
+
+        owned = {k: self.masters[k].detach() for k in self.masters if self.axes[k] and k not in self.gathered}
+        out = {}
+        for k, local in self.gather(owned).items():
+            p = self.params[k]
+            out[self.names[k]] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride())
+        for name, p in self.module.named_parameters():
+            out.setdefault(name, p.detach())
+        return out
 
     def scatter(self, params: list[tuple[str, nn.Parameter]] | None = None) -> None:
         """Reduce-scatter the pending gradients of ``params`` (default: every parameter) into the masters'
@@ -648,8 +728,9 @@ class _ZeroShards:
 
     def write_back(self) -> None:
         """Every weight owned in slices made whole again from its stepped slice, gathered into the weight's own
-        storage (the gather's buffers are the only copies made)."""
-        owned = {k: m.detach() for k, m in self.masters.items() if self.axes[k]}
+        storage (the gather's buffers are the only copies made). Under ZeRO 3 only those the plan did not name
+        (`own_planned`: the others are gathered where they are read), which are kept whole as under ZeRO 2."""
+        owned = {k: m.detach() for k, m in self.masters.items() if self.axes[k] and k not in self.users}
         with torch.no_grad():
             into = {k: self.params[k]._local_tensor for k in owned if self.params[k]._local_tensor.is_contiguous()}
             for k, whole in self.gather(owned, into=into).items():
@@ -679,10 +760,126 @@ class _ZeroShards:
             p.grad = None
 
 
-def _scatter_one(shards: _ZeroShards, name: str) -> Any:  # noqa: ANN401
+def _scatter_one(shards: _ZeroShards, name: str, *, free: bool = False) -> Any:  # noqa: ANN401
     def hook(param: nn.Parameter) -> None:
         shards.scatter([(name, param)])
+        if free:  # ZeRO 3: its backward is done with the whole weight
+            shards.free(id(param))
     return hook
+
+
+# what reads a tensor's description, not its elements (``__get__``: a property such as ``dtype`` or ``requires_grad``)
+# or sets up autograd around it (a hook on its gradient)
+_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
+                       "element_size", "storage_offset", "untyped_storage", "data_ptr", "__len__", "get_device",
+                       "is_floating_point", "is_complex", "register_hook", "register_post_accumulate_grad_hook",
+                       "retain_grad", "requires_grad_"})
+
+
+class _Zero3Hooks(torch.overrides.TorchFunctionMode):
+    """ZeRO 3 around every module that holds weights kept in slices (`_ZeroShards.own_planned`): before its forward
+    each is gathered whole (unless it already is); after it, a weight whose last holder in this forward has run is
+    let go, and a hook on the module's outputs gathers it again as the backward reaches them, before the
+    module's own backward reads what autograd saved of it. Each weight is gathered twice per micro-batch and its
+    gradient reduce-scattered once (`_scatter_one`, which then lets it go), as `autopar.cost.intra.sync_seconds`
+    prices ZeRO 3.
+
+    A module of a recomputed layer lets its weights go after its first forward and sets no such hook: its replay
+    in the backward gathers them (and keeps them until their gradients are made). A weight several modules hold
+    (a tied embedding and head) stays whole from its first holder's forward to its last's. A weight read where
+    none of its holders runs (a position table read as ``model.pos.weight[:n]`` in the model's own forward) is
+    gathered as it is read (this mode, entered around the forward) and kept until the model's forward returns,
+    then gathered again as the backward starts."""
+
+    def __init__(self, shards: _ZeroShards, plan: Plan, recomputed: set[int]) -> None:
+        super().__init__()
+        self.shards, self.plan, self.recomputed = shards, plan, recomputed
+        self.started = False
+        self.adopted: list[int] = []
+
+    def start(self, model: nn.Module) -> None:
+        """Once, at the first forward: the weights the model holds now owned in slices, and the hooks set."""
+        if self.started:
+            return
+        self.started = True
+        self.shards.own_planned(self.plan)
+        for module in model.modules():
+            owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in self.shards.users]
+            if owned:
+                module.register_forward_pre_hook(self._before(owned))
+                module.register_forward_hook(self._after(module, owned), prepend=True)
+        model.register_forward_hook(self._after_model)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:  # reads no element: the weight may stay let go
+            return func(*args, **kwargs)
+        shards = self.shards
+        for value in itertools.chain(args, kwargs.values()):
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                k = id(t)
+                if k in shards.users and k not in shards.gathered and t is shards.params.get(k):
+                    shards.materialize(k)
+                    self.adopted.append(k)
+        return func(*args, **kwargs)
+
+    def _after_model(self, _module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
+        adopted, self.adopted = list(dict.fromkeys(self.adopted)), []
+        if not adopted:
+            return
+        shards = self.shards
+
+        def gather_again(_grads: Any) -> None:  # noqa: ANN401
+            for k in adopted:
+                shards.materialize(k)
+
+        for k in adopted:
+            shards.free(k)
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(outputs, gather_again, mode="any")
+
+    def _before(self, owned: list[int]) -> Any:  # noqa: ANN401
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            for k in owned:
+                self.shards.materialize(k)
+        return hook
+
+    def _after(self, module: nn.Module, owned: list[int]) -> Any:  # noqa: ANN401
+        shards = self.shards
+
+        def gather_again(_grads: Any) -> None:  # noqa: ANN401
+            for k in owned:
+                shards.materialize(k)
+
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recomputed layer's replay, in the backward: kept until its gradients are made
+            done = []
+            for k in owned:
+                shards.remaining[k] -= 1
+                if shards.remaining[k] <= 0:
+                    shards.remaining[k] = shards.users[k]
+                    done.append(k)
+            for k in done:
+                shards.free(k)
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs and id(module) not in self.recomputed and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(outputs, gather_again, mode="any")
+        return hook
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:  # noqa: ANN401
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them, as models return)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if hasattr(value, "to_tuple"):  # a Hugging Face ModelOutput
+        return _tensors(value.to_tuple())
+    return []
 
 
 def _padded(flat: torch.Tensor, ways: int) -> torch.Tensor:

@@ -309,6 +309,13 @@ def estimate_choice(
     # gradient synchronisation and the optimizer step (`_step_moments`)
     held = grads if m > 1 else 0.0
     moments = [(held, saved, temporary), *_step_moments(synced, zero=zero, dtype=dtype, sizes=sizes, grads=grads)]
+    pending = [u for u in synced if u.reduce_axes]
+    if zero == 3 and pending:
+        # a weight kept in slices is whole while its module's backward runs, beside its whole gradient (the head's,
+        # as the backward starts: the activations still saved, its temporaries too)
+        p = Precision.of(dtype)
+        moments.append((held + max(u.local * p.gradient for u in pending), saved,
+                        temporary + max(u.local * p.weight for u in pending)))
     held, saved, other = max(moments, key=lambda moment: sum(moment))
     buffers = sum(s.tensor.nbytes for s in space.graph.state.values() if s.is_buffer)  # whole on every device
     memory = MemoryBreakdown(parameters=weights, gradients=held, optimizer=optim, activations=saved,
@@ -846,6 +853,13 @@ def _handed_on(space: Space, block: ParallelBlock, cost: Any, module: str, compu
     return tuple(made.outputs[0]) if made is not None and made.outputs else computed
 
 
+def _reduced(use: ParamUse) -> tuple[int, ...]:
+    """The axes a parameter's gradient is summed over, as the plan records them: those that hold it whole (a
+    gradient priced as summed where its weight is split would be a pricing the runtime cannot follow; left out,
+    the plan-time rehearsal then finds the runtime's collectives differ and refuses the plan)."""
+    return tuple(a for a in use.reduce_axes if use.layout[a].is_replicate())
+
+
 def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) -> Plan:
     """The typed plan: mesh, micro-batching, ZeRO stage, per-block choices and per-module layouts."""
     space, ic = plan.space, plan.space.cost
@@ -866,7 +880,8 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
                                                                         tuple(strategy.outputs[0])))
         for p in bc.params:
             fqn = ic.locate(block, p.key)
-            params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout))
+            params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout),
+                                                                             reduced=_reduced(p))
     modules = tuple(
         ModuleLayout(fqn=fqn, params=tuple(layouts.values()), input=edges.get(fqn, (None, None))[0],
                      output=edges.get(fqn, (None, None))[1])
