@@ -557,6 +557,12 @@ class _ZeroShards:
         refused."""
         known = self.axes.get(id(p))
         if known is not None:
+            if known != axes and id(p) in self.users:  # ZeRO 3: the axes the plan named
+                raise NotImplementedError(
+                    f"ZeRO 3 of an intra-op plan: the plan keeps {name} in slices over mesh axes "
+                    f"{[_axis_name(self.mesh, a) for a in known]} (its reduced axes), but its gradient is pending on "
+                    f"{[_axis_name(self.mesh, a) for a in axes]}: the plan's layouts do not carry through the model as "
+                    "priced")
             if known != axes:
                 raise NotImplementedError(
                     f"ZeRO of an intra-op plan: the gradient of {name} is pending on mesh axes "
