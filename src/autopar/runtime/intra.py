@@ -631,16 +631,22 @@ class _ZeroShards:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every weight whole in its layout (a DTensor), by name; under ZeRO 3 those kept in slices gathered."""
+        owned = {k: self.masters[k].detach() for k in self.masters if self.axes[k] and k not in self.gathered}
+        return self._laid_out(owned, {name: p.detach() for name, p in self.module.named_parameters()})
+
+    def _laid_out(self, slices: Mapping[int, torch.Tensor], others: Mapping[str, torch.Tensor],
+                  ) -> dict[str, torch.Tensor]:
+        """``slices`` (this rank's, by weight) gathered into DTensors in their weights' layouts, by name, and
+        ``others`` (by name) where no slice gave one."""
         from torch.distributed.tensor import DTensor
 
-        owned = {k: self.masters[k].detach() for k in self.masters if self.axes[k] and k not in self.gathered}
         out = {}
-        for k, local in self.gather(owned).items():
+        for k, local in self.gather(slices).items():
             p = self.params[k]
             out[self.names[k]] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                                     shape=p.shape, stride=p.stride())
-        for name, p in self.module.named_parameters():
-            out.setdefault(name, p.detach())
+        for name, tensor in others.items():
+            out.setdefault(name, tensor)
         return out
 
     def scatter(self, params: list[tuple[str, nn.Parameter]] | None = None) -> None:
@@ -746,18 +752,9 @@ class _ZeroShards:
     def gradients(self) -> dict[str, torch.Tensor]:
         """Every gradient, each in its weight's layout (a DTensor), by parameter name: those owned in slices
         gathered (`gather`), the others as they are."""
-        from torch.distributed.tensor import DTensor
-
         owned = {k: m.grad for k, m in self.masters.items() if self.axes[k] and m.grad is not None}
-        out = {}
-        for k, local in self.gather(owned).items():
-            p = self.params[k]
-            out[self.names[k]] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                                    shape=p.shape, stride=p.stride())
-        for name, p in self.module.named_parameters():
-            if p.grad is not None:
-                out.setdefault(name, p.grad)
-        return out
+        return self._laid_out(owned, {name: p.grad for name, p in self.module.named_parameters()
+                                      if p.grad is not None})
 
     def zero_grad(self) -> None:
         for master in self.masters.values():
