@@ -156,6 +156,8 @@ class ParamLayout:
     def __post_init__(self) -> None:
         text("name", self.name, limit=1024)
         flag(f"{self.name} summed", self.summed)
+        if not isinstance(self.placements, tuple) or not all(isinstance(p, Placement) for p in self.placements):
+            raise FieldError(self.name, f"placements must be DTensor placements, got {quote(self.placements)}")
         if not isinstance(self.reduced, tuple):
             raise FieldError(f"{self.name} reduced", f"must be a list of mesh axes, got {quote(self.reduced)}")
         for axis in self.reduced:
@@ -168,8 +170,6 @@ class ParamLayout:
                 raise FieldError(f"{self.name} reduced", f"names mesh axis {axis}, where the parameter is split "
                                                          f"({short(self.placements[axis])}); a gradient is summed "
                                                          "only over axes that hold the parameter whole")
-        if not isinstance(self.placements, tuple) or not all(isinstance(p, Placement) for p in self.placements):
-            raise FieldError(self.name, f"placements must be DTensor placements, got {quote(self.placements)}")
         if self.shape is not None:
             if not isinstance(self.shape, tuple) or len(self.shape) > 8:
                 raise FieldError(f"{self.name} shape", f"must be a list of at most 8 sizes, got {quote(self.shape)}")
