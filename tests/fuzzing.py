@@ -890,11 +890,16 @@ def plan_cases(draw: Callable, seeds: dict[str, dict]) -> tuple[str, bytes, str]
 
 
 def _exists(doc: Any, path: Sequence[Any]) -> bool:
-    try:
-        get_at(doc, path)
-        return True
-    except (KeyError, IndexError, TypeError):
-        return False
+    """Whether ``path`` leads to a node of ``doc`` through dicts and lists alone (an earlier mutation may have
+    turned a list into a string, which indexes too but cannot be written into)."""
+    for p in path:
+        if not isinstance(doc, (dict, list)):
+            return False
+        try:
+            doc = doc[p]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return True
 
 
 # ---- cluster files ----------------------------------------------------------------------------------------------
