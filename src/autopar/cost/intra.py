@@ -569,25 +569,18 @@ def sync_seconds(
     for p in params:
         nbytes = p.local * itemsize
         for axis in p.reduce_axes:
+            # ZeRO 1-3 nest: each axis scatters (and gathers) the shard the axes before it left; ZeRO 0 sums it whole
+            moved = nbytes / math.prod(mesh.sizes[a] for a in p.reduce_axes if a < axis) if zero else nbytes
             for kind, count in gradient_sync(zero, micro_batches):
-                if zero in (1, 2):  # nested: each axis scatters (and gathers) the shard the axes before it left
-                    shard = nbytes / math.prod(mesh.sizes[a] for a in p.reduce_axes if a < axis)
-                    if zero == 2 and kind == Collective.REDUCE_SCATTER:  # each gradient once made, on its own
-                        total += count * collective_seconds(kind, shard, mesh.placements[axis], cluster)
-                        if uses is not None:
-                            uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=shard, phase=Phase.SYNC,
-                                                 calls=count))
-                        continue
-                    buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + shard
+                # weight by weight: ZeRO 3's collectives (`autopar.runtime.intra._ZeroShards`) and ZeRO 2's
+                # reduce-scatters (each gradient once made); the others in one bucket per axis
+                if zero == 3 or (zero == 2 and kind == Collective.REDUCE_SCATTER):
+                    total += count * collective_seconds(kind, moved, mesh.placements[axis], cluster)
+                    if uses is not None:
+                        uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=moved, phase=Phase.SYNC,
+                                             calls=count))
                     continue
-                if zero < 3:
-                    buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + nbytes
-                    continue
-                # ZeRO 3: each weight on its own, nested as under ZeRO 1-2 (`autopar.runtime.intra._ZeroShards`)
-                shard = nbytes / math.prod(mesh.sizes[a] for a in p.reduce_axes if a < axis)
-                total += count * collective_seconds(kind, shard, mesh.placements[axis], cluster)
-                if uses is not None:
-                    uses.append(CommCall(kind=kind, axis=mesh.names[axis], bytes=shard, phase=Phase.SYNC, calls=count))
+                buckets[(kind, axis, count)] = buckets.get((kind, axis, count), 0.0) + moved
     for (kind, axis, count), nbytes in buckets.items():
         total += count * collective_seconds(kind, nbytes, mesh.placements[axis], cluster)
         if not latency:

@@ -23,7 +23,8 @@ the layouts through everything else:
 - under ZeRO 1 they are reduce-scattered instead, axis by axis, and the optimizer updates only this rank's slice of
   each weight the plan holds whole where it splits the work, then the weights are all-gathered back
   (`_ZeroShards`); under ZeRO 2 each weight's gradient is reduce-scattered as soon as the backward has made it
-  (in every micro-batch), so that no more than one is whole at a time.
+  (in every micro-batch), so that no more than one is whole at a time; under ZeRO 3 each weight is moreover held
+  as this rank's slice between its uses and gathered where it is read (`_Zero3Hooks`).
 
 What the runtime issues is counted and compared with the plan's prediction by ``autopar run --check-comm`` and by
 the plan-time rehearsal: where DTensor converts a value the plan did not price, the counts differ and the plan is
@@ -277,7 +278,7 @@ class IntraParallelModel(ParallelModel):
     mesh: Any = None
     loss_divisor: int = 1  # ranks whose local losses add up to one copy of the loss (`average_loss`)
     converted: dict | None = None  # the input hooks' conversions of the running forward (`_hook_inputs`)
-    shards: Any = None  # `_ZeroShards` under ZeRO 1-2: the slices of the weights this rank owns
+    shards: Any = None  # `_ZeroShards` under ZeRO 1-3: the slices of the weights this rank owns
 
     def forward_backward(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> torch.Tensor:
         """Forward and backward over the plan's micro-batches of the global ``batch`` (every rank reads all of
@@ -428,9 +429,7 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     if plan.zero in (1, 2, 3):
         shards = _ZeroShards(model, mesh, plan.zero)
         if plan.zero == 3:  # set up at the first forward, on the weights the module holds then
-            modules = dict(model.named_modules())
-            recomputed = {id(m) for name in plan.recompute if name in modules for m in modules[name].modules()}
-            shards.zero3 = _Zero3Hooks(shards, plan, recomputed)
+            shards.zero3 = _Zero3Hooks(shards, plan)
         parallel = IntraParallelModel(model, plan.zero, lambda cls, **kw: _ShardedOptimizer(shards, cls, **kw),
                                       axes=axes)
         parallel.shards = shards
@@ -516,7 +515,7 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop
 
 
 class _ZeroShards:
-    """ZeRO 1 and 2 for an intra-op plan's DTensor weights. A weight whose gradient DTensor leaves a pending sum on
+    """ZeRO 1-3 for an intra-op plan's DTensor weights. A weight whose gradient DTensor leaves a pending sum on
     some mesh axes (the plan holds it whole there while splitting the work) is owned slice by slice over those
     axes: its local gradient, flattened and padded to divide evenly, is reduce-scattered over each such axis in
     turn (one flat buffer per axis, every weight reduced over it in it, as `autopar.cost.intra.sync_seconds`
@@ -524,7 +523,8 @@ class _ZeroShards:
     weights are all-gathered back axis by axis the other way. A weight whose gradient is not pending anywhere is
     stepped in place, on its own shard. Which axes a weight is owned over is learnt from its first gradient: a
     weight can be held whole on an axis whose work is not split either (computed alike on every rank there), and
-    then its gradient is whole there too."""
+    then its gradient is whole there too; under ZeRO 3 the plan names them (`own_planned`), and the weights it names
+    are not gathered back after the step but where they are read."""
 
     def __init__(self, module: nn.Module, mesh: Any, zero: int = 1) -> None:
         self.module, self.mesh, self.zero = module, mesh, zero
@@ -794,9 +794,9 @@ class _Zero3Hooks(torch.overrides.TorchFunctionMode):
     gathered as it is read (this mode, entered around the forward) and kept until the model's forward returns,
     then gathered again as the backward starts."""
 
-    def __init__(self, shards: _ZeroShards, plan: Plan, recomputed: set[int]) -> None:
+    def __init__(self, shards: _ZeroShards, plan: Plan) -> None:
         super().__init__()
-        self.shards, self.plan, self.recomputed = shards, plan, recomputed
+        self.shards, self.plan = shards, plan
         self.started = False
         self.adopted: list[int] = []
 
@@ -806,11 +806,13 @@ class _Zero3Hooks(torch.overrides.TorchFunctionMode):
             return
         self.started = True
         self.shards.own_planned(self.plan)
+        modules = dict(model.named_modules())
+        recomputed = {id(m) for name in self.plan.recompute if name in modules for m in modules[name].modules()}
         for module in model.modules():
             owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in self.shards.users]
             if owned:
                 module.register_forward_pre_hook(self._before(owned))
-                module.register_forward_hook(self._after(module, owned), prepend=True)
+                module.register_forward_hook(self._after(owned, again=id(module) not in recomputed), prepend=True)
         model.register_forward_hook(self._after_model)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -828,19 +830,10 @@ class _Zero3Hooks(torch.overrides.TorchFunctionMode):
 
     def _after_model(self, _module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
         adopted, self.adopted = list(dict.fromkeys(self.adopted)), []
-        if not adopted:
-            return
-        shards = self.shards
-
-        def gather_again(_grads: Any) -> None:  # noqa: ANN401
-            for k in adopted:
-                shards.materialize(k)
-
         for k in adopted:
-            shards.free(k)
-        outputs = [t for t in _tensors(output) if t.requires_grad]
-        if outputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(outputs, gather_again, mode="any")
+            self.shards.free(k)
+        if adopted:
+            self._gather_again(output, adopted)
 
     def _before(self, owned: list[int]) -> Any:  # noqa: ANN401
         def hook(_module: nn.Module, _args: tuple) -> None:
@@ -848,28 +841,30 @@ class _Zero3Hooks(torch.overrides.TorchFunctionMode):
                 self.shards.materialize(k)
         return hook
 
-    def _after(self, module: nn.Module, owned: list[int]) -> Any:  # noqa: ANN401
+    def _after(self, owned: list[int], *, again: bool) -> Any:  # noqa: ANN401
+        """The forward hook of a module holding ``owned``; ``again``: set the backward's gathering (not for a
+        module of a recomputed layer, whose replay gathers)."""
         shards = self.shards
-
-        def gather_again(_grads: Any) -> None:  # noqa: ANN401
-            for k in owned:
-                shards.materialize(k)
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
             if torch._C._current_graph_task_id() != -1:
                 return  # a recomputed layer's replay, in the backward: kept until its gradients are made
-            done = []
             for k in owned:
                 shards.remaining[k] -= 1
-                if shards.remaining[k] <= 0:
+                if shards.remaining[k] <= 0:  # its last holder in this forward
                     shards.remaining[k] = shards.users[k]
-                    done.append(k)
-            for k in done:
-                shards.free(k)
-            outputs = [t for t in _tensors(output) if t.requires_grad]
-            if outputs and id(module) not in self.recomputed and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(outputs, gather_again, mode="any")
+                    shards.free(k)
+            if again:
+                self._gather_again(output, owned)
         return hook
+
+    def _gather_again(self, output: Any, keys: list[int]) -> None:  # noqa: ANN401
+        """Gather the weights ``keys`` once the backward reaches any tensor of ``output`` that needs a gradient."""
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            shards = self.shards
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda _grads: [shards.materialize(k) for k in keys], mode="any")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:  # noqa: ANN401
@@ -905,7 +900,7 @@ def _axis_name(mesh: Any, axis: int) -> str:
 
 
 class _ShardedOptimizer:
-    """The optimizer of an intra-op plan under ZeRO 1-2: the inner optimizer (an elementwise one, `ELEMENTWISE`)
+    """The optimizer of an intra-op plan under ZeRO 1-3: the inner optimizer (an elementwise one, `ELEMENTWISE`)
     steps this rank's slices (`_ZeroShards.masters`); then the weights are gathered whole. It is made at the first
     step, once the first gradients have said which weights are owned in slices; ``zero_grad`` lets go of every
     gradient."""
@@ -913,7 +908,7 @@ class _ShardedOptimizer:
     def __init__(self, shards: _ZeroShards, cls: type, **kwargs: Any) -> None:
         if cls.__name__ not in ELEMENTWISE:
             raise NotImplementedError(
-                f"ZeRO 1-2 of an intra-op plan updates each rank's slice of the flattened weights; {cls.__name__} is "
+                f"ZeRO 1-3 of an intra-op plan updates each rank's slice of the flattened weights; {cls.__name__} is "
                 f"not known to update elementwise (known: {', '.join(ELEMENTWISE)}): plan with ZeRO 0")
         self.shards, self.cls, self.kwargs = shards, cls, kwargs
         self.inner: torch.optim.Optimizer | None = None
@@ -921,7 +916,7 @@ class _ShardedOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         if self.inner is None:
-            raise RuntimeError("the optimizer of a ZeRO 1-2 intra-op plan is made at its first step")
+            raise RuntimeError("the optimizer of a ZeRO 1-3 intra-op plan is made at its first step")
         return self.inner.param_groups
 
     def state_dict(self) -> dict:

@@ -309,8 +309,8 @@ def estimate_choice(
     # gradient synchronisation and the optimizer step (`_step_moments`)
     held = grads if m > 1 else 0.0
     moments = [(held, saved, temporary), *_step_moments(synced, zero=zero, dtype=dtype, sizes=sizes, grads=grads)]
-    pending = [u for u in synced if u.reduce_axes]
-    if zero == 3 and pending:
+    pending = [u for u in synced if u.reduce_axes] if zero == 3 else []
+    if pending:
         # a weight kept in slices is whole while its module's backward runs, beside its whole gradient (the head's,
         # as the backward starts: the activations still saved, its temporaries too)
         p = Precision.of(dtype)
