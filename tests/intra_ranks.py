@@ -105,13 +105,15 @@ def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
 
 
 def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int, *,
-               catch: bool = False) -> list[dict[str, Any]]:
+               catch: bool = False, clips: list[tuple[float, float]] | None = None) -> list[dict[str, Any]]:
     """On each rank, every plan in turn: ``steps`` AdamW steps of the plan's model and, in this process alone, of
     the same model on the same batches. Per plan: ``loss``, the largest difference between the losses;
     ``grads``, the largest difference between the first step's whole gradients; ``drift``, the largest
     difference after the last step between copies of a parameter's shard that ranks hold replicated (0 unless
     replicas drifted apart). With ``catch``, a plan that raises gives ``error`` instead (every rank raises at
-    the same op: the layouts are the same on all)."""
+    the same op: the layouts are the same on all). With ``clips`` (per plan: max norm, norm type), both clip their
+    gradients before each step, the ranks with `ParallelModel.clip_grad_norm_`, the process with PyTorch's own; ``norm``
+    is then the largest relative difference between the norms they clipped by, ``norms`` the process's."""
     import torch.distributed as dist
 
     from autopar.plan import Plan
@@ -120,9 +122,9 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     rendezvous.join(rank, backend="gloo")
     results = []
     try:
-        for data in plans:
+        for k, data in enumerate(plans):
             try:
-                results.append(_compare(Plan.from_dict(data), steps))
+                results.append(_compare(Plan.from_dict(data), steps, clips[k] if clips else None))
             except Exception as exc:
                 if not catch:
                     raise
@@ -135,7 +137,7 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     return results
 
 
-def _compare(plan: Any, steps: int) -> dict[str, float]:
+def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -149,7 +151,8 @@ def _compare(plan: Any, steps: int) -> dict[str, float]:
     parallel = parallelize(build_model(work), plan)
     theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     ours = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
-    loss_gap = grad_gap = 0.0
+    loss_gap = grad_gap = norm_gap = 0.0
+    norms = []
     for step in range(steps):
         batch = global_batch(work, step)
         ours.zero_grad(set_to_none=True)
@@ -164,6 +167,10 @@ def _compare(plan: Any, steps: int) -> dict[str, float]:
         if step == 0:
             whole = parallel.full_gradients()
             grad_gap = max(float((whole[name] - p.grad).abs().max()) for name, p in reference.named_parameters())
+        if clip is not None:
+            mine = parallel.clip_grad_norm_(clip[0], norm_type=clip[1])
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip[0], norm_type=clip[1])))
+            norm_gap = max(norm_gap, abs(mine - norms[-1]) / norms[-1])
         ours.step()
         theirs.step()
         loss_gap = max(loss_gap, abs(loss - total))
@@ -182,7 +189,13 @@ def _compare(plan: Any, steps: int) -> dict[str, float]:
                 dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
                 dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
                 drift = max(drift, float((high - low).abs().max()))
-    return {"loss": loss_gap, "grads": grad_gap, "drift": drift}
+    return {"loss": loss_gap, "grads": grad_gap, "drift": drift, "norm": norm_gap, "norms": norms}
+
+
+def clipping(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int,
+             clips: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    """`train_each` with ``clips`` (for run_ranks, which passes positional arguments only)."""
+    return train_each(rank, rendezvous, plans, steps, clips=clips)
 
 
 def _catching(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:

@@ -38,6 +38,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--check-comm", action="store_true",
                         help="count every rank's collectives in the last step (--steps 3 or more) and compare them (kind, mesh axis, "
                         "calls, bytes) with the cost model's prediction for the plan")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                        help="clip the norm of the whole model's gradients to MAX before each optimizer step, as "
+                        "torch.nn.utils.clip_grad_norm_ does in one process (with --check, each step's norm must "
+                        "match one process's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_rebuild_arguments(parser)
     parser.set_defaults(handler=run)
@@ -49,13 +53,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.check_comm and args.steps < 3:
         raise ValueError(f"--check-comm counts the last step and needs --steps 3 or more (got {args.steps}): "
                          "the first two include one-time set-up (DDP rebuilds its buckets in the second)")
+    clip = args.clip_grad_norm
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"--clip-grad-norm must be a positive number, got {clip}")
     prestart()  # what the ranks import, imported beside the plan's checks
     plan = load_runnable(args.plan, args=args)
-    ref = reference(Workload.of(plan), steps=args.steps) if args.check else None
+    ref = reference(Workload.of(plan), steps=args.steps, clip=clip) if args.check else None
     if ref is not None and ref.random_draws:  # refused before any rank starts: the comparison could not hold
         raise ValueError(random_refusal(ref.random_draws))
     log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm,
-                   checked=True)
+                   checked=True, clip=clip)
     data: dict[str, Any] = {
         "plan": args.plan,
         "nproc": args.nproc,
@@ -64,10 +71,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
             for i, (loss, sec, peak) in enumerate(zip(log.losses, log.seconds, log.peak_bytes))
         ],
     }
+    for step, norm in zip(data["steps"], log.grad_norms):
+        step["grad_norm"] = norm
     data["timing"] = timing(plan, log.seconds)
     if args.check:
         work = Workload.of(plan)
-        data["check"] = compare(log, ref, exact=lambda: reference(work, steps=args.steps, dtype=torch.float64))
+        data["check"] = compare(log, ref,
+                                exact=lambda: reference(work, steps=args.steps, dtype=torch.float64, clip=clip))
     if args.check_comm:
         data["check_comm"] = check_ranks(plan, log.collectives)
     failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
@@ -146,6 +156,10 @@ def compare(log, ref, exact: Any = None) -> dict[str, Any]:  # noqa: ANN001
                                             "compare"}
         if not torch.isclose(torch.tensor(ours), torch.tensor(theirs), **LOSS_TOLERANCE):
             return {"ok": False, "message": f"step {step}: loss {ours:.8f}, one process {theirs:.8f}"}
+    for step, (ours, theirs) in enumerate(zip(log.grad_norms, ref.grad_norms)):  # clipped by the same norm
+        if not torch.isclose(torch.tensor(ours), torch.tensor(theirs), **GRAD_TOLERANCE):
+            return {"ok": False, "message": f"step {step}: the gradients' norm is {ours:.8g}, one process's "
+                                            f"{theirs:.8g}"}
     for step, (ours, theirs) in enumerate(zip(log.grads, ref.grads)):
         if set(ours) != set(theirs):
             missing = sorted(set(theirs) ^ set(ours))[:3]
@@ -191,9 +205,11 @@ def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, step: int, name: s
 
 
 def render(data: dict[str, Any]) -> str:
-    rows = [[str(s["step"]), f"{s['loss']:.6f}", f"{s['seconds']:.3f} s", binary_bytes(s["peak_memory"])]
-            for s in data["steps"]]
-    lines = [f"{data['plan']} on {data['nproc']} ranks", table(["step", "loss", "time", "peak memory (rank 0)"], rows)]
+    clipped = any("grad_norm" in s for s in data["steps"])
+    rows = [[str(s["step"]), f"{s['loss']:.6f}", *([f"{s['grad_norm']:.4g}"] if clipped else []),
+             f"{s['seconds']:.3f} s", binary_bytes(s["peak_memory"])] for s in data["steps"]]
+    headers = ["step", "loss", *(["gradient norm"] if clipped else []), "time", "peak memory (rank 0)"]
+    lines = [f"{data['plan']} on {data['nproc']} ranks", table(headers, rows)]
     t = data["timing"]
     steps = {1: "the only step" if len(rows) == 1 else "the step after the first"}.get(
         t["steps_timed"], f"median of the {t['steps_timed']} steps after the first")

@@ -238,6 +238,74 @@ class ParallelModel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> float:
+        """Scale every gradient the optimizer will step with so that their norm over the whole model is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does in one process training
+        the whole batch; returns that norm, before clipping. Call it on every rank, after `step` and before the
+        optimizer's step.
+
+        ``torch.nn.utils.clip_grad_norm_`` on a rank's own parameters gives another norm: a pipeline stage holds
+        its own layers only, and an intra-op plan under ZeRO 1-3 keeps the gradients of the weights it holds whole
+        in this rank's slices (`make_optimizer`'s parameters), not on the model's parameters. Here every rank adds
+        up what it holds (`_held_gradients`), each piece divided by the number of ranks holding the same piece, and
+        one all-reduce over all ranks (8 bytes, not part of the plan's collectives) gives every rank the same
+        norm."""
+        import math
+
+        import torch.distributed as dist
+
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
+        if self.plan is None or not dist.is_initialized():  # one process: exactly PyTorch's own
+            total = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type=p,
+                                                   error_if_nonfinite=error_if_nonfinite)
+            return float(total)
+        held = self._held_gradients()
+        with torch.no_grad():
+            if math.isinf(p):
+                local = max((float(t.abs().max()) for t, _ in held if t.numel()), default=0.0)
+            else:
+                local = sum(float(torch.linalg.vector_norm(t.double(), p)) ** p / copies for t, copies in held)
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            total_t = torch.tensor([local], dtype=torch.float64, device=device)
+            dist.all_reduce(total_t, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
+            total = float(total_t) if math.isinf(p) else float(total_t) ** (1.0 / p)
+            if error_if_nonfinite and not math.isfinite(total):
+                raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                                   f"{total}, so they cannot be clipped")
+            coefficient = min(max_norm / (total + 1e-6), 1.0)  # PyTorch's own, scaled even when it is 1
+            for tensor, _ in held:
+                tensor.mul_(coefficient)
+        return total
+
+    def _held_gradients(self) -> list[tuple[torch.Tensor, int]]:
+        """Every gradient the optimizer steps with as this rank holds it (a DTensor's own shard, a plain tensor
+        whole; each storage once), with how many ranks hold that same piece: the ranks of this stage where it is
+        replicated (a plain tensor on all dp x tp of them, a DTensor on those of its mesh's axes it is replicated
+        on, times the stage's ranks outside its mesh), and twice that for a weight both ends of a pipeline hold
+        (the tied head, summed between them)."""
+        import math
+
+        assert self.plan is not None
+        stage = math.prod(self.plan.grid)
+        tied = {id(param) for param, _ in self.pipeline.tied} if self.pipeline is not None else set()
+        held = []
+        for name, param in _named_once(self.module):
+            grad = param.grad
+            if grad is None:
+                continue
+            if hasattr(grad, "placements"):
+                mesh = grad.device_mesh
+                _refuse_pending(name, grad)
+                copies = stage // mesh.size() * math.prod(
+                    size for pl, size in zip(grad.placements, mesh.shape) if pl.is_replicate())
+                tensor = grad._local_tensor
+            else:
+                copies, tensor = stage, grad
+            held.append((tensor, copies * (2 if id(param) in tied and self.pipeline.stages > 1 else 1)))
+        return held
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered), under its name
         in the whole model."""
@@ -273,6 +341,19 @@ class ParallelModel:
                 tensor = restored
             out.setdefault(whole, tensor)
         return out
+
+
+def _named_once(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``module``'s parameters, each once (tied ones under their first name), inside a DDP wrapper."""
+    inner = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+    return inner.named_parameters()
+
+
+def _refuse_pending(name: str, grad: Any) -> None:  # noqa: ANN401
+    """A gradient still left as a pending sum has no norm of its own on a rank: refuse to clip it."""
+    if any(pl.is_partial() for pl in grad.placements):
+        raise RuntimeError(f"clip_grad_norm_: the gradient of {name} is still a pending sum "
+                           f"({list(grad.placements)}): call it after the step's backward has finished")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -332,6 +332,33 @@ class IntraParallelModel(ParallelModel):
             return super().full_gradients()
         return self._whole(self.shards.gradients().items())
 
+    def _held_gradients(self) -> list[tuple[torch.Tensor, int]]:
+        """`ParallelModel._held_gradients` on the plan's mesh (every rank): a DTensor gradient's own shard, held
+        alike on the axes its layout replicates it on; a weight ZeRO keeps in slices, this rank's slice of its
+        gradient (`_ZeroShards.masters`, what the optimizer steps), held alike on the axes its weight is whole on
+        but not sliced over."""
+        from autopar.runtime.apply import _refuse_pending
+
+        sizes, shards, held = tuple(self.mesh.shape), self.shards, []
+        for name, param in self.module.named_parameters():
+            owned = shards.axes.get(id(param)) if shards is not None else None
+            if owned:
+                grad = shards.masters[id(param)].grad
+                if grad is not None:
+                    held.append((grad, math.prod(size for a, (pl, size) in enumerate(zip(param.placements, sizes))
+                                                 if pl.is_replicate() and a not in owned)))
+                continue
+            grad = param.grad
+            if grad is None:
+                continue
+            if not hasattr(grad, "placements"):
+                held.append((grad, math.prod(sizes)))
+                continue
+            _refuse_pending(name, grad)
+            held.append((grad._local_tensor, math.prod(size for pl, size in zip(grad.placements, sizes)
+                                                       if pl.is_replicate())))
+        return held
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         if self.shards is None or self.shards.zero < 3:
             return super().full_parameters()

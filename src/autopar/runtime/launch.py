@@ -17,7 +17,8 @@ from autopar.runtime.validate import check_runnable
 
 
 def _rank_main(
-    rank: int, rendezvous: Rendezvous, plan: Plan, steps: int, check: bool, check_comm: bool, out: str
+    rank: int, rendezvous: Rendezvous, plan: Plan, steps: int, check: bool, check_comm: bool, out: str,
+    clip: float | None = None,
 ) -> None:
     import torch.distributed as dist
 
@@ -31,7 +32,7 @@ def _rank_main(
 
         counter = CollectiveCounter(parallel.axes) if check_comm else None
         log = train(parallel, optimizer, work, steps=steps, gradients=parallel.full_gradients if check else None,
-                    counter=counter)
+                    counter=counter, clip=clip)
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
         # another stage's first rank: its stage's gradients (an intra-op plan's rank 0 holds them all)
@@ -45,10 +46,12 @@ def _rank_main(
 
 
 def run_plan(
-    plan: Plan, *, nproc: int, steps: int, check: bool = False, check_comm: bool = False, checked: bool = False
+    plan: Plan, *, nproc: int, steps: int, check: bool = False, check_comm: bool = False, checked: bool = False,
+    clip: float | None = None,
 ) -> StepLog:
     """Train ``steps`` steps of ``plan`` on ``nproc`` new ranks; rank 0's log (gradients with ``check``, every
-    rank's collectives in the last step with ``check_comm``; ``checked``: `check_runnable` has passed already).
+    rank's collectives in the last step with ``check_comm``; ``checked``: `check_runnable` has passed already;
+    ``clip``: the gradients' norm clipped to it before each optimizer step).
 
     A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
     them too, and the temporary folder of the ranks' results is removed in every case."""
@@ -60,7 +63,7 @@ def run_plan(
         raise ValueError(f"the plan is for {devices} devices; run it with --nproc {devices}")
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        run_ranks(_rank_main, nproc, args=(plan, steps, check, check_comm, out))
+        run_ranks(_rank_main, nproc, args=(plan, steps, check, check_comm, out, clip))
         data = torch.load(out)
         for r in range(1, nproc):  # merge the other stages' gradients into rank 0's
             path = Path(f"{out}.grads{r}")

@@ -57,6 +57,7 @@ class StepLog:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     collectives: list[list[dict]] = field(default_factory=list)  # per rank: calls and bytes per (kind, axis)
     random_draws: list[str] = field(default_factory=list)  # the reference's: where its first step drew random numbers
+    grad_norms: list[float] = field(default_factory=list)  # with clipping: each step's norm before it
 
 
 def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
@@ -78,10 +79,13 @@ def train(
     counter: CollectiveCounter | None = None,  # counts the collectives of the last step
     watch_random: bool = False,  # note where the first step draws random numbers (`StepLog.random_draws`)
     dtype: torch.dtype | None = None,  # the batches' floating tensors in this dtype (a float64 reference)
+    clip: float | None = None,  # clip the gradients' norm to this before each optimizer step
 ) -> StepLog:
     """``steps`` steps on the workload's synthetic batches; losses as one process sees them
     (`ParallelModel.average_loss`). A model `parallelize` made takes its own rows of each batch; any other (the
-    one-process reference) trains all of them, in the workload's micro-batches."""
+    one-process reference) trains all of them, in the workload's micro-batches. With ``clip``, the gradients are
+    clipped (`ParallelModel.clip_grad_norm_`) after they are read for the check: its one all-reduce is timed
+    with the step but not counted with the plan's collectives."""
     log = StepLog()
     for step in range(steps):
         batch = global_batch(work, step)
@@ -105,6 +109,8 @@ def train(
             if gradients is not None:
                 _paused(counter, lambda: log.grads.append(gradients()))
             checking = time.perf_counter() - checking
+            if clip is not None:
+                _paused(counter, lambda: log.grad_norms.append(parallel.clip_grad_norm_(clip)))
             optimizer.step()
         _together(parallel)
         log.seconds.append(time.perf_counter() - start - checking)
@@ -136,7 +142,8 @@ def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001
         counter.enabled = True
 
 
-def reference(work: Workload, *, steps: int, seed: int = 0, dtype: torch.dtype | None = None) -> StepLog:
+def reference(work: Workload, *, steps: int, seed: int = 0, dtype: torch.dtype | None = None,
+              clip: float | None = None) -> StepLog:
     """The same steps in one process with no parallelism; ``dtype``: the model and its floating inputs cast to it
     (float64: the rounding of an fp32 run shows against it)."""
     module = build_model(work, seed=seed)
@@ -148,7 +155,7 @@ def reference(work: Workload, *, steps: int, seed: int = 0, dtype: torch.dtype |
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
     plain = ParallelModel(module, 0, lambda cls, **kw: cls(module.parameters(), **kw))
-    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True, dtype=dtype)
+    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True, dtype=dtype, clip=clip)
 
 
 class RandomDraws:
