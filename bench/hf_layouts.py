@@ -2,13 +2,15 @@
 the predicted collectives, or is refused when it is planned.
 
 Run: python bench/hf_layouts.py [--types gemma,opt,...] [--layouts dp,z3,tp,tpsp,pp,pptp,pptpsp,ppz3] [--timeout 300]
+[--clip-grad-norm MAX]
 
 Each type is built from its default config at 2 layers, hidden 64, 4 heads (2 key/value heads where the config
 groups them; Mistral with a sliding window of 16 at sequence 32), and each layout is written as a plan by
 ``autopar estimate ... --cluster cpu --batch 8 --mbs 2 --out PLAN.json`` and then, if a plan was written, run by
 ``autopar run PLAN.json --nproc N --steps 5 --check --check-comm`` (2 ranks; 4 for pp x tp, with or without SP,
 and pp x dp under ZeRO 3), one at a time with one
-thread per rank. A cell is ``pass`` (both checks pass), ``refused`` (estimate exits 2 with a reason: the plan is
+thread per rank; with ``--clip-grad-norm MAX`` the run clips the whole model's gradient norm to MAX before each step
+and ``--check`` also compares each step's norm with one process's. A cell is ``pass`` (both checks pass), ``refused`` (estimate exits 2 with a reason: the plan is
 refused when planned), or a bug: ``run refused`` (a plan was written that the ranks refuse), ``mismatch`` (a check
 fails) or ``crash`` (anything else, a timeout included). Prints one row per type and, for every cell that is not
 ``pass``, its reason; exits 1 if any cell is a bug. The first six layouts (108 cells) took 26 to 57 minutes on 2 cores.
@@ -53,7 +55,7 @@ def model_args(kind: str, folder: Path) -> list[str]:
     return [f"hf:{kind}", *SIZE, *(["--kv-heads", "2"] if kind in GROUPED else [])]
 
 
-def cell(kind: str, layout: str, folder: Path, timeout: int) -> tuple[str, str]:
+def cell(kind: str, layout: str, folder: Path, timeout: int, clip: float | None = None) -> tuple[str, str]:
     """(class, reason) of one type under one layout."""
     options, ranks = LAYOUTS[layout]
     plan = folder / f"{kind}-{layout}.json"
@@ -69,7 +71,7 @@ def cell(kind: str, layout: str, folder: Path, timeout: int) -> tuple[str, str]:
     if made.returncode != 0 or not plan.exists():
         return "crash", f"estimate exited {made.returncode}: {_last(made.stderr)}"
     run = [sys.executable, "-m", "autopar.cli.main", "run", str(plan), "--nproc", str(ranks), "--steps", "5",
-           "--check", "--check-comm", "--json"]
+           "--check", "--check-comm", "--json", *(["--clip-grad-norm", str(clip)] if clip is not None else [])]
     try:
         done = subprocess.run(run, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -98,6 +100,8 @@ def main() -> None:
     parser.add_argument("--types", default=",".join(TYPES), help="comma-separated Hugging Face model types")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per command (default 300)")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                        help="autopar run clips the gradients' norm to MAX, each step's norm checked")
     args = parser.parse_args()
     kinds, layouts = args.types.split(","), args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
@@ -109,7 +113,7 @@ def main() -> None:
         for kind in kinds:
             row = []
             for layout in layouts:
-                verdict, reason = cell(kind, layout, Path(tmp), args.timeout)
+                verdict, reason = cell(kind, layout, Path(tmp), args.timeout, args.clip_grad_norm)
                 row.append(verdict)
                 bugs += verdict not in ("pass", "refused")
                 if reason:

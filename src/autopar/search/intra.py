@@ -275,6 +275,8 @@ def estimate_choice(
     weights = grads = optim = 0.0
     calls: list[CommCall] = []
     synced: list[ParamUse] = []
+    outside = _read_outside(space.graph) if zero == 3 else frozenset()
+    read_outside: list[tuple[ParamUse, int]] = []  # (use, blocks): weights a module reads from its children
     for cls in space.classes:
         n = cls.count
         bc = ic.block_cost(cls.block, space.candidates[cls.var][choice[cls.var]])
@@ -283,6 +285,7 @@ def estimate_choice(
         comm += n * m * (bc.comm_forward + bc.comm_backward)
         calls += [c.times(n * m) for c in bc.collectives]
         synced += bc.params * n
+        read_outside += [(u, n) for u in bc.params if u.reduce_axes and ic.locate(cls.block, u.key) in outside]
         w, g, o = _states(bc.params, zero=zero, dtype=dtype, sizes=sizes)
         weights, grads, optim = weights + n * w, grads + n * g, optim + n * o
         saved += n * bc.saved
@@ -312,10 +315,14 @@ def estimate_choice(
     pending = [u for u in synced if u.reduce_axes] if zero == 3 else []
     if pending:
         # a weight kept in slices is whole while its module's backward runs, beside its whole gradient (the head's,
-        # as the backward starts: the activations still saved, its temporaries too)
+        # as the backward starts: the activations still saved, its temporaries too); a weight read outside its
+        # own module (a position table sliced in the model's forward) is whole from the backward's start to its
+        # gradient, since the runtime gathers such weights again as the backward reaches the model's output
         p = Precision.of(dtype)
+        early = {id(u) for u, _ in read_outside}
         moments.append((held + max(u.local * p.gradient for u in pending), saved,
-                        temporary + max(u.local * p.weight for u in pending)))
+                        temporary + sum(n * u.local * p.weight for u, n in read_outside)
+                        + max((u.local * p.weight for u in pending if id(u) not in early), default=0.0)))
     held, saved, other = max(moments, key=lambda moment: sum(moment))
     buffers = sum(s.tensor.nbytes for s in space.graph.state.values() if s.is_buffer)  # whole on every device
     memory = MemoryBreakdown(parameters=weights, gradients=held, optimizer=optim, activations=saved,
@@ -333,6 +340,21 @@ def estimate_choice(
         micro_batches=m,
         cluster=ic.cluster.name,
     )
+
+
+def _read_outside(graph: Graph) -> frozenset[str]:
+    """Parameters some op reads in the forward of a module above the one holding them (``self.pos.weight[:n]`` in
+    the model's own forward): under ZeRO 3 the runtime gathers them as they are read, and again for the whole
+    backward (`autopar.runtime.intra._Zero3Hooks`)."""
+    found = set()
+    for node in graph.nodes:
+        for source in node.sources:
+            if source.state is None or source.state not in graph.state or graph.state[source.state].is_buffer:
+                continue
+            holder = source.state.rpartition(".")[0]
+            if holder != node.module and (node.module == "" or holder.startswith(node.module + ".")):
+                found.add(source.state)
+    return frozenset(found)
 
 
 def _step_moments(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...],
