@@ -105,15 +105,18 @@ def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
 
 
 def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int, *,
-               catch: bool = False, clips: list[tuple[float, float]] | None = None) -> list[dict[str, Any]]:
+               catch: bool = False, extras: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """On each rank, every plan in turn: ``steps`` AdamW steps of the plan's model and, in this process alone, of
     the same model on the same batches. Per plan: ``loss``, the largest difference between the losses;
     ``grads``, the largest difference between the first step's whole gradients; ``drift``, the largest
     difference after the last step between copies of a parameter's shard that ranks hold replicated (0 unless
     replicas drifted apart). With ``catch``, a plan that raises gives ``error`` instead (every rank raises at
-    the same op: the layouts are the same on all). With ``clips`` (per plan: max norm, norm type), both clip their
-    gradients before each step, the ranks with `ParallelModel.clip_grad_norm_`, the process with PyTorch's own; ``norm``
-    is then the largest relative difference between the norms they clipped by, ``norms`` the process's."""
+    the same op: the layouts are the same on all). ``extras`` (per plan) may ask for ``clip`` (max norm, norm
+    type): both clip their gradients before each step, the ranks with `ParallelModel.clip_grad_norm_`, the process
+    with PyTorch's own; ``norm`` is then the largest relative difference between the norms they clipped by,
+    ``norms`` the process's. And for ``decay``: both optimizers' learning rates multiplied by it at the start and
+    after each step by a `LambdaLR` scheduler attached as soon as the optimizer is made; ``lrs`` is then the ranks'
+    rate at each step."""
     import torch.distributed as dist
 
     from autopar.plan import Plan
@@ -124,7 +127,7 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     try:
         for k, data in enumerate(plans):
             try:
-                results.append(_compare(Plan.from_dict(data), steps, clips[k] if clips else None))
+                results.append(_compare(Plan.from_dict(data), steps, **(extras[k] if extras else {})))
             except Exception as exc:
                 if not catch:
                     raise
@@ -137,7 +140,8 @@ def train_each(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: i
     return results
 
 
-def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None) -> dict[str, Any]:
+def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None,
+             decay: float | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -151,6 +155,9 @@ def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None) -> 
     parallel = parallelize(build_model(work), plan)
     theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     ours = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    schedules = ([torch.optim.lr_scheduler.LambdaLR(o, lambda k: decay ** (k + 1)) for o in (ours, theirs)]
+                 if decay else [])
+    lrs = []
     loss_gap = grad_gap = norm_gap = 0.0
     norms = []
     for step in range(steps):
@@ -171,8 +178,11 @@ def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None) -> 
             mine = parallel.clip_grad_norm_(clip[0], norm_type=clip[1])
             norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip[0], norm_type=clip[1])))
             norm_gap = max(norm_gap, abs(mine - norms[-1]) / norms[-1])
+        lrs.append(ours.param_groups[0]["lr"])
         ours.step()
         theirs.step()
+        for schedule in schedules:
+            schedule.step()
         loss_gap = max(loss_gap, abs(loss - total))
     drift = 0.0
     shards = getattr(parallel, "shards", None)
@@ -189,13 +199,13 @@ def _compare(plan: Any, steps: int, clip: tuple[float, float] | None = None) -> 
                 dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
                 dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
                 drift = max(drift, float((high - low).abs().max()))
-    return {"loss": loss_gap, "grads": grad_gap, "drift": drift, "norm": norm_gap, "norms": norms}
+    return {"loss": loss_gap, "grads": grad_gap, "drift": drift, "norm": norm_gap, "norms": norms, "lrs": lrs}
 
 
-def clipping(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int,
-             clips: list[tuple[float, float]]) -> list[dict[str, Any]]:
-    """`train_each` with ``clips`` (for run_ranks, which passes positional arguments only)."""
-    return train_each(rank, rendezvous, plans, steps, clips=clips)
+def with_extras(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int,
+                extras: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`train_each` with ``extras`` (for run_ranks, which passes positional arguments only)."""
+    return train_each(rank, rendezvous, plans, steps, extras=extras)
 
 
 def _catching(rank: int, rendezvous: Any, plans: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ def test_intra_op_plans_under_zero_clip_by_the_norm_one_process_computes() -> No
     assert dp["zero"] == 1
     plans = [megatron.to_dict(), dp, megatron.to_dict(), dp]
     clips = [(0.5, 2.0), (0.5, 2.0), (0.01, math.inf), (0.01, math.inf)]
-    results = run_ranks(intra_ranks.clipping, 4, args=(plans, 3, clips))
+    results = run_ranks(intra_ranks.with_extras, 4, args=(plans, 3, [{"clip": clip} for clip in clips]))
     for per_plan in results:
         for (max_norm, _), got in zip(clips, per_plan):
             assert min(got["norms"]) > max_norm  # clipping acts in every step

@@ -402,3 +402,26 @@ def test_recomputed_layers_of_intra_op_plans_replay_their_conversions_and_train_
         for got in per_plan:
             assert got["loss"] < 1e-4 and got["grads"] < 1e-4, got
             assert got["drift"] == 0.0, got
+
+
+def test_a_learning_rate_scheduler_attaches_to_the_optimizer_of_a_zero_plan_before_its_first_step() -> None:
+    """Under ZeRO 1-3 the optimizer stepping each rank's slices is made at the first step, once the gradients have
+    named the slices; a `LambdaLR` attached as soon as `make_optimizer` returns (as training scripts do) sets the
+    rate of every step, the first included, and the ranks train what one process does with the same schedule."""
+    from autopar.runtime.intra import _ShardedOptimizer
+
+    class Shards:
+        masters: dict = {}
+
+    optimizer = _ShardedOptimizer(Shards(), torch.optim.AdamW, lr=1e-3)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.5 ** k)
+    assert optimizer.param_groups[0]["initial_lr"] == 1e-3
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # its settings are checked when it is made
+        _ShardedOptimizer(Shards(), torch.optim.AdamW, lr=-1.0)
+    plans = [intra_ranks.assignments("llama", 2, seed=0, micro_batches=(1,), zero=(zero,))[1] for zero in (1, 3)]
+    results = run_ranks(intra_ranks.with_extras, 4, args=(plans, 3, [{"decay": 0.5}] * 2))
+    for per_plan in results:
+        for got in per_plan:
+            assert got["lrs"] == pytest.approx([5e-4, 2.5e-4, 1.25e-4])
+            assert got["loss"] < 1e-4 and got["drift"] == 0.0, got

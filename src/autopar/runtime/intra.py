@@ -926,28 +926,53 @@ def _axis_name(mesh: Any, axis: int) -> str:
     return mesh.mesh_dim_names[axis] if mesh.mesh_dim_names else str(axis)
 
 
-class _ShardedOptimizer:
+class _ShardedOptimizer(torch.optim.Optimizer):
     """The optimizer of an intra-op plan under ZeRO 1-3: the inner optimizer (an elementwise one, `ELEMENTWISE`)
-    steps this rank's slices (`_ZeroShards.masters`); then the weights are gathered whole. It is made at the first
-    step, once the first gradients have said which weights are owned in slices; ``zero_grad`` lets go of every
-    gradient."""
+    steps this rank's slices (`_ZeroShards.masters`); then the weights are gathered whole.
 
-    def __init__(self, shards: _ZeroShards, cls: type, **kwargs: Any) -> None:
+    The inner optimizer is made at the first step, once the first gradients have said which weights are owned in
+    slices. Until then ``param_groups`` is one group of the optimizer's settings (made by building the optimizer
+    once over a stand-in tensor, which also checks them), so that a learning-rate scheduler can be attached at once:
+    the inner optimizer takes that group's settings, and whatever a scheduler wrote there, when it is made. A
+    state loaded before the first step (``load_state_dict``) is loaded into it then. ``zero_grad`` lets go of
+    every gradient."""
+
+    def __init__(self, shards: _ZeroShards, cls: type, **kwargs: Any) -> None:  # noqa: ANN401
+        # (Optimizer.__init__ is not called: it needs the parameters, which the first gradients name)
         if cls.__name__ not in ELEMENTWISE:
             raise NotImplementedError(
                 f"ZeRO 1-3 of an intra-op plan updates each rank's slice of the flattened weights; {cls.__name__} is "
                 f"not known to update elementwise (known: {', '.join(ELEMENTWISE)}): plan with ZeRO 0")
         self.shards, self.cls, self.kwargs = shards, cls, kwargs
+        stand_in = cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        self.defaults = dict(stand_in.defaults)
         self.inner: torch.optim.Optimizer | None = None
+        self._groups = [{**stand_in.param_groups[0], "params": []}]
+        self._pending_state: dict | None = None
 
     @property
-    def param_groups(self) -> list[dict]:
-        if self.inner is None:
-            raise RuntimeError("the optimizer of a ZeRO 1-3 intra-op plan is made at its first step")
-        return self.inner.param_groups
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.inner.param_groups if self.inner is not None else self._groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # noqa: ANN401
+        return self.inner.state if self.inner is not None else {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cls.__name__}, each rank stepping its slices)"
 
     def state_dict(self) -> dict:
         return {} if self.inner is None else self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.inner is None:
+            self._pending_state = state_dict
+        else:
+            self.inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: ARG002
+        raise NotImplementedError("the optimizer of a ZeRO 1-3 intra-op plan steps the slices the plan gives each "
+                                  "rank; it takes no other parameters")
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - gradients are always let go
         self.shards.zero_grad()
@@ -959,7 +984,12 @@ class _ShardedOptimizer:
                 grad = shards.params[k].grad
                 master.grad = None if grad is None else grad.to_local()
         if self.inner is None:
+            group = self._groups[0]
             self.inner = self.cls(list(shards.masters.values()), **self.kwargs)
+            self.inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+            if self._pending_state is not None:
+                self.inner.load_state_dict(self._pending_state)
+                self._pending_state = None
         elif len(self.inner.param_groups[0]["params"]) != len(shards.masters):
             raise NotImplementedError("ZeRO of an intra-op plan: a weight got its first gradient after the first "
                                       "step; every weight the optimizer steps must have one at the first")
