@@ -249,7 +249,10 @@ class ParallelModel:
         in this rank's slices (`make_optimizer`'s parameters), not on the model's parameters. Here every rank adds
         up what it holds (`_held_gradients`), each piece divided by the number of ranks holding the same piece, and
         one all-reduce over all ranks (8 bytes, not part of the plan's collectives) gives every rank the same
-        norm."""
+        norm. The sums are taken in float64, in one process too (a model `parallelize` did not make): PyTorch's
+        fp32 norm of a large gradient can be well off (OPT's 50,272-row embedding's: 5e-4 below its float64
+        value), and ranks adding up their shards in fp32 would be off in another way, so their clipping, and with
+        it the weights, would drift apart from one process's."""
         import math
 
         import torch.distributed as dist
@@ -257,20 +260,20 @@ class ParallelModel:
         p = float(norm_type)
         if not p > 0:
             raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-        if self.plan is None or not dist.is_initialized():  # one process: exactly PyTorch's own
-            total = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type=p,
-                                                   error_if_nonfinite=error_if_nonfinite)
-            return float(total)
-        held = self._held_gradients()
+        ranks = self.plan is not None and dist.is_initialized()
+        held = self._held_gradients() if ranks else [
+            (param.grad, 1) for _, param in _named_once(self.module) if param.grad is not None]
         with torch.no_grad():
             if math.isinf(p):
                 local = max((float(t.abs().max()) for t, _ in held if t.numel()), default=0.0)
             else:
                 local = sum(float(torch.linalg.vector_norm(t.double(), p)) ** p / copies for t, copies in held)
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            total_t = torch.tensor([local], dtype=torch.float64, device=device)
-            dist.all_reduce(total_t, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
-            total = float(total_t) if math.isinf(p) else float(total_t) ** (1.0 / p)
+            if ranks:
+                device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+                summed = torch.tensor([local], dtype=torch.float64, device=device)
+                dist.all_reduce(summed, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
+                local = float(summed)
+            total = local if math.isinf(p) else local ** (1.0 / p)
             if error_if_nonfinite and not math.isfinite(total):
                 raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
                                    f"{total}, so they cannot be clipped")
