@@ -5,7 +5,8 @@
 Every rank builds the same model (one seed), rank 0 plans it (`autopar.plan_once`) and every rank receives that
 plan; `autopar.parallelize` applies it, and each step `parallel.step(batch)` runs the forward and backward over this
 rank's rows of the global batch (its micro-batches, or the pipeline schedule) and returns the loss one process
-would see. The optimizer is yours. With --out, rank 0 writes the losses and the final weights, gathered from every
+would see. The optimizer is yours, and so are gradient clipping (`parallel.clip_grad_norm_`: the whole model's
+norm, whatever each rank holds) and the learning-rate schedule. With --out, rank 0 writes the losses and the final weights, gathered from every
 rank, to a file (tests/test_api.py checks them against one process).
 """
 
@@ -57,15 +58,18 @@ def main() -> None:
         print(plan.explain(), flush=True)
     parallel = autopar.parallelize(model.to(device), plan)
     optimizer = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / 2))
 
     losses = []
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.step({key: value.to(device) for key, value in global_batch(step).items()})
+        norm = parallel.clip_grad_norm_(0.5)  # every rank: the norm one process would clip by
         optimizer.step()
+        warmup.step()
         losses.append(loss)
         if rank == 0:
-            print(f"step {step}: loss {loss:.6f}", flush=True)
+            print(f"step {step}: loss {loss:.6f}, gradient norm {norm:.4f}", flush=True)
 
     weights = parallel.full_parameters()  # this rank's (a pipeline stage holds some), whole
     gathered = [None] * world if rank == 0 else None

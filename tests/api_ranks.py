@@ -25,16 +25,20 @@ def example() -> Any:
 
 
 def one_process(steps: int, *, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The example's training in one process, without autopar: the whole global batch each step, AdamW."""
+    """The example's training in one process, without autopar: the whole global batch each step, AdamW, its
+    gradients clipped by PyTorch's own function and its rate warmed up as the example does."""
     ex = example()
     model = ex.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / 2))
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = model(**ex.global_batch(step)).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
+        warmup.step()
         losses.append(float(loss.detach()))
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -51,11 +55,14 @@ def train(rank: int, rendezvous: Any, plan: Any, steps: int) -> dict[str, Any]:
         ex = example()
         parallel = autopar.parallelize(ex.build_model(), plan)
         optimizer = parallel.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / 2))
         losses = []
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             losses.append(parallel.step(ex.global_batch(step)))
+            parallel.clip_grad_norm_(0.5)
             optimizer.step()
+            warmup.step()
         weights = io.BytesIO()  # tensors through the launcher's pipe would be shared memory its rank no longer holds
         torch.save(parallel.full_parameters(), weights)
         dist.barrier()
