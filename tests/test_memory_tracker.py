@@ -285,13 +285,12 @@ def test_zero_3_counts_a_table_read_above_its_module_whole_through_the_backward(
     from memory_tracking import intra_plan_for, single_stage_peak
 
     from autopar.capture import trace
-    from autopar.search.intra import _read_outside
     from autopar.zoo import load
 
     zoo = load("gpt3-125m", batch=2, seq=16, layers=2, hidden=64, heads=4, vocab=128)
-    assert _read_outside(trace(zoo.module, example_kwargs=zoo.inputs)) == {"pos.weight"}
+    assert trace(zoo.module, example_kwargs=zoo.inputs).params_read_above == {"pos.weight"}
     hf = load("hf:gpt2-tiny", batch=2, seq=16)
-    assert _read_outside(trace(hf.module, example_kwargs=hf.inputs)) == frozenset()
+    assert trace(hf.module, example_kwargs=hf.inputs).params_read_above == frozenset()
     plan, memory = intra_plan_for("gpt", "DP", recomputed=0, size="short", zero=3)
     single_stage_peak(plan)  # the tracker's first run of a layout in a process counts more: the second is measured
     assert memory.total - memory.reserve >= 0.97 * single_stage_peak(plan)

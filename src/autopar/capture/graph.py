@@ -230,6 +230,20 @@ class Graph:
         )
 
     @cached_property
+    def params_read_above(self) -> frozenset[str]:
+        """Parameters some op reads in the forward of a module above the one holding them (``self.pos.weight[:n]``
+        in the model's own forward; a head tied to an embedding is read by a module holding it too, so is not one)."""
+        found = set()
+        for node in self.nodes:
+            for source in node.sources:
+                state = self.state.get(source.state) if source.state is not None else None
+                if state is not None and not state.is_buffer:
+                    holder = _owner(state.fqn)
+                    if holder != node.module and _within(holder, node.module):
+                        found.add(state.fqn)
+        return frozenset(found)
+
+    @cached_property
     def _unit_index(self) -> tuple[frozenset[str], frozenset[str]]:
         units = frozenset(fqn for g in self.repeats for fqn in g.instances)
         ancestors = frozenset(".".join(u.split(".")[:d]) for u in units for d in range(u.count(".") + 1))

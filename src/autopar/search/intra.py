@@ -275,8 +275,10 @@ def estimate_choice(
     weights = grads = optim = 0.0
     calls: list[CommCall] = []
     synced: list[ParamUse] = []
-    outside = _read_outside(space.graph) if zero == 3 else frozenset()
-    read_outside: list[tuple[ParamUse, int]] = []  # (use, blocks): weights a module reads from its children
+    # (use, blocks): under ZeRO 3, weights a module reads from its children, which the runtime gathers as they are
+    # read and again for the whole backward (`autopar.runtime.intra._Zero3Hooks`)
+    outside = space.graph.params_read_above if zero == 3 else frozenset()
+    read_outside: list[tuple[ParamUse, int]] = []
     for cls in space.classes:
         n = cls.count
         bc = ic.block_cost(cls.block, space.candidates[cls.var][choice[cls.var]])
@@ -340,21 +342,6 @@ def estimate_choice(
         micro_batches=m,
         cluster=ic.cluster.name,
     )
-
-
-def _read_outside(graph: Graph) -> frozenset[str]:
-    """Parameters some op reads in the forward of a module above the one holding them (``self.pos.weight[:n]`` in
-    the model's own forward): under ZeRO 3 the runtime gathers them as they are read, and again for the whole
-    backward (`autopar.runtime.intra._Zero3Hooks`)."""
-    found = set()
-    for node in graph.nodes:
-        for source in node.sources:
-            if source.state is None or source.state not in graph.state or graph.state[source.state].is_buffer:
-                continue
-            holder = source.state.rpartition(".")[0]
-            if holder != node.module and (node.module == "" or holder.startswith(node.module + ".")):
-                found.add(source.state)
-    return frozenset(found)
 
 
 def _step_moments(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...],
