@@ -624,3 +624,26 @@ def test_tensor_parallel_ranks_draw_the_same_dropout_whatever_their_seeds(tmp_pa
     assert len(replicated) == 14
     for first, second in zip(weights[::2], weights[1::2]):  # tp innermost: ranks 2k and 2k + 1 form a tp group
         assert {name: first[name] for name in replicated} == {name: second[name] for name in replicated}
+
+
+def test_a_model_with_a_child_named_module_is_read_whole_under_fsdp(tmp_path, capsys) -> None:
+    """A user's model may name a child ``module``, as DDP names the model it wraps: under FSDP (no DDP wrapper) the
+    weights and gradients read back are the whole model's, not that child's, so the check passes."""
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.module = nn.Linear(16, 32)\n"
+        "        self.head = nn.Linear(32, 4)\n\n"
+        "    def forward(self, x, y):\n"
+        "        return nn.functional.cross_entropy(self.head(torch.relu(self.module(x))), y)\n\n\n"
+        "def build(batch):\n"
+        "    return Net(), {'x': torch.randn(batch, 16), 'y': torch.randint(0, 4, (batch,))}\n")
+    path = tmp_path / "z1.json"
+    assert main(["estimate", f"{tmp_path / 'net.py'}:build", "--cluster", "cpu", "--batch", "8", "--dp", "2",
+                 "--zero", "1", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--nproc", "2", "--check", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["check"]["ok"], data["check"]

@@ -312,8 +312,7 @@ class ParallelModel:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient on this rank (FSDP's sharded gradients are gathered), under its name
         in the whole model."""
-        inner = getattr(self.module, "module", self.module)  # DDP wraps the model
-        return self._whole((name, p.grad) for name, p in inner.named_parameters() if p.grad is not None)
+        return self._whole((name, p.grad) for name, p in _named_once(self.module) if p.grad is not None)
 
     def replace_parameters(self, new: Mapping[int, nn.Parameter]) -> None:
         """Follow parameters the module replaced (``new``: by the old one's id), where this object holds them
@@ -326,8 +325,7 @@ class ParallelModel:
         """Copies of the parameters this rank holds (a pipeline stage's, or all of them), whole (FSDP and tensor
         -parallel shards are gathered: every rank of the stage must call it), under their names in the whole model
         and in its own row order."""
-        inner = getattr(self.module, "module", self.module)
-        return self._whole((name, p.detach()) for name, p in inner.named_parameters())
+        return self._whole((name, p.detach()) for name, p in _named_once(self.module))
 
     def _whole(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out = {}
