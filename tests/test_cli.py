@@ -393,12 +393,11 @@ def test_a_causal_lm_at_sequence_1_is_refused_before_ranks_start(capsys: pytest.
 
 
 def test_losses_that_are_not_finite_fail_a_run_and_print_as_null() -> None:
-    from types import SimpleNamespace
-
     from autopar.cli.run import _finite, compare
+    from autopar.runtime import StepLog
 
     nan = float("nan")
-    checked = compare(SimpleNamespace(losses=[nan], grads=[{}]), SimpleNamespace(losses=[nan], grads=[{}]))
+    checked = compare(StepLog(losses=[nan], grads=[{}]), StepLog(losses=[nan], grads=[{}]))
     assert not checked["ok"] and checked["message"].startswith("step 0: the loss is nan in one process too")
     assert json.dumps(_finite({"steps": [{"loss": nan, "seconds": 0.5}]}), allow_nan=False) == \
         '{"steps": [{"loss": null, "seconds": 0.5}]}'

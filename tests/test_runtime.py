@@ -171,6 +171,69 @@ def test_a_gradient_beyond_the_tolerance_matches_where_it_is_as_close_to_float64
     assert compare(ref, ref)["rounding"] is None
 
 
+def _stepped(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from autopar.runtime.train import LEARNING_RATE
+
+    return {name: w - LEARNING_RATE * grads[name] for name, w in weights.items()}
+
+
+def test_the_check_compares_each_steps_update_from_the_weights_the_ranks_started_it_from() -> None:
+    """With weights recorded, every step is compared from the run's own weights: its first weights must be the
+    model's, and each step's update (after less before) the reference's from there. A run whose optimizer moved
+    one weight otherwise fails naming the step and the weight, and so does one that starts elsewhere or whose
+    pipeline stages hold a tied weight apart."""
+    grads = {"w": torch.tensor([0.5, -1.0]), "b": torch.tensor([0.25])}
+    w0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
+    w1 = _stepped(w0, grads)
+    run = StepLog(losses=[1.0, 0.5], grads=[grads, grads], weights=[w0, w1, _stepped(w1, grads)])
+    ref = StepLog(losses=[1.0, 0.5], grads=[grads, grads], weights=[w0, w1, _stepped(w1, grads)])
+    result = compare(run, ref)
+    assert result["ok"] and "updates match" in result["message"], result
+
+    wrong = dict(run.weights[2], b=run.weights[2]["b"] + 1e-4)  # step 1 moved b by 1e-4 more
+    result = compare(dataclasses.replace(run, weights=[w0, w1, wrong]), ref)
+    assert not result["ok"] and "step 1" in result["message"] and "moved b" in result["message"], result
+
+    other_start = dict(w0, w=torch.tensor([1.0, 2.0 + 1e-6]))
+    result = compare(dataclasses.replace(run, weights=[other_start, w1, run.weights[2]]), ref)
+    assert not result["ok"] and "start from other weights" in result["message"] and "w" in result["message"]
+
+    result = compare(dataclasses.replace(run, apart=["after step 0, pipeline ranks hold different copies of w"]),
+                     ref)
+    assert not result["ok"] and "different copies of w" in result["message"]
+
+
+def test_an_update_off_by_rounding_alone_matches() -> None:
+    """Both sides round ``w - lr * g`` to fp32: an update a unit in the last place of a large weight apart
+    matches, though that is far beyond the gradients' tolerance times the learning rate for a small gradient."""
+    grads = {"w": torch.tensor([1e-6])}
+    w0 = {"w": torch.tensor([1000.0])}
+    w1 = _stepped(w0, grads)
+    ulp = torch.nextafter(w1["w"], torch.tensor([2000.0])) - w1["w"]
+    run = StepLog(losses=[1.0], grads=[grads], weights=[w0, {"w": w1["w"] + ulp}])
+    ref = StepLog(losses=[1.0], grads=[grads], weights=[w0, w1])
+    assert compare(run, ref)["ok"]
+    far = StepLog(losses=[1.0], grads=[grads], weights=[w0, {"w": w1["w"] + 64 * ulp}])
+    assert not compare(far, ref)["ok"]
+
+
+@pytest.mark.slow
+def test_a_relu_model_under_zero_3_passes_the_check_over_many_clipped_steps(tmp_path, capsys) -> None:
+    """OPT (ReLU) under ZeRO 3, clipped hard: the ranks and one process differ by fp32 rounding each step, and a
+    run and a reference that went their own ways part for good where a unit's input crosses zero between them
+    (checked that way, this run failed at step 4, 5.6x farther from float64 than rounding). Each step compared
+    from the ranks' own weights, it matches, and its differences stay at rounding."""
+    path = tmp_path / "plan.json"
+    assert main(["estimate", "hf:opt", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch",
+                 "8", "--mbs", "2", "--cluster", "cpu", "--dp", "2", "--zero", "3", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--nproc", "2", "--steps", "5", "--check", "--clip-grad-norm", "0.05",
+                 "--json"]) == 0
+    check = json.loads(capsys.readouterr().out)["check"]
+    assert check["ok"] and check["steps"] == 5 and "updates match" in check["message"], check
+    assert check["max_grad_diff"] < 1e-6 and 0 < check["max_update_diff"] < 1e-6, check
+
+
 GPT4 = dict(GPT, layers=4)
 LLAMA4 = dict(LLAMA, layers=4)
 HF = {"layers": 4}  # hf:llama-tiny (hidden 64, 4 heads, 2 key/value heads) with 4 layers

@@ -14,6 +14,7 @@ from autopar.cli.render import binary_bytes, table
 from autopar.cluster.ranks import prestart
 from autopar.runtime import Workload, reference, run_plan
 from autopar.runtime.comm import check_ranks
+from autopar.runtime.train import LEARNING_RATE
 
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
@@ -29,12 +30,14 @@ def register(subparsers: Any) -> None:
         description="Launch --nproc ranks, apply PLAN.json with PyTorch's distributed engine, train --steps steps "
         "of SGD on synthetic data (every nn.Dropout set to 0; dropout the model's own code applies stays on) and "
         "print per-step loss, seconds and peak memory. With --check, "
-        "the same steps run in one process from the same weights and batches, and losses and gradients must match.",
+        "each step runs again in one process from the weights the ranks started it from, on the same batch: losses, "
+        "gradients and the optimizer step's update must match.",
     )
     parser.add_argument("plan", metavar="PLAN.json", help="a plan written by autopar plan --out")
     parser.add_argument("--nproc", type=int, required=True, help="ranks to launch (the plan's device count)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    parser.add_argument("--check", action="store_true", help="compare losses and gradients with one process")
+    parser.add_argument("--check", action="store_true",
+                        help="compare each step's loss, gradients and update with one process's from the same weights")
     parser.add_argument("--check-comm", action="store_true",
                         help="count every rank's collectives in the last step (--steps 3 or more) and compare them (kind, mesh axis, "
                         "calls, bytes) with the cost model's prediction for the plan")
@@ -58,9 +61,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--clip-grad-norm must be a positive number, got {clip}")
     prestart()  # what the ranks import, imported beside the plan's checks
     plan = load_runnable(args.plan, args=args)
-    ref = reference(Workload.of(plan), steps=args.steps, clip=clip) if args.check else None
-    if ref is not None and ref.random_draws:  # refused before any rank starts: the comparison could not hold
-        raise ValueError(random_refusal(ref.random_draws))
+    work = Workload.of(plan) if args.check else None
+    if work is not None:  # refused before any rank starts where the comparison could not hold
+        draws = reference(work, steps=1, clip=clip).random_draws
+        if draws:
+            raise ValueError(random_refusal(draws))
     log = run_plan(plan, nproc=args.nproc, steps=args.steps, check=args.check, check_comm=args.check_comm,
                    checked=True, clip=clip)
     data: dict[str, Any] = {
@@ -74,10 +79,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     for step, norm in zip(data["steps"], log.grad_norms):
         step["grad_norm"] = norm
     data["timing"] = timing(plan, log.seconds)
-    if args.check:
-        work = Workload.of(plan)
-        data["check"] = compare(log, ref,
-                                exact=lambda: reference(work, steps=args.steps, dtype=torch.float64, clip=clip))
+    if work is not None:  # one process runs each step from the weights the ranks started it from
+        ref = reference(work, steps=args.steps, clip=clip, starts=log.weights)
+        data["check"] = compare(log, ref, exact=lambda: reference(work, steps=args.steps, dtype=torch.float64,
+                                                                  clip=clip, starts=log.weights))
     if args.check_comm:
         data["check_comm"] = check_ranks(plan, log.collectives)
     failed = [data[key]["message"] for key in ("check", "check_comm") if not data.get(key, {"ok": True})["ok"]]
@@ -140,15 +145,23 @@ def _finite(value: Any) -> Any:
 
 
 def compare(log, ref, exact: Any = None) -> dict[str, Any]:  # noqa: ANN001
-    """Losses and gradients of every step against the reference; the first mismatch is named. A gradient outside
-    the tolerance is checked again against ``exact()`` (the reference's steps in float64, run once, when first
-    needed): where the run's gradient is no farther from it than `ROUNDING` times the reference's own, the two
-    differ by fp32 rounding alone (sums in another order: a reduction over ranks, a contraction split over
-    features) and match; ``rounding`` then counts them."""
-    worst = 0.0
-    rounding: list[float] = []  # per gradient matched so, its distance from float64 over the reference's
+    """Losses, gradients and optimizer steps of every step against the reference; the first mismatch is named.
+
+    Where the run recorded its weights (`StepLog.weights`), the reference started each step from them
+    (`autopar.runtime.reference` with ``starts``): both sides of every step start from the same point, the run's
+    first weights must equal the model's own, and each step's update (weights after it less weights before) must
+    equal the reference's from the same weights. A gradient or update outside the tolerance is checked again
+    against ``exact()`` (the reference's steps in float64, from the same weights, run once, when first needed):
+    where the run's value is no farther from it than `ROUNDING` times the reference's own, the two differ by fp32
+    rounding alone (sums in another order: a reduction over ranks, a contraction split over features) and match;
+    ``rounding`` then counts them."""
+    worst = worst_update = 0.0
+    rounding: list[float] = []  # per gradient or update matched so, its distance from float64 over the reference's
     exact_log: list = []
-    for step, (ours, theirs) in enumerate(zip(log.losses, ref.losses)):
+    failed = _apart_or_start(log, ref)
+    if failed:
+        return {"ok": False, "message": failed}
+    for step, (ours, theirs) in enumerate(zip(log.losses, ref.losses)):  # each step's values, the earliest named
         if not math.isfinite(theirs):
             return {"ok": False, "message": f"step {step}: the loss is {theirs} in one process too (here {ours}): "
                                             "the model gives no finite loss on this workload (a causal LM at "
@@ -156,39 +169,111 @@ def compare(log, ref, exact: Any = None) -> dict[str, Any]:  # noqa: ANN001
                                             "compare"}
         if not torch.isclose(torch.tensor(ours), torch.tensor(theirs), **LOSS_TOLERANCE):
             return {"ok": False, "message": f"step {step}: loss {ours:.8f}, one process {theirs:.8f}"}
-    for step, (ours, theirs) in enumerate(zip(log.grad_norms, ref.grad_norms)):  # clipped by the same norm
-        if not torch.isclose(torch.tensor(ours), torch.tensor(theirs), **GRAD_TOLERANCE):
-            return {"ok": False, "message": f"step {step}: the gradients' norm is {ours:.8g}, one process's "
-                                            f"{theirs:.8g}"}
-    for step, (ours, theirs) in enumerate(zip(log.grads, ref.grads)):
-        if set(ours) != set(theirs):
-            missing = sorted(set(theirs) ^ set(ours))[:3]
-            return {"ok": False, "message": f"step {step}: gradients differ in which parameters have one: {missing}"}
-        for name, grad in theirs.items():
-            diff = float((ours[name] - grad).abs().max())
-            worst = max(worst, diff)
-            if not torch.allclose(ours[name], grad, **GRAD_TOLERANCE):
-                ratio = _rounding_ratio(ours[name], grad, step, name, exact, exact_log)
-                if ratio is None or ratio > ROUNDING:
-                    beyond = "" if ratio is None else (
-                        f" ({ratio:.1f}x as far from a float64 run as one fp32 process is: more than rounding)")
-                    return {"ok": False, "message": f"step {step}: gradient of {name} differs by up to {diff:.3g}"
-                                                    + beyond}
-                rounding.append(ratio)
-    out = {"ok": True, "max_grad_diff": worst, "steps": len(ref.losses), "message": "losses and gradients match",
+        norms = (log.grad_norms[step], ref.grad_norms[step]) if step < min(len(log.grad_norms),
+                                                                            len(ref.grad_norms)) else None
+        if norms is not None and not torch.isclose(torch.tensor(norms[0]), torch.tensor(norms[1]), **GRAD_TOLERANCE):
+            return {"ok": False, "message": f"step {step}: the gradients' norm is {norms[0]:.8g}, one process's "
+                                            f"{norms[1]:.8g}"}
+        if step < min(len(log.grads), len(ref.grads)):
+            failed, largest = _gradients(log.grads[step], ref.grads[step], step, exact, exact_log, rounding)
+            if failed:
+                return {"ok": False, "message": failed}
+            worst = max(worst, largest)
+        if step + 1 < min(len(log.weights), len(ref.weights)):
+            failed, largest = _updates(log, ref, step, exact, exact_log, rounding)
+            if failed:
+                return {"ok": False, "message": failed}
+            worst_update = max(worst_update, largest)
+    out = {"ok": True, "max_grad_diff": worst, "max_update_diff": worst_update, "steps": len(ref.losses),
+           "message": "losses, gradients and updates match" if len(log.weights) > 1 else "losses and gradients match",
            "rounding": None}
     if rounding:
         out["rounding"] = {"gradients": len(rounding), "largest_ratio": max(rounding)}
-        out["message"] += (f" ({len(rounding)} gradient{'s' if len(rounding) != 1 else ''} beyond the tolerance "
+        out["message"] += (f" ({len(rounding)} value{'s' if len(rounding) != 1 else ''} beyond the tolerance "
                            f"{'are' if len(rounding) != 1 else 'is'} as close to a float64 run as one fp32 process "
                            f"is: within {max(rounding):.1f}x its rounding)")
     return out
 
 
-def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, step: int, name: str, exact: Any,
+def _gradients(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], step: int, exact: Any, cache: list,
+               rounding: list[float]) -> tuple[str | None, float]:
+    """One step's gradients against the reference's: (the mismatch or None, the largest difference)."""
+    if set(ours) != set(theirs):
+        return f"step {step}: gradients differ in which parameters have one: {sorted(set(theirs) ^ set(ours))[:3]}", 0
+    largest = 0.0
+    for name, grad in theirs.items():
+        diff = float((ours[name] - grad).abs().max())
+        largest = max(largest, diff)
+        if not torch.allclose(ours[name], grad, **GRAD_TOLERANCE):
+            ratio = _rounding_ratio(ours[name], grad, lambda e: e.grads, step, name, exact, cache)
+            if ratio is None or ratio > ROUNDING:
+                return f"step {step}: gradient of {name} differs by up to {diff:.3g}" + _beyond(ratio), largest
+            rounding.append(ratio)
+    return None, largest
+
+
+def _beyond(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    return f" ({ratio:.1f}x as far from a float64 run as one fp32 process is: more than rounding)"
+
+
+def _apart_or_start(log, ref) -> str | None:  # noqa: ANN001
+    """Why the run cannot be compared step by step: tied copies apart, or other first weights than the model's."""
+    if getattr(log, "apart", None):
+        return log.apart[0]
+    if not log.weights or not ref.weights:
+        return None
+    ours, theirs = log.weights[0], ref.weights[0]
+    if set(ours) != set(theirs):
+        return f"the run holds other parameters than the model: {sorted(set(ours) ^ set(theirs))[:3]}"
+    for name, weight in theirs.items():
+        if ours[name].shape != weight.shape or not torch.equal(ours[name].to(weight.dtype), weight):
+            return (f"the ranks start from other weights than the model's own: {name} "
+                    + (f"has shape {list(ours[name].shape)}, the model's {list(weight.shape)}"
+                       if ours[name].shape != weight.shape
+                       else f"differs by up to {float((ours[name] - weight).abs().max()):.3g}"))
+    return None
+
+
+def _updates(log, ref, step: int, exact: Any, cache: list,  # noqa: ANN001
+             rounding: list[float]) -> tuple[str | None, float]:
+    """Each weight's update in ``step`` (after less before, both the run's) against the reference's from the run's
+    weights. Beside the gradients' tolerance times the learning rate, each element may differ by the rounding of
+    its weight (a few units in the last place of ``|weight|``): both sides round ``w - lr * g`` to fp32."""
+    before, after, theirs = log.weights[step], log.weights[step + 1], ref.weights[step + 1]
+    largest = 0.0
+    for name, start in before.items():
+        if name not in after or name not in theirs:
+            return f"step {step}: the weights after it lack {name}", largest
+        ours_update, their_update = after[name] - start, theirs[name] - start
+        diff = (ours_update - their_update).abs()
+        largest = max(largest, float(diff.max()))
+        ulp = torch.finfo(torch.float32).eps * torch.maximum(start.abs(), after[name].abs())
+        bound = GRAD_TOLERANCE["rtol"] * their_update.abs() + LEARNING_RATE * GRAD_TOLERANCE["atol"] + 4 * ulp
+        if bool((diff > bound).any()):
+            ratio = _rounding_ratio(ours_update, their_update, lambda e: _exact_updates(e, before, step), step,
+                                    name, exact, cache)
+            if ratio is None or ratio > ROUNDING:
+                return (f"step {step}: the optimizer step moved {name} otherwise than one process's from the same "
+                        f"weights, by up to {float(diff.max()):.3g}" + _beyond(ratio)), largest
+            rounding.append(ratio)
+    return None, largest
+
+
+def _exact_updates(exact, before: dict[str, torch.Tensor], step: int) -> list:  # noqa: ANN001
+    """The float64 run's updates, indexed like its gradients: only ``step``'s entry is read."""
+    if step + 1 >= len(exact.weights):
+        return []
+    return [{}] * step + [{name: exact.weights[step + 1][name] - before[name].double()
+                           for name in before if name in exact.weights[step + 1]}]
+
+
+def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, values: Any, step: int, name: str, exact: Any,
                     cache: list) -> float | None:
-    """How many times farther ``ours`` is from the float64 run's gradient than the reference's ``theirs`` is
-    (largest elements); None without a float64 run (none given, or the model cannot run in float64)."""
+    """How many times farther ``ours`` is from the float64 run's value (``values(run)[step][name]``: a gradient or
+    an update) than the reference's ``theirs`` is (largest elements); None without a float64 run (none given, or
+    the model cannot run in float64)."""
     if exact is None:
         return None
     if not cache:
@@ -196,9 +281,12 @@ def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, step: int, name: s
             cache.append(exact())
         except (RuntimeError, TypeError, ValueError):  # an op with no float64 kernel: the fp32 tolerance stands
             cache.append(None)
-    if cache[0] is None or step >= len(cache[0].grads) or name not in cache[0].grads[step]:
+    if cache[0] is None:
         return None
-    truth = cache[0].grads[step][name]
+    table = values(cache[0])
+    if step >= len(table) or name not in table[step]:
+        return None
+    truth = table[step][name]
     ours_off = float((ours.double() - truth).abs().max())
     theirs_off = float((theirs.double() - truth).abs().max())
     return ours_off / theirs_off if theirs_off > 0 else math.inf
@@ -221,7 +309,9 @@ def render(data: dict[str, Any]) -> str:
     lines.append(line)
     if "check" in data:
         c = data["check"]
-        lines.append(f"check: {c['message']} over {c['steps']} steps (largest gradient difference {c['max_grad_diff']:.2g})")
+        update = f", update {c['max_update_diff']:.2g}" if c.get("max_update_diff") else ""
+        lines.append(f"check: {c['message']} over {c['steps']} steps, each from the ranks' weights (largest "
+                     f"gradient difference {c['max_grad_diff']:.2g}{update})")
     if "check_comm" in data:
         lines += ["", "collectives in the last step, rank 0 (counted / predicted)", comm_table(data["check_comm"]["ranks"][0]["rows"]),
                   f"check-comm: {data['check_comm']['message']}"]

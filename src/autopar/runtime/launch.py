@@ -32,17 +32,27 @@ def _rank_main(
 
         counter = CollectiveCounter(parallel.axes) if check_comm else None
         log = train(parallel, optimizer, work, steps=steps, gradients=parallel.full_gradients if check else None,
-                    counter=counter, clip=clip)
+                    counter=counter, clip=clip, weights=parallel.full_parameters if check else None)
         if counter is not None:
             torch.save(counter.summary(), f"{out}.comm{rank}")
         # another stage's first rank: its stage's gradients (an intra-op plan's rank 0 holds them all)
         if check and plan.is_pipeline and rank % math.prod(plan.grid) == 0 and rank > 0:
-            torch.save(log.grads, f"{out}.grads{rank}")
+            torch.save({"grads": log.grads, "weights": log.weights}, f"{out}.grads{rank}")
         if rank == 0:
             torch.save(log.__dict__, out)
         dist.barrier()  # no rank may tear gloo down while a peer still finishes its last collective (SIGABRT)
     finally:
         dist.destroy_process_group()
+
+
+def _apart(name: str, step: int, first: torch.Tensor, other: torch.Tensor, rank: int, plan: Plan) -> str:
+    when = "before the first step" if step == 0 else f"after step {step - 1}"
+    if first.shape != other.shape:
+        return (f"{when}, pipeline ranks hold {name} in different shapes ({list(first.shape)} and "
+                f"{list(other.shape)}, pipeline rank {rank // math.prod(plan.grid)}'s second)")
+    return (f"{when}, pipeline ranks hold different copies of {name} (pipeline rank {rank // math.prod(plan.grid)}'s"
+            f" is up to {float((first - other).abs().max()):.3g} from an earlier one's): a tied weight's copies must "
+            "start alike and get the same gradient and step")
 
 
 def run_plan(
@@ -65,12 +75,18 @@ def run_plan(
         out = str(Path(tmp) / "rank0.pt")
         run_ranks(_rank_main, nproc, args=(plan, steps, check, check_comm, out, clip))
         data = torch.load(out)
-        for r in range(1, nproc):  # merge the other stages' gradients into rank 0's
+        for r in range(1, nproc):  # merge the other stages' gradients and weights into rank 0's
             path = Path(f"{out}.grads{r}")
             if path.exists():
-                for mine, theirs in zip(data["grads"], torch.load(path)):
+                stage = torch.load(path)
+                for mine, theirs in zip(data["grads"], stage["grads"]):
                     for name, grad in theirs.items():
                         mine.setdefault(name, grad)
+                for step, (mine, theirs) in enumerate(zip(data["weights"], stage["weights"])):
+                    for name, weight in theirs.items():
+                        held = mine.setdefault(name, weight)
+                        if held is not weight and not torch.equal(held, weight):  # a tied weight, on two stages
+                            data["apart"].append(_apart(name, step, held, weight, r, plan))
         if check_comm:
             data["collectives"] = [torch.load(f"{out}.comm{r}") for r in range(nproc)]
     return StepLog(**data)

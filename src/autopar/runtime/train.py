@@ -58,6 +58,9 @@ class StepLog:
     collectives: list[list[dict]] = field(default_factory=list)  # per rank: calls and bytes per (kind, axis)
     random_draws: list[str] = field(default_factory=list)  # the reference's: where its first step drew random numbers
     grad_norms: list[float] = field(default_factory=list)  # with clipping: each step's norm before it
+    # with a check: the whole weights before the first step and after each step (on a rank, those it holds)
+    weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    apart: list[str] = field(default_factory=list)  # tied weights two pipeline stages hold different copies of
 
 
 def build_model(work: Workload, *, seed: int = 0) -> nn.Module:
@@ -80,14 +83,21 @@ def train(
     watch_random: bool = False,  # note where the first step draws random numbers (`StepLog.random_draws`)
     dtype: torch.dtype | None = None,  # the batches' floating tensors in this dtype (a float64 reference)
     clip: float | None = None,  # clip the gradients' norm to this before each optimizer step
+    weights=None,  # noqa: ANN001 - callable returning the whole weights, read before the first step and after each
+    start=None,  # noqa: ANN001 - callable(step) loading the weights a step starts from, or doing nothing
 ) -> StepLog:
     """``steps`` steps on the workload's synthetic batches; losses as one process sees them
     (`ParallelModel.average_loss`). A model `parallelize` made takes its own rows of each batch; any other (the
     one-process reference) trains all of them, in the workload's micro-batches. With ``clip``, the gradients are
     clipped (`ParallelModel.clip_grad_norm_`) after they are read for the check: its one all-reduce is timed
-    with the step but not counted with the plan's collectives."""
+    with the step but not counted with the plan's collectives. ``weights`` (a check's) is read untimed and
+    uncounted too."""
     log = StepLog()
+    if weights is not None:
+        _paused(counter, lambda: log.weights.append(weights()))
     for step in range(steps):
+        if start is not None:
+            start(step)
         batch = global_batch(work, step)
         if dtype is not None:
             batch = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
@@ -98,7 +108,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         counting = counter if counter is not None and step == steps - 1 else contextlib.nullcontext()
         _together(parallel)
-        start = time.perf_counter()
+        began = time.perf_counter()
         watching = RandomDraws() if watch_random and step == 0 else contextlib.nullcontext()
         with counting:
             with watching:
@@ -113,7 +123,9 @@ def train(
                 _paused(counter, lambda: log.grad_norms.append(parallel.clip_grad_norm_(clip)))
             optimizer.step()
         _together(parallel)
-        log.seconds.append(time.perf_counter() - start - checking)
+        log.seconds.append(time.perf_counter() - began - checking)
+        if weights is not None:
+            _paused(counter, lambda: log.weights.append(weights()))
         log.losses.append(parallel.average_loss(loss))
         log.peak_bytes.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return log
@@ -143,19 +155,38 @@ def _paused(counter: CollectiveCounter | None, work) -> None:  # noqa: ANN001
 
 
 def reference(work: Workload, *, steps: int, seed: int = 0, dtype: torch.dtype | None = None,
-              clip: float | None = None) -> StepLog:
+              clip: float | None = None, starts: list[dict[str, torch.Tensor]] | None = None) -> StepLog:
     """The same steps in one process with no parallelism; ``dtype``: the model and its floating inputs cast to it
-    (float64: the rounding of an fp32 run shows against it)."""
+    (float64: the rounding of an fp32 run shows against it). Its ``weights`` are the model's own before the first
+    step, then each step's result.
+
+    ``starts`` (a run's `StepLog.weights`): each step starts from the weights the run started it from, loaded by
+    name, so that each step is compared from the same point. Runs that differ by fp32 rounding otherwise drift
+    apart step by step, and where a unit's input crosses a kink (a ReLU at 0) between them they part for good: a
+    check would report a mismatch no plan caused."""
     module = build_model(work, seed=seed)
     if dtype is not None:
         module = module.to(dtype)
     optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    params = dict(module.named_parameters())
 
     def grads() -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in params.items()}
+
+    def start(step: int) -> None:
+        if starts is None or step >= len(starts):
+            return
+        with torch.no_grad():
+            for name, value in starts[step].items():
+                if name in params:  # a name the run holds and this model does not: compare() names it
+                    params[name].copy_(value)
+
     plain = ParallelModel(module, 0, lambda cls, **kw: cls(module.parameters(), **kw))
-    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True, dtype=dtype, clip=clip)
+    return train(plain, optimizer, work, steps=steps, gradients=grads, watch_random=True, dtype=dtype, clip=clip,
+                 weights=weights, start=start)
 
 
 class RandomDraws:
