@@ -171,9 +171,9 @@ class IntraCost:
         """Megatron-LM's layout of ``blocks`` (in execution order) as the runtime applies it, per block the
         candidate and its fallback. On the mesh's last axis (tp): a contraction reading a column-parallel block's
         output is row-parallel (its contracted dim split), any other contraction column-parallel (its output
-        features split), except an embedding and a contraction whose weight another module owns (a head tied to
-        the embedding), which stay whole. The other axes split the batch. The fallback splits the batch on every
-        axis (a layer Megatron cannot split stays data-parallel)."""
+        features split), except an embedding, a convolution and a contraction whose weight another module owns (a
+        head tied to the embedding), which stay whole. The other axes split the batch. The fallback splits the
+        batch on every axis (a layer Megatron cannot split stays data-parallel)."""
         column: dict[int, bool] = {}
         last_row = -1  # the last row-parallel block's place
         found = []
@@ -187,7 +187,7 @@ class IntraCost:
             # the block's ops before its leading op made: a layer's pre-norm, which q, k and v all read)
             is_row = producer is not None and producer != block.id and column.get(producer, False) \
                 and source in self._after_leader(self.bg.blocks[producer])
-            whole = "embedding" in leader.op or any(
+            whole = "embedding" in leader.op or "convolution" in leader.op or any(
                 s.state is not None and self._is_param(s.state) and self.param_owner.get(s.state) != block.id
                 for s in leader.sources)
             column[block.id] = not (is_row or whole)

@@ -37,6 +37,9 @@ class LayerCost:
     # each rank's gradient covers its own heads, so they are summed over tp once a step, with or without SP
     tp_partial: frozenset[str] = frozenset()
     tp_partial_params: int = 0  # their elements
+    # biases a column-parallel linear adds in an op of its own (``mm`` then ``add``, as a Linear on a 3-D input
+    # that is not contiguous runs): split with the column's output features, as its weight
+    column_biases: frozenset[str] = frozenset()
     nodes: list[Node] = field(default_factory=list)
     sharded: set[int] = field(default_factory=set)  # node ids whose work TP splits
     columns: set[int] = field(default_factory=set)  # column-parallel contractions: split work, replicated input
@@ -51,6 +54,13 @@ class LayerCost:
 
 def _is_param_contraction(node: Node) -> bool:
     return node.op.startswith(_CONTRACTIONS) and node.reads_params
+
+
+def _is_convolution(node: Node) -> bool:
+    """A convolution (a ViT's patch embedding, Whisper's audio stem): Megatron's layout keeps it whole on tp, its
+    work repeated on each rank, as the runtime runs it. Its input and output are the replicated stream, so its
+    gradient is alike on every tp rank and needs no sum."""
+    return node.op.startswith("aten.convolution.")
 
 
 def weight_out_dim(graph: Graph, node: Node, source) -> int:  # noqa: ANN001 - a Node's source reference
@@ -106,8 +116,8 @@ def analyse(graph: Graph) -> list[LayerCost]:
         activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
         region = frozenset().union(*(open_region.get(s.node, ()) for s in activation_sources))
         in_region = bool(region)
-        if _is_param_contraction(node) and _reads_foreign_weight(node):
-            pass  # a tied weight: TP keeps it, and the contraction, whole; a column left open before it is gathered
+        if _is_param_contraction(node) and (_reads_foreign_weight(node) or _is_convolution(node)):
+            pass  # a tied weight or a convolution: TP keeps it, and the contraction, whole (`_is_convolution`)
         elif _is_param_contraction(node):
             if in_region:  # row-parallel: consumes the shard, produces partial sums
                 layer.sharded.add(node.id)
@@ -128,8 +138,10 @@ def analyse(graph: Graph) -> list[LayerCost]:
                     info = graph.state.get(source.state) if source.state else None
                     if info is not None and (node.id in layer.columns or len(info.tensor.shape) == 2):
                         split.add(source.state)
+        layer.column_biases = frozenset(_column_biases(graph, layer))
+        split |= layer.column_biases
         layer.sharded_params = sum(graph.state[fqn].tensor.numel for fqn in split)
-        layer.tp_partial = frozenset(_applied_to_shards(graph, layer))
+        layer.tp_partial = frozenset(_applied_to_shards(graph, layer) - layer.column_biases)
         layer.tp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in layer.tp_partial)
         foreign = {s.state for node in layer.nodes if _is_param_contraction(node) and _reads_foreign_weight(node)
                    for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
@@ -207,6 +219,22 @@ def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:
                 info = graph.state.get(name)
                 if info is not None and not info.is_buffer and info.requires_grad:
                     found.add(name)
+    return found
+
+
+def _column_biases(graph: Graph, layer: LayerCost) -> set[str]:
+    """The 1-D parameters a column-parallel contraction's own module adds to its output in an op after it (its
+    bias, where the Linear ran as ``mm`` and ``add``): the runtime splits them with the column's output features."""
+    modules = {graph.node(c).module for c in layer.columns}
+    found: set[str] = set()
+    for node in layer.nodes:
+        if node.id not in layer.sharded or _is_param_contraction(node) or node.module not in modules:
+            continue
+        for ref in node.sources:
+            info = graph.state.get(ref.state) if ref.state else None
+            if info is not None and not info.is_buffer and ref.state.rpartition(".")[0] == node.module \
+                    and len(info.tensor.shape) == 1:
+                found.add(ref.state)
     return found
 
 

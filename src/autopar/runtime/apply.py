@@ -635,6 +635,7 @@ def _tensor_parallel(
     columns = column_groups(placements)
     styles: dict[str, Any] = {}
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
+    fused_blocks: set[str] = set()
     for fqn, placement in placements.items():
         parent_name = fqn.rpartition(".")[0]
         if placement == "S(1)":
@@ -660,11 +661,17 @@ def _tensor_parallel(
             if linear.bias is not None:
                 permutations[f"{fqn}.bias"] = (0, order)
             _per_rank_heads(modules[parent_name], tp)
+            fused_blocks.add(parent_name)
+    for block, names in columns.items():  # separate q, k and v: a head count the block's code reshapes by
+        if block not in fused_blocks and len(names) > 1:
+            _per_rank_head_counts(modules[block], tp)
     heads = tp_partial_names(module, plan)
     norms = norms_before_columns(module, columns, sp=sp, summed=heads)
     for block, names in columns.items():
         if (len(names) > 1 or sp) and block not in norms:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
+        if len(names) > 1 and not sp:
+            _share_other_inputs(modules[block], [modules[name] for name in names], mesh)
     gathered: list[str] = []
     if sp:  # norms inside a block see its heads, not sequence shards
         gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
@@ -753,6 +760,22 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
         attention.split_size //= tp
         attention.num_heads //= tp
         attention.embed_dim //= tp
+
+
+HEAD_COUNTS = ("num_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def _per_rank_head_counts(block: nn.Module, tp: int) -> None:
+    """Make the head counts a block with separate column-parallel q, k and v keeps as attributes (``num_heads``,
+    ``num_key_value_heads``) those of one tp rank, which holds 1/tp of the heads: attention code that forms heads
+    with them (OPT's and Whisper's ``view(bsz, -1, self.num_heads, self.head_dim)``) would otherwise fold each
+    rank's features into the sequence. Code that reads them otherwise is not trusted on this: the plan-time
+    rehearsal (`autopar.runtime.validate`) compares every rank's attention with its share of the traced model's,
+    and refuses the plan where they differ."""
+    for name in HEAD_COUNTS:
+        count = getattr(block, name, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count % tp == 0:
+            setattr(block, name, count // tp)
 
 
 def column_groups(placements: Mapping[str, str]) -> dict[str, list[str]]:
@@ -877,6 +900,31 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _share_other_inputs(block: nn.Module, columns: list[nn.Module], mesh: Any) -> None:
+    """Columns of ``block`` that read one tensor other than the block's input (a cross-attention's k and v read
+    the encoder's output) read it as one replicated DTensor, made once per forward of the block: its gradient is
+    then reduced over tp once, as the cost model prices a shared input, not once per column."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    made: dict[int, tuple[torch.Tensor, Any]] = {}  # id of the plain tensor -> (it, its DTensor), one forward's
+
+    def forget(*_: Any) -> None:
+        made.clear()
+
+    def share(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+            return None
+        x = args[0]
+        if id(x) not in made:
+            made[id(x)] = (x, DTensor.from_local(x, mesh, [Replicate()], run_check=False))
+        return (made[id(x)][1], *args[1:]), kwargs
+
+    block.register_forward_pre_hook(forget)
+    block.register_forward_hook(forget)
+    for column in columns:
+        column.register_forward_pre_hook(share, with_kwargs=True)
+
+
 def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool = False) -> None:
     """After ``module`` runs, read its output as a local tensor laid out as ``source`` on ``mesh`` and hand it on
     redistributed to ``target``, as a DTensor (a local tensor again with ``local``)."""
@@ -902,9 +950,9 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
     sequence, as the embedding does. After the stack, the first split module (a column-parallel head, or the
     dense layer of BERT's MLM head) gathers its input itself and what follows it runs whole; a head TP leaves
     whole gathers its input. In a Hugging Face causal LM that gather comes right after the norm that ends its chain
-    of layers (its ``last`` module, `pipeline.HF_CHAINS`), since the model may reshape that norm's output by the
-    whole sequence before the head (GPT-2 does); the names of such norms are returned, for the caller to gather
-    their outputs once the styles are applied."""
+    of layers (the first of its ``last`` modules, `pipeline.HF_CHAINS`), since the model may reshape that norm's
+    output by the whole sequence before the head (GPT-2 does); the names of such norms are returned, for the
+    caller to gather their outputs once the styles are applied."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
@@ -947,7 +995,7 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
         chain = HF_CHAINS.get(chain_kind(module))
     except NotImplementedError:
         chain = None
-    last = f"{chain.outer}.{chain.last[-1]}" if chain is not None else None
+    last = f"{chain.outer}.{chain.last[0]}" if chain is not None else None  # its final norm
     gathered = []
     for name in ("head", "lm_head"):
         head = dict(module.named_children()).get(name)

@@ -181,8 +181,8 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
     from autopar.runtime.apply import unsupported
 
     if len(config.stages) > 1 and not pipelines:
-        return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA and Hugging Face " \
-               "LLaMA-style models it can)"
+        return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA, and Hugging Face " \
+               "LLaMA-style, Phi, GPT-NeoX, GPT-2-style and OPT-style causal LMs it can)"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
                        intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
@@ -867,6 +867,8 @@ def pipeline_plan(
                             tp_placement = f"S({out_dim})"
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
                             tp_placement = f"S({1 - out_dim})"
+                        elif fqn in row.column_biases:  # a column's bias added on its own: split with it
+                            tp_placement = "S(0)"
                     # the last node reading a weight decides (its transpose or view comes before the matmul)
                     summed = stage.tp > 1 and laid_out is None and fqn in row.tp_partial
                     modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = (tp_placement, summed, info.tensor.shape)
