@@ -11,10 +11,11 @@ backward their gradients are summed over the pair of ranks, as Megatron-LM does,
 all-reduce on the pp axis.
 
 The chain of a model is what its ``forward`` runs: the zoo's GPT-style and LLaMA-style language models, Hugging
-Face's LLaMA-style causal LMs and its GPT-2-style ones (``transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and
-``ln_f``) are supported (embedding, the repeated layers, final norm and head; the last stage returns logits and the
-schedule's loss function computes the loss). A Hugging Face model's stages are checked against its own forward on
-a small copy before a plan is offered (`check_stage_forward`).
+Face's LLaMA-style causal LMs (also under Phi's and GPT-NeoX's names), its GPT-2-style ones (``transformer`` holding
+``wte``, ``wpe``, ``drop``, ``h`` and ``ln_f``) and its OPT-style ones (``model.decoder``: learned positions,
+optional projections in and out) are supported (embedding, the repeated layers, final norm and head; the last
+stage returns logits and the schedule's loss function computes the loss). A Hugging Face model's stages are
+checked against its own forward on a small copy before a plan is offered (`check_stage_forward`).
 """
 
 from __future__ import annotations
@@ -47,20 +48,37 @@ class Chain:
     def modules(self) -> tuple[str, ...]:
         return (self.stack, *self.first, *self.last, *self.every)
 
+    def inner(self, model: nn.Module) -> Any:
+        """The module under ``outer`` (a dotted path: OPT keeps its chain in ``model.decoder``), or None."""
+        for part in self.outer.split("."):
+            model = getattr(model, part, None)
+        return model
 
-# the Hugging Face chains: stages are checked on a small copy (`check_stage_forward`), the loss shifted by one token
+
+# the Hugging Face chains: stages are checked on a small copy (`check_stage_forward`), the loss shifted by one token.
+# A LLaMA-style chain's ``first`` is its embedding and what runs on its output before the layers, ``last`` its
+# final norm, ``every`` its rotary embedding.
 HF_CHAINS = {
     "hf": Chain("model", "layers", first=("embed_tokens",), last=("norm",), every=("rotary_emb",)),  # LLaMA-style
+    # LLaMA-style under other names, a dropout after the embedding
+    "phi": Chain("model", "layers", first=("embed_tokens", "embed_dropout"), last=("final_layernorm",),
+                 every=("rotary_emb",)),
+    "gpt_neox": Chain("gpt_neox", "layers", first=("embed_in", "emb_dropout"), last=("final_layer_norm",),
+                      every=("rotary_emb",)),
     "gpt2": Chain("transformer", "h", first=("wte", "wpe", "drop"), last=("ln_f",)),  # GPT-2-style
+    # OPT-style: learned positions (offset by 2) added to the embedding, optional projections in and out
+    "opt": Chain("model.decoder", "layers", first=("embed_tokens", "project_in", "embed_positions"),
+                 last=("final_layer_norm", "project_out")),
 }
 
 
 class StageModule(nn.Module):
     """The modules of one pipeline stage of a language model, under their names in the whole model.
 
-    Knows the zoo's GPT-style and LLaMA-style models, Hugging Face's LLaMA-style causal LMs (``model.model``
-    holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``) and its GPT-2-style ones
-    (``model.transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and ``ln_f``, and ``lm_head``)."""
+    Knows the zoo's GPT-style and LLaMA-style models and the Hugging Face chains of `HF_CHAINS`: LLaMA-style causal
+    LMs (``model.model`` holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``; Phi's
+    and GPT-NeoX's the same under other names), GPT-2-style ones (``model.transformer`` holding ``wte``, ``wpe``,
+    ``drop``, ``h`` and ``ln_f``, and ``lm_head``) and OPT-style ones (``model.model.decoder``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -77,12 +95,17 @@ class StageModule(nn.Module):
             segment_layers(chosen, stack._autopar_spans)
         if self.kind in HF_CHAINS:
             chain = HF_CHAINS[self.kind]
-            whole = getattr(model, chain.outer)
+            whole = chain.inner(model)
             inner = nn.Module()  # the outer module's name kept, so parameter names match the whole model's
             setattr(inner, chain.stack, chosen)
             for name in chain.every + (chain.first if first else ()) + (chain.last if last else ()):
                 setattr(inner, name, getattr(whole, name))
-            setattr(self, chain.outer, inner)
+            holder, *path = chain.outer.split(".")[::-1]
+            for part in path:  # the modules above it, as plain containers
+                inner, above = nn.Module(), inner
+                setattr(inner, holder, above)
+                holder = part
+            setattr(self, holder, inner)
             self.config = model.config  # not a module: its masks are made per forward from it
             scale = getattr(model, "logit_scale", None)  # a number (Cohere), not a parameter
             self.logit_scale = scale if isinstance(scale, (int, float)) else None
@@ -100,10 +123,12 @@ class StageModule(nn.Module):
             self.norm, self.head = model.norm, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "hf":
+        if self.kind in LLAMA_STYLE:
             return self._forward_hf(x)
         if self.kind == "gpt2":
             return self._forward_gpt2(x)
+        if self.kind == "opt":
+            return self._forward_opt(x)
         if self.first:
             ids = x
             x = self.embed(ids)
@@ -120,26 +145,30 @@ class StageModule(nn.Module):
         """The stage's share of a Hugging Face decoder's forward: each layer gets the mask and position embeddings
         of its attention type (``config.layer_types``: full or sliding-window attention; a model without them has
         one type, sliding where its config sets a window), built as the whole model builds them."""
-        inner, config = self.model, self.config
+        chain, config = HF_CHAINS[self.kind], self.config
+        inner = chain.inner(self)
         if self.first:
-            x = inner.embed_tokens(x)
+            x = getattr(inner, chain.first[0])(x)
             multiplier = getattr(config, "embedding_multiplier", None)  # Granite scales its embeddings
             if multiplier is not None:
                 x = x * multiplier
+            for name in chain.first[1:]:  # a dropout
+                x = getattr(inner, name)(x)
         positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
         whole = self._whole(x)
         types = getattr(config, "layer_types", None)
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
-        for key, layer in inner.layers.items():
+        rotary_emb = getattr(inner, chain.every[0])
+        for key, layer in getattr(inner, chain.stack).items():
             kind = types[int(key)] if types else _one_attention_type(config)
             if kind not in masks:
                 masks[kind] = _attention_mask(config, kind, whole, positions)
-                rotary[kind] = (inner.rotary_emb(whole, positions, kind) if _rotary_by_type(inner.rotary_emb)
-                                else inner.rotary_emb(whole, position_ids=positions))
+                rotary[kind] = (rotary_emb(whole, positions, kind) if _rotary_by_type(rotary_emb)
+                                else rotary_emb(whole, position_ids=positions))
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
         if self.last:
-            return self._logits(self.lm_head(inner.norm(x)))
+            return self._logits(self.lm_head(getattr(inner, chain.last[0])(x)))
         return x
 
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +183,31 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=mask, position_ids=positions)
         if self.last:
             return self._logits(self.lm_head(inner.ln_f(x)))
+        return x
+
+    def _forward_opt(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of an OPT-style decoder's forward: the token embedding (projected in where the model
+        has a projection) plus the learned positions, the layers under the causal mask, the final norm and the
+        projection out where the model has them, and the head."""
+        inner = HF_CHAINS["opt"].inner(self)
+        length = self._length(x)
+        positions = torch.arange(length, device=x.device).unsqueeze(0)
+        if self.first:
+            ids = x
+            x = inner.embed_tokens(ids)
+            if inner.project_in is not None:
+                x = inner.project_in(x)
+            every = torch.ones(ids.shape[0], length, device=ids.device)  # as the model's unpadded positions
+            x = x + inner.embed_positions(every, 0, position_ids=positions)
+        mask = _attention_mask(self.config, "full_attention", self._whole(x), positions)
+        for layer in inner.layers.values():
+            x = layer(x, attention_mask=mask, position_ids=positions)
+        if self.last:
+            if inner.final_layer_norm is not None:
+                x = inner.final_layer_norm(x)
+            if inner.project_out is not None:
+                x = inner.project_out(x)
+            return self._logits(self.lm_head(x))
         return x
 
     def _length(self, x: torch.Tensor) -> int:
@@ -180,6 +234,9 @@ class StageModule(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+LLAMA_STYLE = ("hf", "phi", "gpt_neox")  # the chains `StageModule._forward_hf` runs
 
 
 def _one_attention_type(config: Any) -> str:
@@ -226,12 +283,12 @@ def chain_kind(model: nn.Module) -> str:
     if isinstance(model, Llama):
         return "llama"
     for kind, chain in HF_CHAINS.items():
-        inner = getattr(model, chain.outer, None)
+        inner = chain.inner(model)
         if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in chain.modules):
             return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
-        "LLaMA-style and GPT-2-style causal LMs can)"
+        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style and OPT-style causal LMs can)"
     )
 
 
@@ -315,13 +372,13 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
 
 def _layers(model: nn.Module) -> nn.ModuleList:
     chain = HF_CHAINS.get(chain_kind(model))
-    return getattr(getattr(model, chain.outer), chain.stack) if chain else model.layers
+    return getattr(chain.inner(model), chain.stack) if chain else model.layers
 
 
 def stage_stack(part: StageModule) -> nn.ModuleDict:
     """The repeated layers a stage holds, by their index in the whole model."""
     chain = HF_CHAINS.get(part.kind)
-    return getattr(getattr(part, chain.outer), chain.stack) if chain else part.layers
+    return getattr(chain.inner(part), chain.stack) if chain else part.layers
 
 
 def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
