@@ -205,7 +205,7 @@ def _gradients(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], s
         diff = float((ours[name] - grad).abs().max())
         largest = max(largest, diff)
         if not torch.allclose(ours[name], grad, **GRAD_TOLERANCE):
-            ratio = _rounding_ratio(ours[name], grad, lambda e: e.grads, step, name, exact, cache)
+            ratio = _rounding_ratio(ours[name], grad, lambda e: _entry(e.grads, step, name), exact, cache)
             if ratio is None or ratio > ROUNDING:
                 return f"step {step}: gradient of {name} differs by up to {diff:.3g}" + _beyond(ratio), largest
             rounding.append(ratio)
@@ -220,7 +220,7 @@ def _beyond(ratio: float | None) -> str:
 
 def _apart_or_start(log, ref) -> str | None:  # noqa: ANN001
     """Why the run cannot be compared step by step: tied copies apart, or other first weights than the model's."""
-    if getattr(log, "apart", None):
+    if log.apart:
         return log.apart[0]
     if not log.weights or not ref.weights:
         return None
@@ -252,8 +252,8 @@ def _updates(log, ref, step: int, exact: Any, cache: list,  # noqa: ANN001
         ulp = torch.finfo(torch.float32).eps * torch.maximum(start.abs(), after[name].abs())
         bound = GRAD_TOLERANCE["rtol"] * their_update.abs() + LEARNING_RATE * GRAD_TOLERANCE["atol"] + 4 * ulp
         if bool((diff > bound).any()):
-            ratio = _rounding_ratio(ours_update, their_update, lambda e: _exact_updates(e, before, step), step,
-                                    name, exact, cache)
+            ratio = _rounding_ratio(ours_update, their_update, lambda e: _float64_update(e, start, step, name),
+                                    exact, cache)
             if ratio is None or ratio > ROUNDING:
                 return (f"step {step}: the optimizer step moved {name} otherwise than one process's from the same "
                         f"weights, by up to {float(diff.max()):.3g}" + _beyond(ratio)), largest
@@ -261,19 +261,21 @@ def _updates(log, ref, step: int, exact: Any, cache: list,  # noqa: ANN001
     return None, largest
 
 
-def _exact_updates(exact, before: dict[str, torch.Tensor], step: int) -> list:  # noqa: ANN001
-    """The float64 run's updates, indexed like its gradients: only ``step``'s entry is read."""
-    if step + 1 >= len(exact.weights):
-        return []
-    return [{}] * step + [{name: exact.weights[step + 1][name] - before[name].double()
-                           for name in before if name in exact.weights[step + 1]}]
+def _entry(table: list[dict[str, torch.Tensor]], step: int, name: str) -> torch.Tensor | None:
+    """``table[step][name]`` (a float64 run's gradient or weight), or None where that run has none."""
+    return table[step].get(name) if step < len(table) else None
 
 
-def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, values: Any, step: int, name: str, exact: Any,
-                    cache: list) -> float | None:
-    """How many times farther ``ours`` is from the float64 run's value (``values(run)[step][name]``: a gradient or
-    an update) than the reference's ``theirs`` is (largest elements); None without a float64 run (none given, or
-    the model cannot run in float64)."""
+def _float64_update(exact, before: torch.Tensor, step: int, name: str) -> torch.Tensor | None:  # noqa: ANN001
+    """The float64 run's update of ``name`` in ``step``, from the run's weight ``before`` it."""
+    after = _entry(exact.weights, step + 1, name)
+    return None if after is None else after - before.double()
+
+
+def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, value: Any, exact: Any, cache: list) -> float | None:
+    """How many times farther ``ours`` is from the float64 run's value (``value(run)``: a gradient or an update,
+    None where it has none) than the reference's ``theirs`` is (largest elements); None without a float64 run
+    (none given, or the model cannot run in float64)."""
     if exact is None:
         return None
     if not cache:
@@ -281,12 +283,9 @@ def _rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, values: Any, step:
             cache.append(exact())
         except (RuntimeError, TypeError, ValueError):  # an op with no float64 kernel: the fp32 tolerance stands
             cache.append(None)
-    if cache[0] is None:
+    truth = None if cache[0] is None else value(cache[0])
+    if truth is None:
         return None
-    table = values(cache[0])
-    if step >= len(table) or name not in table[step]:
-        return None
-    truth = table[step][name]
     ours_off = float((ours.double() - truth).abs().max())
     theirs_off = float((theirs.double() - truth).abs().max())
     return ours_off / theirs_off if theirs_off > 0 else math.inf
