@@ -130,3 +130,73 @@ def test_a_refusal_names_the_layer_of_the_whole_model() -> None:
     source = ModelSource.of_module(model, _batch(), graph=graph)
     with pytest.raises(ValueError, match=r"in module 'blocks.9'"):
         check_runnable(plan, source=source)
+
+
+def _estimate_plan(name: str, tp: int, dp: int, **size: int) -> Plan:
+    """The plan `autopar estimate NAME --tp TP --dp DP --out` writes for a small copy of a zoo model."""
+    from autopar.capture import trace
+    from autopar.cluster import load_cluster
+    from autopar.cost import ParallelConfig
+    from autopar.cost.megatron import pipeline_config
+    from autopar.cost.pipeline import PipelineModel
+    from autopar.plan import Workload as Planned
+    from autopar.search.pipeline import Found, pipeline_plan
+    from autopar.zoo import load
+
+    zoo = load(name, batch=1, seq=16, dtype=torch.float32, **size)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs_at(1)),
+                          load_cluster("cpu").with_devices(tp * dp), traced_batch=1)
+    config = pipeline_config(model, ParallelConfig(tp=tp, dp=dp, mbs=1))
+    batch = 4 * dp
+    found = Found(config, model.estimate(config, global_batch=batch), 1)
+    work = Planned(model=name, overrides=tuple(size.items()), seq=zoo.seq, batch=batch, dtype="fp32")
+    return pipeline_plan(model, found, name=name, kind="estimate", global_batch=batch, workload=work)
+
+
+def test_a_plan_communicating_other_than_priced_is_refused_when_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whisper's cross-attention reads the encoder's output in k and v. Handed to them as two inputs instead of one
+    shared replicated one, tp trains the same model but reduces that input's gradient twice, which the estimate
+    does not price: the plan-time rehearsal, on one layer of each kind of a 6-layer model and 2 of its 4
+    micro-batches, counts the extra all-reduces and refuses the plan with the difference."""
+    import autopar.runtime.apply as apply
+
+    pytest.importorskip("transformers")
+    plan = _estimate_plan("hf:whisper", 2, 1, layers=6, hidden=64, heads=4)
+    assert plan.micro_batches == 4
+    check_runnable(plan)
+    monkeypatch.setattr(apply, "_share_other_inputs", lambda *args: None)
+    with pytest.raises(ValueError, match=r"other collectives than priced \(all_reduce on tp: (\d+) calls .*one layer "
+                                         r"of each kind, 2 micro-batches\)"):
+        check_runnable(plan)
+
+
+class Wide(nn.Module):
+    """A table and a head of 8M weights each (32 MB of fp32 gradient, more than a DDP bucket) around small
+    layers: DDP all-reduces the head's gradient in one bucket and the layers' with the table's in another."""
+
+    def __init__(self, vocab: int = 250_000) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.blocks = nn.ModuleList(Block(i, 2 * WIDTH) for i in range(2))
+        self.head = nn.Linear(WIDTH, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_the_rehearsal_all_reduces_in_ddp_s_buckets() -> None:
+    """The rehearsal cannot wrap the model in DDP (its constructor reads weight values) and all-reduces by hand in
+    the buckets DDP makes, in the order the backward makes the gradients: 2 calls here, as priced, not the 3
+    slices of 25 MiB one flat buffer of all gradients would take."""
+    with torch.device("meta"):
+        model = Wide()
+    plan = _plan(model)
+    assert plan.grid == (2, 1) and plan.zero == 0
+    source = ModelSource.of_module(model, _batch())
+    counted = rehearsal(plan, source=source, count=True)
+    gradients = sum(p.numel() for p in model.parameters()) * 4
+    assert counted == [{"kind": "all_reduce", "axis": "dp", "count": 2, "bytes": gradients}]
+    check_runnable(plan, source=source)

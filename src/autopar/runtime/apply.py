@@ -62,6 +62,11 @@ class ParallelModel:
     permutations: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     axes: dict[str, str] = field(default_factory=dict)  # process-group name -> mesh axis, for counting
     dp_group: Any = None  # set where gradients are all-reduced over dp by hand (`finish_backward`)
+    # standing in for DDP (`parallelize(ddp=False)`): parameters in the order their gradients were made (at a
+    # weight's last use), which DDP's buckets follow (`_watch_ready`); None where the by-hand all-reduce is the
+    # runtime's own
+    ready: dict[int, nn.Parameter] | None = None
+    watched: set[int] = field(default_factory=set)
     pipeline: Any = None  # `autopar.runtime.pipeline.Pipeline` where the plan has several stages
     names: dict[str, str] = field(default_factory=dict)  # a stage's parameter name -> its name in the whole model
     chunks: list[nn.Module] = field(default_factory=list)  # an interleaved stage's chunks, synchronised one by one
@@ -89,6 +94,8 @@ class ParallelModel:
         0 on pipeline stages other than the last. A ``LocalBatch`` is taken as this rank's rows as they are."""
         local = batch if isinstance(batch, LocalBatch) else self._local(batch)
         m = len(local.micro_batches)
+        if self.ready is not None:
+            self._watch_ready()
         with self._model_random():
             if self.pipeline is not None:
                 total = self._schedule(local)
@@ -192,6 +199,9 @@ class ParallelModel:
             self._sum_over_tp(params, [p for p in params if id(p) in summed])
         if self.dp_group is None:
             return
+        if self.ready is not None:  # DDP's buckets, in the order its reducer fills them
+            self._all_reduce_dp([p.grad for p in self.ready.values() if p.grad is not None], buckets=True)
+            return
         for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
             self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
 
@@ -219,8 +229,23 @@ class ParallelModel:
                 g.copy_(flat[offset : offset + g.numel()].view(g.shape))
                 offset += g.numel()
 
-    def _all_reduce_dp(self, grads: list[torch.Tensor]) -> None:
-        """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices."""
+    def _watch_ready(self) -> None:
+        """Note in ``ready`` each parameter as its gradient is made (hooks on the parameters the module holds now:
+        a rehearsal replaces them after wrapping)."""
+        def made(param: nn.Parameter) -> None:
+            assert self.ready is not None
+            self.ready.pop(id(param), None)
+            self.ready[id(param)] = param
+
+        for param in self.module.parameters():
+            if param.requires_grad and id(param) not in self.watched:
+                param.register_post_accumulate_grad_hook(made)
+                self.watched.add(id(param))
+
+    def _all_reduce_dp(self, grads: list[torch.Tensor], *, buckets: bool = False) -> None:
+        """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices; with ``buckets``, in the
+        buckets DDP makes of them in this order instead (whole tensors, a bucket closing once it holds
+        `DDP_BUCKET_BYTES` or more, as `autopar.cost.memory.ddp_buckets` prices them)."""
         import torch.distributed as dist
 
         from autopar.cost.memory import DDP_BUCKET_BYTES
@@ -230,8 +255,17 @@ class ParallelModel:
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
         step = max(1, DDP_BUCKET_BYTES // flat.element_size())
-        for start in range(0, flat.numel(), step):
-            dist.all_reduce(flat[start : start + step], group=self.dp_group)
+        cuts = list(range(0, flat.numel(), step))
+        if buckets:
+            cuts, size = [0], 0
+            for g in local[:-1]:
+                size += g.numel() * g.element_size()
+                if size >= DDP_BUCKET_BYTES:
+                    cuts.append(cuts[-1] + size // g.element_size())
+                    size = 0
+            cuts = sorted(set(cuts))
+        for start, end in zip(cuts, [*cuts[1:], flat.numel()]):
+            dist.all_reduce(flat[start:end], group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)
         offset = 0
         for g in local:
@@ -517,8 +551,11 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
         ]
         _fully_shard(model, layers, mesh["dp"], zero)
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
-    if tp > 1 or not ddp:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
+    if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), **summed())
+    if not ddp:  # by hand in DDP's buckets, in the order the backward makes the gradients
+        return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), ready={},
+                             **summed())
     wrapped = _ddp(model)
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
 

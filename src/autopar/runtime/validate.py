@@ -32,6 +32,7 @@ the model it was made for: `autopar.runtime.source`):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.capture import Graph
+from autopar.capture import CaptureError, Graph
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.plan.batch import split_batch
@@ -119,12 +120,12 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
-        _rehearse(plan, source, thins(plan, model), model=model, traced=traced_shapes(graph))
+        _check_stage(plan, source, model, traced_shapes(graph))
         return
     if rehearse and plan.stages[0].tp > 1:  # a pipeline's stages apply tp as one stage does: rehearsed as such
         proxy = tensor_parallel_proxy(plan)
         try:
-            _rehearse(proxy, source, thins(proxy, model), traced=traced_shapes(graph))
+            _check_stage(proxy, source, source.meta(), traced_shapes(graph))
         except ValueError as exc:
             raise ValueError(f"{exc} (the plan's tensor parallelism, rehearsed as one stage of its tp "
                              f"{proxy.stages[0].tp})") from None
@@ -156,6 +157,97 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
                          f"DTensor on a fake process group, rank 0 issues other collectives than priced "
                          f"({result['message']})")
+
+
+def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: TracedShapes) -> None:
+    """Rehearse a single-stage plan (`rehearsal`) on one layer of each kind (`thin`) for its first and last
+    micro-batches, and compare the collectives rank 0 issues with what the cost model predicts for the same thinned
+    model and micro-batches: a plan the ranks would run correctly but communicating other than priced (a value
+    DTensor converts where the estimate assumed none) is refused here, with the difference, as `autopar dryrun`
+    would find it. ``model``: the source's meta model (thinned in place). A plan the thinned rehearsal refuses is
+    rehearsed again whole, so that a refusal is never an artefact of the layers left out, and names the module the
+    whole step fails in."""
+    from autopar.runtime.comm import compare
+
+    short, shorter = _first_and_last(plan, source)
+    applied = thin(model, short)
+    try:
+        counted, graph, dtype = _counted(applied, shorter, model, traced)
+    except ValueError:
+        if applied is short:  # nothing was left out
+            raise
+        applied = short
+        counted, graph, dtype = _counted(short, shorter, source.meta(), traced)
+    result = compare(counted, _stage_prediction(applied, graph, dtype))
+    if not result["ok"]:
+        kept = "one layer of each kind" if applied is not short else "the whole model"
+        raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied on a "
+                         f"fake process group, rank 0 issues other collectives than priced ({result['message']}; "
+                         f"{kept}, {applied.micro_batches} micro-batch{'es' if applied.micro_batches > 1 else ''})")
+
+
+def _counted(plan: Plan, source: ModelSource, model: nn.Module,
+             traced: TracedShapes) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
+    """The collectives rank 0 issues in `rehearsal` of ``plan`` on a copy of ``model`` (the source's meta model),
+    with ``model`` traced in the dtype the rehearsal ran in: fp32 as the runtime trains, or bf16 where a
+    fake-tensor kernel takes bf16 only (`_rehearse`); the dtype sets the bytes predicted. Raises the fp32
+    failure."""
+    failed: ValueError | None = None
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            with fake_errors_quiet():
+                counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), traced=traced,
+                                    count=True)
+                graph = _traced_meta(model, source, dtype)
+            return counted or [], graph, dtype
+        except NotImplementedError:
+            if dtype == torch.float32:
+                raise
+        except (ValueError, CaptureError) as exc:
+            if dtype == torch.float32:
+                failed = exc if isinstance(exc, ValueError) else ValueError(f"the model cannot be traced: {exc}")
+    assert failed is not None
+    raise failed
+
+
+def _first_and_last(plan: Plan, source: ModelSource) -> tuple[Plan, ModelSource]:
+    """``plan`` with at most two micro-batches (its first and last: every other issues the first's collectives,
+    and the last synchronises the gradients), and ``source`` giving the batch of that plan."""
+    if plan.micro_batches <= 2:
+        return plan, source
+    rows = plan.micro_batch_size * 2
+    work = plan.workload and dataclasses.replace(plan.workload, batch=rows)
+    whole = source.batch
+    return (dataclasses.replace(plan, micro_batches=2, workload=work),
+            dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()}))
+
+
+def _traced_meta(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> Graph:
+    """``model`` (on the meta device, left as it is) traced in ``dtype`` at one row of ``source``'s batch."""
+    from autopar.capture import trace
+
+    inputs = _cast({k: v[:1].to("meta") for k, v in source.batch(1).items()}, dtype)
+    return trace(copy.deepcopy(model).to(dtype), example_kwargs=inputs)
+
+
+def _stage_prediction(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The collectives rank 0 of a single-stage ``plan`` issues in a step, as the cost model predicts them on
+    ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineModel
+    from autopar.runtime.comm import predicted
+    from autopar.search.pipeline import config_of
+
+    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
+                          dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
+    # a layer that computes nothing as the runtime builds the model (dropout at 0) is not in its trace
+    chain = {layer.name for layer in model.layers}
+    stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
+                   for stage in plan.stages)
+    result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
+                            global_batch=plan.micro_batch_size * plan.micro_batches)
+    return predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count}
+                     for c in result.stages[0].collectives)
 
 
 def tensor_parallel_proxy(plan: Plan) -> Plan:
