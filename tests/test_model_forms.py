@@ -652,6 +652,29 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
         assert "would train a different model" in err and "plan without pipeline parallelism" in err
 
 
+@pytest.mark.parametrize(("options", "runs"), [
+    ({}, True),  # rotary positions, multi-query attention
+    ({"multi_query": False, "parallel_attn": False}, True),  # as many key/value heads as heads (no field for them)
+    ({"new_decoder_architecture": True, "num_kv_heads": 2}, True),
+    ({"alibi": True}, False),  # ALiBi biases, which the stages leave out: caught on numbers
+])
+def test_falcon_pipelines_run_where_the_stages_compute_its_forward(options: dict, runs: bool) -> None:
+    """Falcon's chain is LLaMA-style under GPT-2's names; its layers also take an ALiBi bias, which stages pass as
+    None. A Falcon configured with ALiBi is refused by the check on a small copy, not trusted by name."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from autopar.runtime.pipeline import chain_kind, check_stage_forward
+
+    model = FalconForCausalLM(FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                           vocab_size=128, **options))
+    assert chain_kind(model) == "falcon"
+    if runs:
+        check_stage_forward(model, seq=32)
+    else:
+        with pytest.raises(NotImplementedError, match="would train a different model"):
+            check_stage_forward(model, seq=32)
+
+
 @pytest.mark.parametrize("model", ["hf:gpt2", "hf:gpt_bigcode"])
 def test_gpt2_style_models_plan_pipelines(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str) -> None:
     """GPT-2's chain (``transformer``: token and position embeddings, dropout, ``h``, ``ln_f``; a tied head) is cut

@@ -69,6 +69,11 @@ HF_CHAINS = {
     # OPT-style: learned positions (offset by 2) added to the embedding, optional projections in and out
     "opt": Chain("model.decoder", "layers", first=("embed_tokens", "project_in", "embed_positions"),
                  last=("final_layer_norm", "project_out")),
+    # Falcon: LLaMA-style under GPT-2's names (its layers also take an ALiBi bias, None where the config has rotary
+    # positions: a Falcon with ALiBi fails `check_stage_forward`, its bias being left out)
+    "falcon": Chain("transformer", "h", first=("word_embeddings",), last=("ln_f",), every=("rotary_emb",)),
+    # BLOOM: a norm after the embedding, ALiBi biases made from the whole sequence's length for every stage
+    "bloom": Chain("transformer", "h", first=("word_embeddings", "word_embeddings_layernorm"), last=("ln_f",)),
 }
 
 
@@ -129,6 +134,8 @@ class StageModule(nn.Module):
             return self._forward_gpt2(x)
         if self.kind == "opt":
             return self._forward_opt(x)
+        if self.kind == "bloom":
+            return self._forward_bloom(x)
         if self.first:
             ids = x
             x = self.embed(ids)
@@ -166,9 +173,31 @@ class StageModule(nn.Module):
                 masks[kind] = _attention_mask(config, kind, whole, positions)
                 rotary[kind] = (rotary_emb(whole, positions, kind) if _rotary_by_type(rotary_emb)
                                 else rotary_emb(whole, position_ids=positions))
-            x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions)
+            alibi = {"alibi": None} if _takes_alibi(layer) else {}
+            x = _hidden(layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions,
+                              **alibi))
         if self.last:
             return self._logits(self.lm_head(getattr(inner, chain.last[0])(x)))
+        return x
+
+    def _forward_bloom(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of a BLOOM forward: the embedding and its norm, the layers under the causal mask with
+        the ALiBi biases of every head over the whole sequence (as the model makes them without padding), the
+        final norm and the head."""
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        inner = self.transformer
+        length = self._length(x)
+        if self.first:
+            x = inner.word_embeddings_layernorm(inner.word_embeddings(x))
+        positions = torch.arange(length, device=x.device).unsqueeze(0)
+        every = torch.ones(x.shape[0], length, device=x.device, dtype=torch.long)
+        alibi = build_alibi_tensor(every, self.config.n_head, dtype=x.dtype)
+        mask = _attention_mask(self.config, "full_attention", self._whole(x), positions)
+        for layer in inner.h.values():
+            x = _hidden(layer(x, alibi=alibi, attention_mask=mask))
+        if self.last:
+            return self._logits(self.lm_head(inner.ln_f(x)))
         return x
 
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +265,19 @@ class StageModule(nn.Module):
         return logits
 
 
-LLAMA_STYLE = ("hf", "phi", "gpt_neox")  # the chains `StageModule._forward_hf` runs
+LLAMA_STYLE = ("hf", "phi", "gpt_neox", "falcon")  # the chains `StageModule._forward_hf` runs
+
+
+def _takes_alibi(layer: nn.Module) -> bool:
+    """Whether a layer's forward takes an ALiBi bias (Falcon's, which may be None)."""
+    import inspect
+
+    return "alibi" in inspect.signature(layer.forward).parameters
+
+
+def _hidden(out: Any) -> torch.Tensor:
+    """A layer's output stream: the first of a tuple (Falcon's and BLOOM's layers return one), or the tensor."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _one_attention_type(config: Any) -> str:
@@ -288,7 +329,7 @@ def chain_kind(model: nn.Module) -> str:
             return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
-        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style and OPT-style causal LMs can)"
+        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs can)"
     )
 
 
@@ -345,14 +386,14 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
     import copy
 
     from autopar.zoo.hf_auto import _per_layer
-    from autopar.zoo.hf_fields import field_names
+    from autopar.zoo.hf_fields import field_names, read
 
     config = copy.deepcopy(model.config)
     layers = len(_layers(model))
     small = min(layers, 4)
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 128, "layers": small}
-    if getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None):
-        sizes["kv_heads"] = 4  # no grouped-query attention: keep it so
+    if read(config, "kv_heads") in (0, read(config, "heads")):
+        sizes["kv_heads"] = 4  # no grouped-query attention (or no field for it: Falcon's MQA flag): keep it so
     for option, value in sizes.items():
         for field in field_names(config, option):
             setattr(config, field, value)
