@@ -289,6 +289,10 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("hf:gpt_neox", HF_GPT2, 2, 2, 1, "1f1b", None),  # and GPT-NeoX's, its head untied
         ("hf:falcon", HF_GPT2, 2, 1, 2, "gpipe", None),  # LLaMA-style under GPT-2's names, multi-query, PP x DP
         ("hf:bloom", HF_GPT2, 2, 1, 1, "1f1b", None),  # ALiBi biases made per stage, a norm after the embedding
+        # masked LMs: the layers under ``roberta.encoder.layer``, the loss unshifted, the head's decoder tied to the
+        # embedding across stages and its bias to the head's own (within the last stage: not summed)
+        ("hf:roberta", HF_GPT2, 2, 2, 1, "1f1b", None),
+        ("hf:bert", HF_GPT2, 2, 1, 2, "gpipe", None),  # the head under ``cls``
     ],
 )
 def test_pipelines_match_one_process_and_the_predicted_collectives(
@@ -484,6 +488,8 @@ GEMMA2 = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2}  # post-norms, a
         ("llama-7b", LLAMA4, "interleaved", 2),  # each chunk sums its norms' gradients over tp, as priced
         ("hf:gemma2", GEMMA2, "1f1b", 1),  # masks and rotary tables made for the whole sequence on every stage
         ("hf:qwen3", GEMMA2, "1f1b", 1),  # q/k norms per head, summed over tp
+        # the embedding's norm sees the whole sequence (it comes before the layers in the stage, as in the model)
+        ("hf:roberta", HF_GPT2, "gpipe", 1),
     ],
 )
 def test_pipelines_with_sequence_parallelism_match_one_process_and_the_predicted_collectives(

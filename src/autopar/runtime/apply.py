@@ -1032,9 +1032,9 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
         chain = HF_CHAINS.get(chain_kind(module))
     except NotImplementedError:
         chain = None
-    last = f"{chain.outer}.{chain.last[0]}" if chain is not None else None  # its final norm
+    last = f"{chain.outer}.{chain.last[0]}" if chain is not None and chain.last else None  # its final norm
     gathered = []
-    for name in ("head", "lm_head"):
+    for name in dict.fromkeys(("head", "lm_head", *((chain.head,) if chain is not None else ()))):
         head = dict(module.named_children()).get(name)
         if head is None or any(fqn == name or fqn.startswith(f"{name}.") for fqn in split):
             continue  # a split head gathers its input itself

@@ -39,10 +39,12 @@ class Chain:
     and ``every`` stage's own (rotary tables); ``lm_head`` is the model's."""
 
     outer: str
-    stack: str
+    stack: str  # a dotted path under ``outer`` (BERT's ``encoder.layer``)
     first: tuple[str, ...]
     last: tuple[str, ...]
     every: tuple[str, ...] = ()
+    head: str = "lm_head"  # the model's head (BERT's ``cls``)
+    shifted: bool = True  # the loss: position t predicts label t + 1 (a causal LM), or label t (masked LM)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -50,9 +52,17 @@ class Chain:
 
     def inner(self, model: nn.Module) -> Any:
         """The module under ``outer`` (a dotted path: OPT keeps its chain in ``model.decoder``), or None."""
-        for part in self.outer.split("."):
-            model = getattr(model, part, None)
-        return model
+        return _path(model, self.outer)
+
+    def layers(self, model: nn.Module) -> Any:
+        """The list of layers under ``outer`` of ``model`` (the whole model or a stage), or None."""
+        return _path(self.inner(model), self.stack)
+
+
+def _path(module: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 # the Hugging Face chains: stages are checked on a small copy (`check_stage_forward`), the loss shifted by one token.
@@ -74,7 +84,11 @@ HF_CHAINS = {
     "falcon": Chain("transformer", "h", first=("word_embeddings",), last=("ln_f",), every=("rotary_emb",)),
     # BLOOM: a norm after the embedding, ALiBi biases made from the whole sequence's length for every stage
     "bloom": Chain("transformer", "h", first=("word_embeddings", "word_embeddings_layernorm"), last=("ln_f",)),
+    # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
+    "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
+    "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
 }
+ENCODERS = ("roberta", "bert")  # the chains `StageModule._forward_encoder` runs
 
 
 class StageModule(nn.Module):
@@ -83,7 +97,8 @@ class StageModule(nn.Module):
     Knows the zoo's GPT-style and LLaMA-style models and the Hugging Face chains of `HF_CHAINS`: LLaMA-style causal
     LMs (``model.model`` holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``; Phi's
     and GPT-NeoX's the same under other names), GPT-2-style ones (``model.transformer`` holding ``wte``, ``wpe``,
-    ``drop``, ``h`` and ``ln_f``, and ``lm_head``) and OPT-style ones (``model.model.decoder``)."""
+    ``drop``, ``h`` and ``ln_f``, and ``lm_head``), OPT-style ones (``model.model.decoder``), Falcon and BLOOM, and
+    RoBERTa and BERT masked LMs (``roberta.encoder.layer``, the head ``lm_head`` or ``cls``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -102,9 +117,18 @@ class StageModule(nn.Module):
             chain = HF_CHAINS[self.kind]
             whole = chain.inner(model)
             inner = nn.Module()  # the outer module's name kept, so parameter names match the whole model's
-            setattr(inner, chain.stack, chosen)
-            for name in chain.every + (chain.first if first else ()) + (chain.last if last else ()):
-                setattr(inner, name, getattr(whole, name))
+            holder, *above = chain.stack.split(".")[::-1]
+            box = chosen
+            for part in above:  # the modules above the list inside ``outer``, as plain containers
+                box, below = nn.Module(), box
+                setattr(box, holder, below)
+                holder = part
+            held = {holder: box} | {name: getattr(whole, name) for name in
+                                    chain.every + (chain.first if first else ()) + (chain.last if last else ())}
+            # in the whole model's order (sequence parallelism tells a norm before the layers from one after them
+            # by it), then those the model sets to None (OPT's absent projections)
+            for name in [*(n for n in whole._modules if n in held), *(n for n in held if n not in whole._modules)]:
+                setattr(inner, name, held[name])
             holder, *path = chain.outer.split(".")[::-1]
             for part in path:  # the modules above it, as plain containers
                 inner, above = nn.Module(), inner
@@ -115,7 +139,7 @@ class StageModule(nn.Module):
             scale = getattr(model, "logit_scale", None)  # a number (Cohere), not a parameter
             self.logit_scale = scale if isinstance(scale, (int, float)) else None
             if last:
-                self.lm_head = model.lm_head
+                setattr(self, chain.head, getattr(model, chain.head))
             return
         if first:
             self.embed = model.embed
@@ -136,6 +160,8 @@ class StageModule(nn.Module):
             return self._forward_opt(x)
         if self.kind == "bloom":
             return self._forward_bloom(x)
+        if self.kind in ENCODERS:
+            return self._forward_encoder(x)
         if self.first:
             ids = x
             x = self.embed(ids)
@@ -178,6 +204,19 @@ class StageModule(nn.Module):
                               **alibi))
         if self.last:
             return self._logits(self.lm_head(getattr(inner, chain.last[0])(x)))
+        return x
+
+    def _forward_encoder(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of a masked LM's forward (RoBERTa's, BERT's): the embeddings (positions, token types
+        and their norm, made from the ids), the layers with no mask, as the model runs them without padding, and
+        the head."""
+        chain = HF_CHAINS[self.kind]
+        if self.first:
+            x = chain.inner(self).embeddings(input_ids=x)
+        for layer in chain.layers(self).values():
+            x = _hidden(layer(x, attention_mask=None))
+        if self.last:
+            return getattr(self, chain.head)(x)
         return x
 
     def _forward_bloom(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,11 +364,15 @@ def chain_kind(model: nn.Module) -> str:
         return "llama"
     for kind, chain in HF_CHAINS.items():
         inner = chain.inner(model)
-        if hasattr(model, "lm_head") and all(hasattr(inner, a) for a in chain.modules):
+        # an attribute set to None counts (OPT's absent projections)
+        if hasattr(model, chain.head) and inner is not None and all(
+                hasattr(_path(inner, a.rpartition(".")[0]) if "." in a else inner, a.rpartition(".")[2])
+                for a in chain.modules):
             return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
-        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs can)"
+        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs, and RoBERTa and BERT masked "
+        "LMs can)"
     )
 
 
@@ -413,13 +456,13 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
 
 def _layers(model: nn.Module) -> nn.ModuleList:
     chain = HF_CHAINS.get(chain_kind(model))
-    return getattr(chain.inner(model), chain.stack) if chain else model.layers
+    return chain.layers(model) if chain else model.layers
 
 
 def stage_stack(part: StageModule) -> nn.ModuleDict:
     """The repeated layers a stage holds, by their index in the whole model."""
     chain = HF_CHAINS.get(part.kind)
-    return getattr(chain.inner(part), chain.stack) if chain else part.layers
+    return chain.layers(part) if chain else part.layers
 
 
 def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -508,13 +551,17 @@ def build(
     tied_group = None
     per_stage = mesh.size() // pp
     rank = dist.get_rank()
-    if _tied_names(model, None):
+    # a weight both ends hold (not one a stage reads twice itself: RoBERTa's head bias)
+    ends = (StageModule(model, layers[0], first=True, last=False),
+            StageModule(model, layers[-1], first=False, last=True))
+    across = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[1].parameters()}
+    if _tied_names(model, None, across):
         for offset in range(per_stage):
             group = dist.new_group([offset, (pp - 1) * per_stage + offset])  # every rank takes part in creating it
             if rank % per_stage == offset and index in (0, pp - 1):
                 groups[group.group_name] = "pp"
                 tied_group = group
-    shared = [(part, _tied_names(model, part)) for part in parts]
+    shared = [(part, _tied_names(model, part, across)) for part in parts]
     canonical = {id(p): name for name, p in model.named_parameters()}  # before wrapping replaces any parameter
     names = [{name: canonical[id(p)] for name, p in part.named_parameters()} for part in parts]
     wrapped = [wrap(part) for part in parts]
@@ -528,7 +575,8 @@ def build(
     stages = [stage_class(w, v, virtual, device, group=mesh.get_group("pp"),
                           **(dict(zip(("input_args", "output_args"), shapes[v])) if shapes else {}))
               for w, v in zip(wrapped, mine)]
-    loss = shifted_lm_loss if parts[0].kind in HF_CHAINS else lm_loss
+    chain = HF_CHAINS.get(parts[0].kind)
+    loss = shifted_lm_loss if chain is not None and chain.shifted else lm_loss
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     else:
@@ -610,12 +658,13 @@ def _sharded_stage(zero: int) -> type:
     return ShardedStage
 
 
-def _tied_names(model: nn.Module, part: nn.Module | None) -> list[str]:
-    """Names (in ``part``, or anywhere when ``part`` is None) of parameters the whole model uses twice."""
+def _tied_names(model: nn.Module, part: nn.Module | None, across: set[int]) -> list[str]:
+    """Names (in ``part``, or anywhere when ``part`` is None) of parameters the whole model uses twice, among
+    those ``across`` (by id: held by the first stage and the last)."""
     seen: dict[int, int] = {}
     for p in (p for m in model.modules() for p in m._parameters.values() if p is not None):
         seen[id(p)] = seen.get(id(p), 0) + 1
-    twice = {key for key, n in seen.items() if n > 1}
+    twice = {key for key, n in seen.items() if n > 1} & across
     if part is None:
         return ["tied"] if twice else []
     return [name for name, p in part.named_parameters(remove_duplicate=False) if id(p) in twice]
