@@ -26,7 +26,8 @@ the model it was made for: `autopar.runtime.source`):
   one layer of each kind (`autopar.runtime.thin`), so that the check of a 1,000-layer model takes seconds; under
   tp each rank's attention must run on its share of the traced model's heads, over the whole sequence (a model
   that forms heads from its full head count, as OPT's ``view(bsz, -1, num_heads, head_dim)`` does, would fold a
-  rank's features into the sequence).
+  rank's features into the sequence), and the collectives that step issues must be those the cost model predicts
+  for the same shortened model (`_check_stage`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from autopar.runtime.apply import (
     out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names, tp_role,
 )
 from autopar.runtime.source import ModelSource
-from autopar.runtime.thin import thin, thins
+from autopar.runtime.thin import thin
 from autopar.runtime.train import LEARNING_RATE, Workload
 
 
@@ -151,7 +152,7 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
         plan = dataclasses.replace(plan, micro_batches=1, workload=work)
         whole = source.batch
         source = dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()})
-    counted = _rehearse(plan, source, False, model=model, count=True)
+    counted = _rehearse(plan, source, model=model, count=True)
     result = compare(counted, intra_prediction(plan, source.traced_at(plan.micro_batch_size)))
     if not result["ok"]:
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
@@ -298,34 +299,26 @@ def _quiet(name: str) -> Any:
         logger.setLevel(level)
 
 
-def _rehearse(plan: Plan, source: ModelSource, thinned: bool, *, model: nn.Module | None = None,
-              traced: TracedShapes | None = None, count: bool = False) -> list[dict[str, Any]] | None:
+def _rehearse(plan: Plan, source: ModelSource, *, model: nn.Module | None = None,
+              count: bool = False) -> list[dict[str, Any]] | None:
     """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
     is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
-    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype.
-
-    With ``thinned`` (the model has lists of layers `autopar.runtime.thin` thins), the rehearsals run each kind
-    of layer once (``whole=False``) first; a plan they refuse is rehearsed again whole, so that a refusal is never
-    an artefact of the layers left out, and names the module the whole step fails in.
-
-    ``model``: the source's meta model, already built, for the first rehearsal (it is changed); the others build
-    their own. ``traced``: the traced model's attention and product shapes (`traced_shapes`), which each rank's
-    must match (`rehearsal`). ``count``: return the collectives rank 0 issued (a whole rehearsal)."""
+    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype. ``model``: the
+    source's meta model, already built, for the first rehearsal (it is changed); the second builds its own.
+    ``count``: return the collectives rank 0 issued."""
     failed: ValueError | None = None
-    for whole in (False, True) if thinned else (True,):
-        for dtype in (torch.float32, torch.bfloat16):
-            try:
-                with fake_errors_quiet():
-                    return rehearsal(plan, source=source, dtype=dtype, whole=whole, model=model, traced=traced,
-                                     count=count)
-            except ValueError as exc:
-                if dtype == torch.float32:
-                    failed = exc
-            except NotImplementedError:
-                if dtype == torch.float32:
-                    raise
-            finally:
-                model = None
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            with fake_errors_quiet():
+                return rehearsal(plan, source=source, dtype=dtype, model=model, count=count)
+        except ValueError as exc:
+            if dtype == torch.float32:
+                failed = exc
+        except NotImplementedError:
+            if dtype == torch.float32:
+                raise
+        finally:
+            model = None
     assert failed is not None
     raise failed
 
