@@ -293,6 +293,8 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         # embedding across stages and its bias to the head's own (within the last stage: not summed)
         ("hf:roberta", HF_GPT2, 2, 2, 1, "1f1b", None),
         ("hf:bert", HF_GPT2, 2, 1, 2, "gpipe", None),  # the head under ``cls``
+        # images: the first stage takes pixel_values, the last classifies the class token
+        ("hf:vit", {"layers": 4, "hidden": 64, "heads": 4}, 2, 2, 1, "1f1b", None),
     ],
 )
 def test_pipelines_match_one_process_and_the_predicted_collectives(

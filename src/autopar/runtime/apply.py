@@ -45,6 +45,7 @@ from autopar.plan.batch import LocalBatch
 from autopar.sharding import short
 
 PIPELINE_INPUTS = ("input_ids", "labels")  # what a pipeline feeds its first stage and its loss
+PIPELINE_FIRST = ("input_ids", "pixel_values")  # what the first stage may take: tokens, or images (ViT)
 
 
 @dataclass
@@ -155,17 +156,16 @@ class ParallelModel:
     def _schedule(self, local: LocalBatch) -> torch.Tensor:
         """One step through the pipeline schedule: this data-parallel rank's rows of every micro-batch, back to
         back (the schedule splits them again); the mean micro-batch loss on the last stage, 0 elsewhere."""
-        inputs = local.inputs
-        if set(inputs) != set(PIPELINE_INPUTS):
-            raise ValueError(f"a pipeline plan feeds input_ids to its first stage and labels to its loss; the batch "
-                             f"holds {sorted(inputs)}")
-        pipe, losses = self.pipeline, []
+        inputs, pipe, losses = local.inputs, self.pipeline, []
+        if set(inputs) != {pipe.inputs, "labels"}:
+            raise ValueError(f"a pipeline plan of this model feeds {pipe.inputs} to its first stage and labels to its "
+                             f"loss; the batch holds {sorted(inputs)}")
         with warnings.catch_warnings():
             # FSDP2 warns that a stage returning a view would lose its pre-backward hook to an in-place op on it;
             # what a stage returns is only sent to the next stage or read by the loss, neither in place
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) returned a view")
             if pipe.first:
-                pipe.schedule.step(inputs["input_ids"])
+                pipe.schedule.step(inputs[pipe.inputs])
             elif pipe.last:
                 pipe.schedule.step(target=inputs["labels"], losses=losses)
             else:
@@ -502,7 +502,7 @@ def parallelize(
     spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
     if pp > 1:
-        ids = example.get(PIPELINE_INPUTS[0]) if example is not None else None
+        ids = next((example[k] for k in PIPELINE_FIRST if k in example), None) if example is not None else None
         parallel = _pipelined(model, plan, mesh, axes, example=ids)
     else:
         parallel = _one_stage(model, plan, mesh, axes, units=units, ddp=ddp)

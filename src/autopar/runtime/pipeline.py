@@ -45,6 +45,7 @@ class Chain:
     every: tuple[str, ...] = ()
     head: str = "lm_head"  # the model's head (BERT's ``cls``)
     shifted: bool = True  # the loss: position t predicts label t + 1 (a causal LM), or label t (masked LM)
+    inputs: str = "input_ids"  # what the first stage takes (an image model's ``pixel_values``)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -87,8 +88,11 @@ HF_CHAINS = {
     # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
     "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
     "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
+    # ViT classifying images: patches and the class token embedded, the layers, a norm, the head on the class token
+    "vit": Chain("vit", "layers", first=("embeddings",), last=("layernorm",), head="classifier",
+                 shifted=False, inputs="pixel_values"),
 }
-ENCODERS = ("roberta", "bert")  # the chains `StageModule._forward_encoder` runs
+ENCODERS = ("roberta", "bert", "vit")  # the chains `StageModule._forward_encoder` runs
 
 
 class StageModule(nn.Module):
@@ -207,17 +211,21 @@ class StageModule(nn.Module):
         return x
 
     def _forward_encoder(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's share of a masked LM's forward (RoBERTa's, BERT's): the embeddings (positions, token types
-        and their norm, made from the ids), the layers with no mask, as the model runs them without padding, and
-        the head."""
+        """The stage's share of an encoder's forward: the embeddings (a masked LM's positions, token types and
+        their norm, made from the ids; ViT's patches, class token and positions, made from the pixels), the layers
+        with no mask, as the model runs them without padding, and the head (ViT's after its norm, on the class
+        token)."""
         chain = HF_CHAINS[self.kind]
+        inner = chain.inner(self)
         if self.first:
-            x = chain.inner(self).embeddings(input_ids=x)
+            x = inner.embeddings(**{chain.inputs: x})
         for layer in chain.layers(self).values():
-            x = _hidden(layer(x, attention_mask=None))
-        if self.last:
-            return getattr(self, chain.head)(x)
-        return x
+            x = _hidden(layer(x) if self.kind == "vit" else layer(x, attention_mask=None))
+        if not self.last:
+            return x
+        if self.kind == "vit":
+            return self.classifier(inner.layernorm(x)[:, 0])
+        return getattr(self, chain.head)(x)
 
     def _forward_bloom(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's share of a BLOOM forward: the embedding and its norm, the layers under the causal mask with
@@ -371,8 +379,8 @@ def chain_kind(model: nn.Module) -> str:
             return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
-        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs, and RoBERTa and BERT masked "
-        "LMs can)"
+        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs, RoBERTa and BERT masked LMs "
+        "and ViT image classifiers can)"
     )
 
 
@@ -401,9 +409,9 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
     try:
         small = _small_copy(model, seq=seq)
         torch.manual_seed(0)
-        ids = torch.randint(0, small.config.vocab_size, (2, CHECK_SEQ))
+        ids = _check_input(small)
         with torch.no_grad():
-            whole = small(input_ids=ids).logits
+            whole = small(**{HF_CHAINS[chain_kind(small)].inputs: ids}).logits
     except Exception as exc:  # noqa: BLE001 - whatever building or running the copy raised: unchecked, refused
         raise failed("cannot be checked against its forward: a small copy of the model failed", exc) from None
     try:
@@ -422,6 +430,15 @@ def check_stage_forward(model: nn.Module, *, seq: int) -> None:
             "(embedding, layers under the masks of their attention types, norm, head, the logits' scale or cap), "
             "e.g. another kind of mask or another step after the head (a small copy's logits differ by up to "
             f"{difference:.3g}); plan without pipeline parallelism")
+
+
+def _check_input(model: nn.Module) -> torch.Tensor:
+    """Two rows of the input the first stage of ``model`` (a small copy) takes: token ids of `CHECK_SEQ` tokens, or
+    images of the size its config gives."""
+    config = model.config
+    if HF_CHAINS[chain_kind(model)].inputs == "pixel_values":
+        return torch.randn(2, config.num_channels, config.image_size, config.image_size)
+    return torch.randint(0, config.vocab_size, (2, CHECK_SEQ))
 
 
 def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
@@ -501,6 +518,7 @@ class Pipeline:
     stages: int
     schedule: Any
     tied: list[tuple[nn.Parameter, Any]]  # (parameter, group with its twin on the other end of the pipeline)
+    inputs: str = "input_ids"  # the batch's input the first stage takes (the loss takes ``labels``)
 
     @property
     def first(self) -> bool:
@@ -582,7 +600,7 @@ def build(
     else:
         schedule_class = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
-    return wrapped, names, Pipeline(index, pp, schedule, tied), groups
+    return wrapped, names, Pipeline(index, pp, schedule, tied, chain.inputs if chain else "input_ids"), groups
 
 
 def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tensor, *,

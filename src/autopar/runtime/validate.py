@@ -81,12 +81,14 @@ def _forget_meshes() -> None:
 
 
 def _pipeline_example(plan: Plan, source: ModelSource) -> dict[str, torch.Tensor]:
-    """One micro-batch of a rank's input ids on the meta device: the shapes a pipeline's stages are built for."""
-    from autopar.runtime.apply import PIPELINE_INPUTS
+    """One micro-batch of a rank's input ids (or images) on the meta device: the shapes a pipeline's stages are
+    built for."""
+    from autopar.runtime.apply import PIPELINE_FIRST
 
-    ids = source.batch(plan.micro_batch_size)[PIPELINE_INPUTS[0]]
+    batch = source.batch(plan.micro_batch_size)
+    name = next(k for k in PIPELINE_FIRST if k in batch)
     rows = plan.micro_batch_size // plan.grid[0]
-    return {PIPELINE_INPUTS[0]: torch.empty((rows, *ids.shape[1:]), dtype=ids.dtype, device="meta")}
+    return {name: torch.empty((rows, *batch[name].shape[1:]), dtype=batch[name].dtype, device="meta")}
 
 
 def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | None = None) -> None:
