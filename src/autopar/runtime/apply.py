@@ -44,8 +44,8 @@ from autopar.plan import Plan
 from autopar.plan.batch import LocalBatch
 from autopar.sharding import short
 
-PIPELINE_INPUTS = ("input_ids", "labels")  # what a pipeline feeds its first stage and its loss
-PIPELINE_FIRST = ("input_ids", "pixel_values")  # what the first stage may take: tokens, or images (ViT)
+# what a pipeline's first stage may take (tokens, or images: ViT); its loss takes ``labels``
+PIPELINE_FIRST = ("input_ids", "pixel_values")
 
 
 @dataclass
