@@ -243,29 +243,25 @@ class ParallelModel:
                 self.watched.add(id(param))
 
     def _all_reduce_dp(self, grads: list[torch.Tensor], *, buckets: bool = False) -> None:
-        """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices; with ``buckets``, in the
-        buckets DDP makes of them in this order instead (whole tensors, a bucket closing once it holds
-        `DDP_BUCKET_BYTES` or more, as `autopar.cost.memory.ddp_buckets` prices them)."""
+        """Average ``grads`` over dp: one flat buffer, all-reduced in DDP-sized slices (`flat_buckets`); with
+        ``buckets``, in the buckets DDP makes of them in this order instead (`ddp_buckets`: whole tensors, a bucket
+        closing once it holds `DDP_BUCKET_BYTES` or more). Both are the sizes the cost model prices."""
         import torch.distributed as dist
 
-        from autopar.cost.memory import DDP_BUCKET_BYTES
+        from autopar.cost.memory import ddp_buckets, flat_buckets
 
         if not grads:
             return
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
-        step = max(1, DDP_BUCKET_BYTES // flat.element_size())
-        cuts = list(range(0, flat.numel(), step))
-        if buckets:
-            cuts, size = [0], 0
-            for g in local[:-1]:
-                size += g.numel() * g.element_size()
-                if size >= DDP_BUCKET_BYTES:
-                    cuts.append(cuts[-1] + size // g.element_size())
-                    size = 0
-            cuts = sorted(set(cuts))
-        for start, end in zip(cuts, [*cuts[1:], flat.numel()]):
-            dist.all_reduce(flat[start:end], group=self.dp_group)
+        size = flat.element_size()
+        sizes = ddp_buckets(g.numel() * size for g in local) if buckets else flat_buckets(flat.numel() * size)
+        start = 0
+        for nbytes in sizes:
+            end = start + int(nbytes) // size
+            if end > start:
+                dist.all_reduce(flat[start:end], group=self.dp_group)
+            start = end
         flat /= dist.get_world_size(self.dp_group)
         offset = 0
         for g in local:

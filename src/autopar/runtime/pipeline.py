@@ -66,6 +66,23 @@ def _path(module: Any, dotted: str) -> Any:
     return module
 
 
+def _has(module: Any, dotted: str) -> bool:
+    """Whether ``module`` has the attribute at the dotted path (one set to None counts: OPT's absent projections)."""
+    above, _, name = dotted.rpartition(".")
+    return hasattr(_path(module, above) if above else module, name)
+
+
+def _boxed(dotted: str, module: nn.Module) -> tuple[str, nn.Module]:
+    """(the first name of ``dotted``, what holds ``module`` under the rest of it): plain containers standing for
+    the modules above it, so that its parameters keep their names in the whole model."""
+    holder, *above = dotted.split(".")[::-1]
+    for part in above:
+        module, below = nn.Module(), module
+        setattr(module, holder, below)
+        holder = part
+    return holder, module
+
+
 # the Hugging Face chains: stages are checked on a small copy (`check_stage_forward`), the loss shifted by one token.
 # A LLaMA-style chain's ``first`` is its embedding and what runs on its output before the layers, ``last`` its
 # final norm, ``every`` its rotary embedding.
@@ -121,24 +138,14 @@ class StageModule(nn.Module):
             chain = HF_CHAINS[self.kind]
             whole = chain.inner(model)
             inner = nn.Module()  # the outer module's name kept, so parameter names match the whole model's
-            holder, *above = chain.stack.split(".")[::-1]
-            box = chosen
-            for part in above:  # the modules above the list inside ``outer``, as plain containers
-                box, below = nn.Module(), box
-                setattr(box, holder, below)
-                holder = part
-            held = {holder: box} | {name: getattr(whole, name) for name in
-                                    chain.every + (chain.first if first else ()) + (chain.last if last else ())}
+            held = dict([_boxed(chain.stack, chosen)]) | {
+                name: getattr(whole, name) for name in
+                chain.every + (chain.first if first else ()) + (chain.last if last else ())}
             # in the whole model's order (sequence parallelism tells a norm before the layers from one after them
             # by it), then those the model sets to None (OPT's absent projections)
             for name in [*(n for n in whole._modules if n in held), *(n for n in held if n not in whole._modules)]:
                 setattr(inner, name, held[name])
-            holder, *path = chain.outer.split(".")[::-1]
-            for part in path:  # the modules above it, as plain containers
-                inner, above = nn.Module(), inner
-                setattr(inner, holder, above)
-                holder = part
-            setattr(self, holder, inner)
+            setattr(self, *_boxed(chain.outer, inner))
             self.config = model.config  # not a module: its masks are made per forward from it
             scale = getattr(model, "logit_scale", None)  # a number (Cohere), not a parameter
             self.logit_scale = scale if isinstance(scale, (int, float)) else None
@@ -372,10 +379,7 @@ def chain_kind(model: nn.Module) -> str:
         return "llama"
     for kind, chain in HF_CHAINS.items():
         inner = chain.inner(model)
-        # an attribute set to None counts (OPT's absent projections)
-        if hasattr(model, chain.head) and inner is not None and all(
-                hasattr(_path(inner, a.rpartition(".")[0]) if "." in a else inner, a.rpartition(".")[2])
-                for a in chain.modules):
+        if hasattr(model, chain.head) and inner is not None and all(_has(inner, a) for a in chain.modules):
             return kind
     raise NotImplementedError(
         f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
