@@ -148,12 +148,7 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
     from autopar.runtime.comm import compare, intra_prediction
 
     # one micro-batch: every micro-batch issues the same collectives, and the gradients synchronise once a step
-    if plan.micro_batches > 1:
-        rows = plan.micro_batch_size
-        work = plan.workload and dataclasses.replace(plan.workload, batch=rows)
-        plan = dataclasses.replace(plan, micro_batches=1, workload=work)
-        whole = source.batch
-        source = dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()})
+    plan, source = _fewer_micro_batches(plan, source, 1)
     counted = _rehearse(plan, source, model=model, count=True)
     result = compare(counted, intra_prediction(plan, source.traced_at(plan.micro_batch_size)))
     if not result["ok"]:
@@ -172,7 +167,8 @@ def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: Trac
     whole step fails in."""
     from autopar.runtime.comm import compare
 
-    short, shorter = _first_and_last(plan, source)
+    # the first and last micro-batches: every other issues the first's collectives, the last synchronises
+    short, shorter = _fewer_micro_batches(plan, source, 2)
     applied = thin(model, short)
     try:
         counted, graph, dtype = _counted(applied, shorter, model, traced)
@@ -213,15 +209,14 @@ def _counted(plan: Plan, source: ModelSource, model: nn.Module,
     raise failed
 
 
-def _first_and_last(plan: Plan, source: ModelSource) -> tuple[Plan, ModelSource]:
-    """``plan`` with at most two micro-batches (its first and last: every other issues the first's collectives,
-    and the last synchronises the gradients), and ``source`` giving the batch of that plan."""
-    if plan.micro_batches <= 2:
+def _fewer_micro_batches(plan: Plan, source: ModelSource, count: int) -> tuple[Plan, ModelSource]:
+    """``plan`` with at most ``count`` micro-batches, and ``source`` giving the batch of that plan."""
+    if plan.micro_batches <= count:
         return plan, source
-    rows = plan.micro_batch_size * 2
+    rows = plan.micro_batch_size * count
     work = plan.workload and dataclasses.replace(plan.workload, batch=rows)
     whole = source.batch
-    return (dataclasses.replace(plan, micro_batches=2, workload=work),
+    return (dataclasses.replace(plan, micro_batches=count, workload=work),
             dataclasses.replace(source, batch=lambda _: {k: v[:rows] for k, v in whole(rows).items()}))
 
 
