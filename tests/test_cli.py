@@ -281,17 +281,17 @@ def test_refusal_names_the_module_a_plan_fails_in() -> None:
     from autopar.zoo import load
 
     size = {"heads": 4, "hidden": 64, "layers": 2}
-    zoo = load("hf:bloom", batch=1, seq=32, **size)  # its fused q/k/v reshaped by the whole head count
+    zoo = load("hf:xglm", batch=1, seq=32, **size)  # its attention's output reshaped by the whole width
     model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs_at(1)),
                           load_cluster("a100-80g-sxm").with_devices(2), traced_batch=1)
-    work = Workload(model="hf:bloom", overrides=tuple(size.items()), seq=zoo.seq, batch=2, dtype="bf16")
+    work = Workload(model="hf:xglm", overrides=tuple(size.items()), seq=zoo.seq, batch=2, dtype="bf16")
     reasons = {}
     for tp, dp in ((2, 1), (1, 2)):
         config = pipeline_config(model, ParallelConfig(tp=tp, dp=dp, mbs=1))
         found = Found(config, model.estimate(config, global_batch=2), 1)
-        reasons[tp] = refusal(pipeline_plan(model, found, name="bloom", kind="estimate", global_batch=2, workload=work))
+        reasons[tp] = refusal(pipeline_plan(model, found, name="xglm", kind="estimate", global_batch=2, workload=work))
     assert reasons[1] is None
-    assert reasons[2] is not None and "module 'transformer.h.0.self_attention'" in reasons[2]
+    assert reasons[2] is not None and "module 'model.layers.0.self_attn'" in reasons[2]
 
 
 def test_estimate_timeline_json_and_picture(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -933,14 +933,39 @@ def test_columns_pair_with_the_row_of_their_layer_not_only_of_their_parent() -> 
 
 def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Bloom reshapes its fused q/k/v with view(b, s, num_heads, 3, head_dim): under tp 2 the rehearsal fails with
-    a bare shape error, which now says what it means."""
-    code, _, err = run_cli(capsys, "estimate", "hf:bloom", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
+    """XGLM reshapes its attention's output with view(bsz, tgt_len, embed_dim), the model's whole width: under tp 2
+    the rehearsal fails with a bare shape error, which says what it means."""
+    code, _, err = run_cli(capsys, "estimate", "hf:xglm", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
                            "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out",
                            str(tmp_path / "plan.json"))
     assert code == 2 and not (tmp_path / "plan.json").exists()
-    assert "the plan fails in module 'transformer.h.0.self_attention'" in err and "is invalid for input of size" in err
+    assert "the plan fails in module 'model.layers.0.self_attn'" in err and "is invalid for input of size" in err
     assert "reshapes them by the model's whole head count or width fails so: plan with tp 1" in err
+
+
+@pytest.mark.parametrize(("model", "config", "written"), [
+    ("hf:bloom", {}, True),  # q, k and v fused head by head
+    ("falcon", {"new_decoder_architecture": True}, True),  # fused by key/value head (2 of them)
+    ("falcon", {"multi_query": False, "alibi": True}, True),  # head by head, ALiBi
+    ("falcon", {}, False),  # multi-query attention: one key/value head
+])
+def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, config: dict, written: bool) -> None:
+    """BLOOM's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q, k and v
+    together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the plan is
+    written (the slow tier runs them against one process). One key/value head cannot be split: refused, naming it."""
+    if model == "falcon":
+        from transformers import FalconConfig
+
+        FalconConfig(architectures=["FalconForCausalLM"], **config).to_json_file(str(tmp_path / "config.json"))
+        model = f"hf:{tmp_path}"
+    grouped = ["--kv-heads", "2"] if config.get("new_decoder_architecture") else []
+    code, _, err = run_cli(capsys, "estimate", model, *_flags(SMALL), *grouped, "--seq", "32", "--cluster", "cpu",
+                           "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out",
+                           str(tmp_path / "plan.json"))
+    assert (code == 0) == written == (tmp_path / "plan.json").exists(), err
+    if not written:
+        assert "module 'transformer.h.0.self_attention' has 1 kv_heads, which tp 2 does not divide" in err
 
 
 def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureFixture[str]) -> None:

@@ -137,11 +137,22 @@ def test_sequence_parallelism_with_zero_across_dp_matches_one_process_and_the_pr
         ("hf:opt", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
         # and a cross-attention's k and v reading the encoder's output: one replicated input, reduced once
         ("hf:whisper", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
+        # fused q/k/v laid out group by group, each rank given whole groups as the weight stands: BLOOM's head by
+        # head, Falcon's new decoder architecture's by key/value head; their ALiBi biases (and Falcon's mask, which
+        # holds them) taken per rank
+        ("hf:bloom", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
+        ("falcon-new", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
     ],
 )
 def test_single_stage_plans_match_one_process_and_the_predicted_collectives(
     tmp_path, name, overrides, tp, dp, zero, recompute
 ) -> None:
+    if name == "falcon-new":  # Falcon-40B's layout with ALiBi, through a config file (no option names them)
+        from transformers import FalconConfig
+
+        FalconConfig(new_decoder_architecture=True, alibi=True, architectures=["FalconForCausalLM"]).to_json_file(
+            str(tmp_path / "config.json"))
+        name = f"hf:{tmp_path}"
     path = _pipeline_plan(tmp_path, name, overrides, tp=tp, dp=dp, zero=zero, recompute=recompute)
     _run(path, tp * dp)
 

@@ -373,6 +373,23 @@ def _slice(node: Node) -> OpDims:
     return OpDims(tuple(dims), Linearity.FIRST)
 
 
+@dim_rule("aten.index.Tensor")
+def _index(node: Node) -> OpDims:
+    """Indexing by one 1-D tensor of indices in one dim (``x[:, :, [k]]``, as Falcon picks its key and value out of
+    each group of heads): the other dims pass through, the indexed one is fixed. Other index patterns (several
+    index tensors, whose dims move to the front) are opaque."""
+    shape, out = node.inputs[0].shape, node.outputs[0].shape
+    indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (tuple, list)) else ()
+    given = [k for k, x in enumerate(indices) if x is not None]
+    if len(given) != 1 or len(node.inputs) != 2 or len(node.inputs[1].shape) != 1 or len(out) != len(shape):
+        return _opaque(node)
+    axis = given[0]
+    dims = [Dim(size, (i, None), (i,), Split.FREE if size > 1 else Split.FIXED)
+            for i, size in enumerate(shape) if i != axis]
+    dims += [Dim(shape[axis], (axis, None), (None,), Split.FIXED), Dim(out[axis], (None, 0), (axis,), Split.FIXED)]
+    return OpDims(tuple(dims), Linearity.FIRST)
+
+
 @dim_rule("aten.cat.default", "aten.stack.default")
 def _cat(node: Node) -> OpDims:
     out = node.outputs[0].shape

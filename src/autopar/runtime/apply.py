@@ -682,7 +682,12 @@ def _tensor_parallel(
             style = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         linear = modules[fqn]
         styles[fqn] = _conv1d_style(style) if is_conv1d(linear) else style
-        fused = fused_qkv(modules.get(parent_name), fqn.rpartition(".")[2]) if placement == "S(0)" else None
+        parent, child = modules.get(parent_name), fqn.rpartition(".")[2]
+        if placement == "S(0)" and grouped_qkv(parent, child):  # whole groups per rank as the weight stands
+            _per_rank_heads(parent, tp)
+            _alibi_per_rank(parent, mesh)
+            fused_blocks.add(parent_name)
+        fused = fused_qkv(parent, child) if placement == "S(0)" else None
         if fused is not None:
             order = _qkv_order(*fused, tp=tp)
             dim = out_features_dim(linear)
@@ -693,7 +698,7 @@ def _tensor_parallel(
             permutations[f"{fqn}.weight"] = (dim, order)
             if linear.bias is not None:
                 permutations[f"{fqn}.bias"] = (0, order)
-            _per_rank_heads(modules[parent_name], tp)
+            _per_rank_heads(parent, tp)
             fused_blocks.add(parent_name)
     for block, names in columns.items():  # separate q, k and v: a head count the block's code reshapes by
         if block not in fused_blocks and len(names) > 1:
@@ -709,6 +714,11 @@ def _tensor_parallel(
     if sp:  # norms inside a block see its heads, not sequence shards
         gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
     parallelize_module(module, mesh, styles)
+    for fqn, placement in placements.items():  # after the styles' hooks: on the local tensor they hand on
+        if placement == "S(1)" and _named(modules.get(fqn.rpartition(".")[0]), "FalconMLP"):
+            # Falcon's parallel attention adds the attention's output into the MLP's in place, which autograd
+            # forbids on the view of a DTensor's local shard a row-parallel layer returns
+            modules[fqn].register_forward_hook(lambda _module, _args, output: output.clone())
     for norm in norms.values():  # after the styles' hooks: under SP the norm hands on its local sequence shard first
         _relayout_output(modules[norm], mesh, stream, Replicate())
     for norm in gathered:
@@ -769,7 +779,8 @@ def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
     """(heads, key/value heads, head dim) where ``parent``'s child ``child`` is a fused [q; k; v] projection the
     runtime lays out per rank (`_qkv_order`) and ``parent`` is an attention whose head counts it can make per-rank
     (`_per_rank_heads`): the zoo's ``Attention.qkv``, and GPT-2's self-attention ``c_attn`` (cut into q, k and v
-    with ``.split(split_size)``); None otherwise."""
+    with ``.split(split_size)``); None otherwise. (Phi-3's ``qkv_proj`` is cut by slices at widths from its config,
+    which the cost model prices as gathering the projection: its tp stays refused, `cut_projections`.)"""
     from autopar.zoo.layers import Attention
 
     if isinstance(parent, Attention) and child == "qkv":
@@ -782,6 +793,37 @@ def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
     return None
 
 
+def grouped_qkv(parent: Any, child: str) -> bool:
+    """Whether ``parent``'s child ``child`` is a fused projection whose output features run group by group, each
+    group's queries, key and value together, which ``parent`` forms heads from with its head counts: BLOOM's
+    ``query_key_value`` (a group per head), and Falcon's, without multi-query attention (a group per head) or with
+    its new decoder architecture (a group per key/value head). Split by output features into contiguous blocks,
+    each tp rank then holds whole groups as the weight stands; `_per_rank_heads` makes the counts one rank's."""
+    proj = getattr(parent, child, None) if child == "query_key_value" else None
+    heads, size = getattr(parent, "num_heads", None), getattr(parent, "head_dim", None)
+    if not isinstance(proj, nn.Linear) or not _count(heads) or not _count(size):
+        return False
+    if _named(parent, "BloomAttention"):  # its pretraining_tp path slices the output projection by full widths
+        slow = getattr(parent, "pretraining_tp", 1) > 1 and getattr(parent, "slow_but_exact", False)
+        return not slow and proj.out_features == 3 * heads * size
+    if not _named(parent, "FalconAttention"):
+        return False
+    kv = getattr(parent, "num_kv_heads", None)
+    if getattr(parent, "new_decoder_architecture", False):
+        return _count(kv) and heads % kv == 0 and proj.out_features == (heads + 2 * kv) * size
+    return not getattr(parent, "multi_query", True) and kv == heads and proj.out_features == 3 * heads * size
+
+
+def _named(module: Any, name: str) -> bool:
+    """Whether ``module`` is an instance of a class called ``name`` (or of a subclass of one): Hugging Face's
+    attention classes, matched without importing their packages."""
+    return any(cls.__name__ == name for cls in type(module).__mro__)
+
+
+def _count(value: Any) -> bool:  # noqa: ANN401
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _per_rank_heads(attention: nn.Module, tp: int) -> None:
     """Make ``attention``'s head counts (and GPT-2's split width) those of one tp rank, which holds 1/tp of them."""
     from autopar.zoo.layers import Attention
@@ -789,10 +831,35 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
     if isinstance(attention, Attention):
         attention.heads //= tp
         attention.kv_heads //= tp
+    elif grouped_qkv(attention, "query_key_value"):
+        attention.num_heads //= tp
+        if _count(getattr(attention, "num_kv_heads", None)):
+            attention.num_kv_heads //= tp
     else:
         attention.split_size //= tp
         attention.num_heads //= tp
         attention.embed_dim //= tp
+
+
+def _alibi_per_rank(attention: nn.Module, mesh: Any) -> None:
+    """Give ``attention`` (BLOOM's, or an ALiBi Falcon's) the ALiBi biases of its own heads: the model builds them
+    for every head, as (batch x heads, 1, keys) or (batch, heads, 1, keys), and Falcon also adds them into a
+    (batch, heads, queries, keys) attention mask; this rank attends over the ``num_heads`` (already one rank's) at its place in the tp group."""
+    rank = mesh.get_local_rank()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        heads = module.num_heads
+        whole, mine = heads * mesh.size(), slice(rank * heads, (rank + 1) * heads)
+        changed = dict(kwargs)
+        alibi, mask = kwargs.get("alibi"), kwargs.get("attention_mask")
+        for name, value in (("alibi", alibi), ("attention_mask", mask)):
+            if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == whole > 1:
+                changed[name] = value[:, mine]  # (batch, heads, ...)
+        if isinstance(alibi, torch.Tensor) and alibi.dim() == 3:  # (batch x heads, 1, keys)
+            changed["alibi"] = alibi.view(-1, whole, *alibi.shape[1:])[:, mine].reshape(-1, *alibi.shape[1:])
+        return args, changed
+
+    attention.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 HEAD_COUNTS = ("num_heads", "num_key_value_heads", "num_kv_heads")

@@ -878,7 +878,7 @@ def _check_divisible(model: nn.Module, plan: Plan) -> None:
                 raise ValueError(f"parameter {layout.name!r} is split on dim {placement.dim} ({shape[placement.dim]}) "
                                  f"over tp {tp}, which does not divide it")
     for name, module in model.named_modules():
-        for attribute in ("heads", "kv_heads", "num_attention_heads", "num_key_value_heads"):
+        for attribute in ("heads", "kv_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
             count = getattr(module, attribute, None)
             if isinstance(count, int) and count % tp:
                 raise ValueError(f"module {name or '<root>'!r} has {count} {attribute.replace('num_', '')}, which tp "
