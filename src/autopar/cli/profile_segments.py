@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
         description="Start N ranks (gloo on CPU, NCCL on GPUs). For each layout (tensor-parallel size, sequence "
         "parallelism, recomputation, samples per device) apply the plan with the runtime as `autopar run` does, "
         "to a model keeping one layer of each kind, and time each distinct layer's forward and backward there, "
-        "its collectives and recomputation included. Times are added to --db (created if absent; entries measured "
+        "its collectives and recomputation included; each layer keeps its fastest of --rounds rounds over all "
+        "layouts. Times are added to --db (created if absent; entries measured "
         "again are replaced) for estimate/plan/analyze --profile-db. Measured in fp32, as autopar run trains.",
     )
     add_model_arguments(parser)
@@ -45,6 +46,9 @@ def register(subparsers: Any) -> None:
                         "ranks, where tp leaves more than one; default 0 1 3)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per layer and layout, after a warm-up; "
                         "each time is their median (default 9)")
+    parser.add_argument("--rounds", type=int, default=2, help="times every layout is profiled, one round after "
+                        "another; each layer keeps its fastest round, so that a slow spell of a shared machine "
+                        "has to last a whole round to count (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run, dtype="fp32")
 
@@ -63,6 +67,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if any(s < 1 for s in args.samples):
         raise ValueError(f"--samples must be at least 1, got {min(args.samples)}")
     check_writable(args.db, flag="--db")
@@ -130,31 +136,37 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         if group:
             groups.append(group)
     started = time.perf_counter()
-    measured = []
+    measured: dict = {}  # each layer's fastest round so far, by key
     roots: dict = {}  # the root unit's collectives, by key (launches of one sharding measure it alike)
     with sigterm_raises():
-        for group in groups:
-            layouts = [layout for layout, _ in group]
-            say(f"profiling {len(rows)} distinct layers of {zoo.config.name} on {args.nproc} ranks: "
-                + "; ".join(map(str, layouts)))
-            begin = time.perf_counter()
-            # under ZeRO 3 the rows outside the repeated layers belong to the root unit, gathered by the root's
-            # forward only: they cannot run alone, and are priced as under ZeRO 0
-            jobs = [(plan, {key: names for key, names in rows.items() if repeated[key] or not layout.zero})
-                    for layout, plan in group]
-            results, refused, units = run_ranks(profile_rank, args.nproc, args=(jobs, args.repeats, on_cuda))[0]
-            skipped += [f"{layouts[index]}: {why}" for index, why in refused]
-            new = entries(results, layouts, ranks=args.nproc, repeats=args.repeats,
-                          recomputes=[repeated[key] for _, key, *_ in results])
-            for entry in new:
-                db.add(entry)
-            for unit in unit_entries(units, layouts, ranks=args.nproc, repeats=args.repeats):
-                db.add_unit(unit)
-                roots[unit.key] = unit
-            db.save(args.db)  # after each launch: an interrupt keeps what was measured
-            measured += new
-            say(f"  {len(new)} time{'s' if len(new) != 1 else ''} in {time.perf_counter() - begin:.1f} s, saved to "
-                f"{args.db}")
+        for round_ in range(args.rounds):
+            for group in groups:
+                layouts = [layout for layout, _ in group]
+                say((f"round {round_ + 1} of {args.rounds}: " if args.rounds > 1 else "")
+                    + f"profiling {len(rows)} distinct layers of {zoo.config.name} on {args.nproc} ranks: "
+                    + "; ".join(map(str, layouts)))
+                begin = time.perf_counter()
+                # under ZeRO 3 the rows outside the repeated layers belong to the root unit, gathered by the
+                # root's forward only: they cannot run alone, and are priced as under ZeRO 0
+                jobs = [(plan, {key: names for key, names in rows.items() if repeated[key] or not layout.zero})
+                        for layout, plan in group]
+                results, refused, units = run_ranks(profile_rank, args.nproc,
+                                                    args=(jobs, args.repeats, on_cuda))[0]
+                if round_ == 0:  # a layout is refused alike in every round
+                    skipped += [f"{layouts[index]}: {why}" for index, why in refused]
+                new = entries(results, layouts, ranks=args.nproc, repeats=args.repeats,
+                              recomputes=[repeated[key] for _, key, *_ in results])
+                for entry in new:
+                    if _faster(entry, measured.get(entry.key), lambda e: e.forward + e.backward):
+                        measured[entry.key] = entry
+                        db.add(entry)
+                for unit in unit_entries(units, layouts, ranks=args.nproc, repeats=args.repeats):
+                    if _faster(unit, roots.get(unit.key), lambda u: u.gather + u.reduce_scatter):
+                        roots[unit.key] = unit
+                        db.add_unit(unit)
+                db.save(args.db)  # after each launch: an interrupt keeps what was measured
+                say(f"  {len(new)} time{'s' if len(new) != 1 else ''} in {time.perf_counter() - begin:.1f} s, "
+                    f"saved to {args.db}")
     data = {
         "model": zoo.config.name,
         "db": args.db,
@@ -170,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
                      # reduce-scattered); null elsewhere
                      "step_forward_ms": None if e.step_forward is None else e.step_forward * 1e3,
                      "step_backward_ms": None if e.step_backward is None else e.step_backward * 1e3}
-                    for e in measured],
+                    for e in measured.values()],
         # under ZeRO 1 and 3 without tp: one all-gather and one reduce-scatter of the root unit (embeddings, final
         # norm, head), with FSDP's copies around them
         "units": [{"name": u.name, "dp": u.dp, "gather_ms": u.gather * 1e3, "reduce_scatter_ms": u.reduce_scatter * 1e3}
@@ -179,6 +191,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         "seconds": time.perf_counter() - started,
     }
     return data if args.json else render(data)
+
+
+def _faster(new: Any, kept: Any, seconds: Any) -> bool:  # noqa: ANN401
+    """Whether ``new`` replaces ``kept`` (None: nothing measured yet in this command) as the faster round."""
+    return kept is None or seconds(new) < seconds(kept)
 
 
 def _shallower(args: argparse.Namespace, zoo: Any, keys: list[str | None], cluster: Any) -> tuple | None:
