@@ -42,8 +42,12 @@ def test_presets_exist_and_round_trip_through_yaml_and_toml(tmp_path) -> None:
 
 
 def test_every_preset_reads_back_exactly_as_written(tmp_path) -> None:
-    """Microseconds (kernel overhead, link latency) come back as the same floats."""
-    for name, cluster in PRESETS.items():
+    """Microseconds (kernel overhead, link latency) come back as the same floats, and a CPU host's cores too."""
+    import dataclasses
+
+    cpu = PRESETS["cpu"]
+    for name, cluster in [*PRESETS.items(), ("cores", dataclasses.replace(
+            cpu, device=dataclasses.replace(cpu.device, host_cores=2)))]:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cluster_to_dict(cluster)))
         assert load_cluster(str(path)) == cluster, name
@@ -56,6 +60,8 @@ def test_every_preset_reads_back_exactly_as_written(tmp_path) -> None:
         (lambda d: d["device"].pop("memory_gib"), "missing field device.memory_gib"),
         (lambda d: d["device"]["efficiency"].update(matmul=1.5), "efficiency.matmul must be in (0, 1]"),
         (lambda d: d["device"]["peak_tflops"].update(bf16="fast"), "peak_tflops.bf16 must be a positive"),
+        (lambda d: d["device"].update(host_cores=0), "device.host_cores must be an integer from 1"),
+        (lambda d: d["device"].update(host_cores=2.5), "device.host_cores must be an integer from 1"),
     ],
 )
 def test_bad_cluster_files_name_the_field(tmp_path, edit, message: str) -> None:

@@ -195,6 +195,49 @@ def test_the_cost_model_prices_measured_layers_by_their_times() -> None:
     assert _model(2, profile=db4).measured_share(config, global_batch=4) == 0
 
 
+def test_pipeline_stages_on_shared_cores_run_faster_while_others_wait() -> None:
+    """4 CPU ranks on a host of 2 cores, priced by times measured with all 4 busy (`autopar calibrate` records
+    the cores): where one pipeline stage of pp 2 x dp 2 works while the other waits (fill, drain, 1F1B's waits),
+    its 2 ranks have the cores to themselves. The pace comes from the profile database where it timed layers
+    with 2 ranks on the host and with 4; else the cores are shared out evenly. A plan whose ranks all work at
+    once (dp 4) and a GPU cluster are priced as before."""
+    import dataclasses
+
+    from autopar.cost import ParallelConfig
+    from autopar.cost.megatron import pipeline_config
+
+    def model(cores: int | None, profile: ProfileDB | None = None, preset: str = "cpu") -> PipelineModel:
+        zoo = load("gpt3-125m", batch=1, seq=16, dtype=torch.float32, layers=4, hidden=64, heads=4, vocab=128)
+        cluster = load_cluster(preset).with_devices(4)
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, host_cores=cores))
+        return PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), cluster, traced_batch=1, dtype="fp32",
+                             profile=profile)
+
+    def seconds(m: PipelineModel, **layout) -> float:  # noqa: ANN003
+        config = pipeline_config(m, ParallelConfig(mbs=1, recompute="none", zero=0, sp=False, schedule="1f1b",
+                                                   chunks=1, **layout))
+        return m.estimate(config, global_batch=8).estimate.iteration_seconds
+
+    pipeline = dict(tp=1, pp=2, dp=2)
+    alone, shared = seconds(model(None), **pipeline), seconds(model(2), **pipeline)
+    assert shared < 0.95 * alone
+    assert seconds(model(4), **pipeline) == alone  # as many cores as ranks: nothing to share out
+    assert seconds(model(2), tp=1, pp=1, dp=4) == seconds(model(None), tp=1, pp=1, dp=4)
+    gpu = "a100-80g-sxm"
+    assert seconds(model(2, preset=gpu), **pipeline) == seconds(model(None, preset=gpu), **pipeline)
+    key = dict(zip((layer.name for layer in model(None).layers), row_fingerprints(model(None))))["layers.0"]
+    db = ProfileDB(device=DEVICE)
+    db.add(_entry(layer=key, ranks=4, forward=0.02, backward=0.04))
+    measured_alone = seconds(model(None, db), **pipeline)
+    assert seconds(model(2, db), **pipeline) < measured_alone  # no 2-rank time: shared out evenly
+    db.add(_entry(layer=key, ranks=2, forward=0.02, backward=0.04))  # measured: no faster with 2 ranks busy
+    assert db.pace(2, 4, dtype="fp32") == 1.0
+    assert seconds(model(2, db), **pipeline) == pytest.approx(measured_alone)
+    db.add(_entry(layer=key, ranks=2, forward=0.015, backward=0.03))
+    assert db.pace(2, 4, dtype="fp32") == pytest.approx(0.75) and db.pace(1, 4, dtype="fp32") is None
+    assert seconds(model(2, db), **pipeline) < measured_alone
+
+
 def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path) -> None:
     path = tmp_path / "db.json"
     ProfileDB(device=DEVICE).save(path)

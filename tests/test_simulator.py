@@ -294,6 +294,33 @@ def test_streams_are_fifo_and_cycles_are_refused() -> None:
         Task(kind=Kind.FORWARD, device=0, stream=Stream.COMPUTE, seconds=float("nan"))
 
 
+def test_ranks_sharing_cores_run_faster_while_other_stages_wait() -> None:
+    """Two devices of 2 ranks each on one host of 2 cores, every time measured with all 4 busy: where one device
+    works while the other waits, its 2 ranks have a core each and take half their measured time; where both
+    work, they take it all. A pace of 1 changes nothing."""
+    tasks = [Task(kind=Kind.FORWARD, device=0, stream=Stream.COMPUTE, seconds=3.0),
+             Task(kind=Kind.FORWARD, device=1, stream=Stream.COMPUTE, seconds=4.0, after=(0,)),
+             Task(kind=Kind.BACKWARD, device=1, stream=Stream.COMPUTE, seconds=1.0, after=(1,)),
+             Task(kind=Kind.ALL_REDUCE, device=0, stream=Stream.DP, seconds=1.0, after=(2,))]
+    timeline = simulate(tasks)
+    assert timeline.iteration == 9.0
+    cores = 2
+
+    def even(k: int) -> float:
+        return max(k, cores) / max(4, cores)
+
+    shared = timeline.shared((2, 2), even)
+    # device 0 alone over [0, 3] (half), device 1 alone over [3, 8] (half), device 0's all-reduce alone (half)
+    assert shared.start == [0.0, 1.5, 3.5, 4.0] and shared.end == [1.5, 3.5, 4.0, 4.5]
+    assert shared.iteration == 4.5 and shared.tasks[1].seconds == 2.0
+    assert shared.split(1) == (2.5, 0.0, 2.0)
+    both = simulate([Task(kind=Kind.FORWARD, device=0, stream=Stream.COMPUTE, seconds=2.0),
+                     Task(kind=Kind.FORWARD, device=1, stream=Stream.COMPUTE, seconds=2.0),
+                     Task(kind=Kind.BACKWARD, device=1, stream=Stream.COMPUTE, seconds=1.0, after=(0, 1))])
+    assert both.shared((2, 2), even).end == [2.0, 2.0, 2.5]  # together as measured, then device 1 alone
+    assert timeline.shared((2, 2), lambda k: 1.0).end == timeline.end
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_collectives_are_those_gradient_sync_counts(zero: int, overlap: bool) -> None:

@@ -170,6 +170,10 @@ def calibrate(nproc: int, *, base: Cluster | None = None, progress: Callable[[st
     sizes = tuple(sorted(SIZES)) if nproc > 1 else ()
     seconds, profile, memory = measure(nproc, sizes, compute=compute)
     device = profile.device(base.device, memory=memory) if profile is not None else base.device
+    if device.is_cpu:  # ranks that are processes share the host's cores (`simulator.Timeline.shared`)
+        from autopar.search.workers import cores
+
+        device = replace(device, host_cores=cores())
     if nproc == 1:
         cluster = replace(base, name=f"{base.name}-calibrated", device=device)
         return Calibration(cluster, nproc, (), (), base.intra.bandwidth, base.intra.latency, None,

@@ -16,6 +16,8 @@ File format (YAML or TOML; units in the key names):
       gemm_efficiency: {gflop: [10, 100, 1000], efficiency: [0.45, 0.65, 0.75]}
       kernel_overhead_us: 4
       reserved_gib: 2             # CUDA context, NCCL buffers, allocator fragmentation
+      # optional, CPU processes only (`autopar calibrate` writes it): the cores a host's ranks share
+      # host_cores: 2
     links:
       intra: {bandwidth_gbps: 230, latency_us: 3}
       inter: {bandwidth_gbps: 22, latency_us: 8}
@@ -107,9 +109,16 @@ class Device:
     # decreasing; interpolated in log(flops), flat beyond the ends. Empty: every contraction runs at
     # efficiency["matmul"]
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
+    # where devices are CPU processes: the cores a host's ranks share (as `autopar calibrate` measured them, all
+    # ranks busy); None: each device computes on its own (a GPU). See `simulator.Timeline.shared`
+    host_cores: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"device {self.name}"
+        if self.host_cores is not None and (not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool)
+                                            or not 1 <= self.host_cores <= MAX_CORES):
+            raise ValueError(f"{owner}: host_cores must be an integer from 1 to {MAX_CORES:,}, got "
+                             f"{self.host_cores!r}")
         _positive(owner, "memory", self.memory)
         _positive(owner, "hbm_bandwidth", self.hbm_bandwidth)
         if not self.peak_flops:
@@ -251,10 +260,11 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MAX_TABLES = 64  # collective tables on one link tier
 EFFICIENCY_KINDS = ("matmul", "attention", "memory")
+MAX_CORES = 65_536
 _FIELDS = {
     "": ("name", "devices_per_node", "nodes", "device", "links"),
     "device.": ("name", "memory_gib", "peak_tflops", "hbm_gbps", "efficiency", "gemm_efficiency", "kernel_overhead_us",
-                "reserved_gib"),
+                "reserved_gib", "host_cores"),
     "device.gemm_efficiency.": ("gflop", "efficiency"),
     "links.": ("intra", "inter"),
     "link": ("bandwidth_gbps", "latency_us", "measured", "tables"),
@@ -336,6 +346,8 @@ def _device(r: _FileReader, dev: Any) -> Device:
                                  most=MAX_OVERHEAD_US) / 1e6,
         reserved=reserved_gib * GIB,
         gemm_efficiency=_gemm_curve(r, dev.get("gemm_efficiency")),
+        host_cores=(r.count(dev["host_cores"], "device.host_cores", least=1, most=MAX_CORES)
+                    if dev.get("host_cores") is not None else None),
     )
 
 
@@ -446,6 +458,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             **({"gemm_efficiency": {"gflop": [f / 1e9 for f, _ in d.gemm_efficiency],
                                     "efficiency": [e for _, e in d.gemm_efficiency]}}
                if d.gemm_efficiency else {}),
+            **({"host_cores": d.host_cores} if d.host_cores is not None else {}),
         },
         "links": {"intra": link(cluster.intra), "inter": link(cluster.inter)},
     }

@@ -716,7 +716,32 @@ class PipelineModel:
         stages = tuple(r.parts.times(self.layers, s, config.zero) for r, s in zip(reports, config.stages))
         spec = PipelineSpec(stages=stages, micro_batches=m, schedule=config.schedule, chunks=config.chunks,
                             zero=config.zero, overlap=overlap)
-        return PipelineSimulation.full(spec)
+        simulation = PipelineSimulation.full(spec)
+        cores, devices = self.cluster.device.host_cores, len(config.stages) // config.chunks
+        if (cores is not None and self.cluster.device.is_cpu and self.cluster.nodes == 1
+                and self.cluster.num_devices > cores and devices > 1):
+            # CPU ranks, more than the host's cores: a stage waiting in the pipeline's fill or drain leaves its
+            # cores to the busy ones, which then run faster than measured with every rank busy
+            ranks = tuple(config.stages[d].tp * config.stages[d].dp for d in range(devices))
+            simulation = simulation.shared(ranks, self._pace(sum(ranks), cores))
+        return simulation
+
+    def _pace(self, ranks: int, cores: int) -> Callable[[int], float]:
+        """How long a task takes with k of the host's ``ranks`` busy, as a share of its time with all of them
+        (what the profile and the calibration measured): as the profile database measured layers with k and
+        with ``ranks`` ranks on the host (`ProfileDB.pace`), else the cores shared out evenly,
+        max(k, cores) / max(ranks, cores)."""
+        measured: dict[int, float | None] = {}
+
+        def pace(k: int) -> float:
+            if k >= ranks:
+                return 1.0
+            if k not in measured:
+                measured[k] = self.profile.pace(k, ranks, dtype=self.dtype) if self.profile is not None else None
+            found = measured[k]
+            return found if found is not None else max(k, cores) / max(ranks, cores)
+
+        return pace
 
     def stage_memory(self, config: PipelineConfig, index: int, view: StageView, *, micro_batches: int,
                      copy: float = 0.0, segments: SegmentCosts | None = None) -> MemoryBreakdown:

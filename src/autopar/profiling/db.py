@@ -224,6 +224,20 @@ class ProfileDB:
                          None)
         return found
 
+    def pace(self, busy: int, ranks: int, *, dtype: str) -> float | None:
+        """How long layers take with ``busy`` ranks running on the host, as a share of their time with ``ranks``:
+        the summed times of every layer measured both ways under one layout, or None where none was (on a GPU,
+        where ranks do not share a device, 1)."""
+        if self.kind == "cuda":
+            return 1.0
+        both: dict[tuple, dict[int, float]] = {}
+        for e in self.entries.values():
+            if e.dtype == dtype and e.ranks in (busy, ranks):
+                both.setdefault(e.key[:6], {})[e.ranks] = e.forward + e.backward
+        few = sum(t[busy] for t in both.values() if len(t) == 2)
+        many = sum(t[ranks] for t in both.values() if len(t) == 2)
+        return few / many if many > 0 else None
+
     def add_unit(self, entry: UnitEntry) -> None:
         self.units[entry.key] = entry
 

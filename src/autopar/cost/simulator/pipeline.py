@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from autopar.cost.simulator.build import build, seconds_of
 from autopar.cost.simulator.spec import PipelineSpec, StageTimes
@@ -44,6 +45,12 @@ class PipelineSimulation:
             tasks.append(make(kind, device, stream, found[0], found[1], tuple(after), peer, stage, micro_batch))
             owners[stage].append(i)
         return cls(spec, simulate(tasks), tuple(map(tuple, owners)), tuple(row[5] for row in b.rows))
+
+    def shared(self, ranks: tuple[int, ...], pace: Callable[[int], float]) -> PipelineSimulation:
+        """The simulation as it runs on one host whose cores all its devices' ranks share, device d being
+        ``ranks[d]`` processes, k busy ranks running ``pace(k)`` times as long as measured (`Timeline.shared`);
+        for reading, not for `change`."""
+        return PipelineSimulation(self.spec, self.timeline.shared(ranks, pace), self._owners, self._recipes)
 
     def change(self, stage: int, times: StageTimes) -> PipelineSimulation:
         """The simulation with stage ``stage``'s figures replaced (Algorithm 2): only its tasks get new seconds

@@ -30,9 +30,10 @@ Read-offs on device d over [0, iteration], iteration = max_t end(t):
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -219,6 +220,34 @@ class Timeline:
             _propagate(self.graph, changed, duration, start, end)
         return Timeline(tuple(tasks), self.graph, duration, start, end)
 
+    def shared(self, ranks: Sequence[int], pace: Callable[[int], float]) -> Timeline:
+        """This timeline as it runs where the devices are processes sharing one host's cores, device d being
+        ``ranks[d]`` of them, every task's time measured with all of them busy at once: over a span where k ranks
+        are busy, each runs ``pace(k)`` times as long as measured (``pace(sum(ranks))`` is 1; with more ranks
+        than cores, fewer busy ranks run faster: processor sharing); a span where none is runs as simulated, as
+        does every span where ``pace`` gives 1. Where a pipeline's stages wait in its fill and drain, the busy
+        ones have the cores to themselves. Each span changes length as a whole, so tasks keep their order and
+        dependencies; the result is for reading (its iteration, splits, drawing), not for `resimulate`."""
+        if not self.tasks:
+            return self
+        edges = sorted({t for pair in zip(self.start, self.end) for t in pair})
+        busy: list[set[int]] = [set() for _ in edges[1:]]  # devices busy in each span, once however many streams
+        for task, s, e in zip(self.tasks, self.start, self.end):
+            for k in range(bisect.bisect_left(edges, s), bisect.bisect_left(edges, e)):
+                busy[k].add(task.device)
+        counts = [sum(ranks[d] for d in devices) for devices in busy]
+        warped = [0.0]
+        for (a, b), k in zip(zip(edges, edges[1:]), counts):
+            warped.append(warped[-1] + (b - a) * (pace(k) if k else 1.0))
+        at = dict(zip(edges, warped))
+        start = [at[x] for x in self.start]
+        end = [at[x] for x in self.end]
+        tasks = tuple(Task.unchecked(t.kind, t.device, t.stream, _warp(edges, warped, s + t.seconds) - at[s],
+                                     at[e] - _warp(edges, warped, e - t.tail) if t.tail else 0.0, t.after, t.peer,
+                                     t.stage, t.micro_batch)
+                      for t, s, e in zip(self.tasks, self.start, self.end))
+        return Timeline(tasks, self.graph, [b - a for a, b in zip(start, end)], start, end)
+
     def busy(self, device: int) -> dict[Stream, float]:
         """Seconds each stream of ``device`` is busy (a compute task's tail counts on the tp stream)."""
         found = dict.fromkeys(Stream, 0.0)
@@ -265,6 +294,13 @@ class Timeline:
             exposed = _outside(_union(talks), spans)
             found.append((busy, exposed, max(0.0, iteration - busy - exposed)))
         return found
+
+
+def _warp(edges: list[float], warped: list[float], x: float) -> float:
+    """``x`` on the warped clock: linear within its span of ``edges``."""
+    k = min(max(bisect.bisect_right(edges, x) - 1, 0), len(edges) - 2)
+    a, b = edges[k], edges[k + 1]
+    return warped[k] + (x - a) / (b - a) * (warped[k + 1] - warped[k]) if b > a else warped[k]
 
 
 def _propagate(g: Graph, changed: Mapping[int, Task], duration: list[float], start: list[float],
