@@ -945,15 +945,17 @@ def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
 
 @pytest.mark.parametrize(("model", "config", "written"), [
     ("hf:bloom", {}, True),  # q, k and v fused head by head
+    ("hf:persimmon", {}, True),  # and so, with a norm of each head's q and k
     ("falcon", {"new_decoder_architecture": True}, True),  # fused by key/value head (2 of them)
     ("falcon", {"multi_query": False, "alibi": True}, True),  # head by head, ALiBi
     ("falcon", {}, False),  # multi-query attention: one key/value head
 ])
 def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, config: dict, written: bool) -> None:
-    """BLOOM's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q, k and v
-    together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the plan is
-    written (the slow tier runs them against one process). One key/value head cannot be split: refused, naming it."""
+    """BLOOM's, Persimmon's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q,
+    k and v together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the
+    plan is written (the slow tier runs BLOOM and Falcon against one process). One key/value head cannot be split:
+    refused, naming it."""
     if model == "falcon":
         from transformers import FalconConfig
 

@@ -795,15 +795,17 @@ def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
 
 def grouped_qkv(parent: Any, child: str) -> bool:
     """Whether ``parent``'s child ``child`` is a fused projection whose output features run group by group, each
-    group's queries, key and value together, which ``parent`` forms heads from with its head counts: BLOOM's
-    ``query_key_value`` (a group per head), and Falcon's, without multi-query attention (a group per head) or with
-    its new decoder architecture (a group per key/value head). Split by output features into contiguous blocks,
-    each tp rank then holds whole groups as the weight stands; `_per_rank_heads` makes the counts one rank's."""
+    group's queries, key and value together, which ``parent`` forms heads from with its head counts: BLOOM's and
+    Persimmon's ``query_key_value`` (a group per head), and Falcon's, without multi-query attention (a group per
+    head) or with its new decoder architecture (a group per key/value head). Split by output features into
+    contiguous blocks, each tp rank then holds whole groups as the weight stands; `_per_rank_heads` makes the counts
+    one rank's."""
     proj = getattr(parent, child, None) if child == "query_key_value" else None
     heads, size = getattr(parent, "num_heads", None), getattr(parent, "head_dim", None)
     if not isinstance(proj, nn.Linear) or not _count(heads) or not _count(size):
         return False
-    if _named(parent, "BloomAttention"):  # its pretraining_tp path slices the output projection by full widths
+    if _named(parent, "BloomAttention") or _named(parent, "PersimmonAttention"):
+        # BLOOM's pretraining_tp path slices the output projection by full widths
         slow = getattr(parent, "pretraining_tp", 1) > 1 and getattr(parent, "slow_but_exact", False)
         return not slow and proj.out_features == 3 * heads * size
     if not _named(parent, "FalconAttention"):
@@ -844,7 +846,8 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
 def _alibi_per_rank(attention: nn.Module, mesh: Any) -> None:
     """Give ``attention`` (BLOOM's, or an ALiBi Falcon's) the ALiBi biases of its own heads: the model builds them
     for every head, as (batch x heads, 1, keys) or (batch, heads, 1, keys), and Falcon also adds them into a
-    (batch, heads, queries, keys) attention mask; this rank attends over the ``num_heads`` (already one rank's) at its place in the tp group."""
+    (batch, heads, queries, keys) attention mask; this rank attends over the ``num_heads`` (already one rank's)
+    at its place in the tp group."""
     rank = mesh.get_local_rank()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
