@@ -74,7 +74,7 @@ def write_cluster(edit) -> None:  # noqa: ANN001
         (lambda d: d["device"]["peak_tflops"].update(tf32=100),
          "unknown field device.peak_tflops.tf32 (known: bf16, fp16, fp32)"),
         (lambda d: d["device"].update(memory_gb=80), "unknown field device.memory_gb (known: name, memory_gib, "
-         "peak_tflops, hbm_gbps, efficiency, gemm_efficiency, kernel_overhead_us, reserved_gib)"),
+         "peak_tflops, hbm_gbps, efficiency, gemm_efficiency, kernel_overhead_us, reserved_gib, host_cores)"),
         (lambda d: d["device"]["efficiency"].update(matmul=math.nan), "device.efficiency.matmul must be in (0, 1], got nan"),
         (lambda d: d.update(links=[1]), "links must be a mapping, got [1]"),
     ],

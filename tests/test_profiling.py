@@ -238,6 +238,19 @@ def test_pipeline_stages_on_shared_cores_run_faster_while_others_wait() -> None:
     assert seconds(model(2, db), **pipeline) < measured_alone
 
 
+def test_each_layer_keeps_its_median_round() -> None:
+    """A layer profiled in three rounds keeps the middle one: a slow spell or a lucky draw in one round does not
+    count. After two rounds (so far, or with --rounds 2) the faster stands."""
+    from autopar.cli.profile_segments import _median
+
+    rounds: dict = {}
+    slow, fast, middle = (_entry(forward=f, backward=2 * f) for f in (0.05, 0.01, 0.02))
+    assert _median(rounds, ("layer", "k"), slow, 0.15) is slow
+    assert _median(rounds, ("layer", "k"), fast, 0.03) is fast
+    assert _median(rounds, ("layer", "k"), middle, 0.06) is middle
+    assert _median(rounds, ("unit", "k"), _unit(), 0.01).name == "root"  # units apart from layers
+
+
 def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path) -> None:
     path = tmp_path / "db.json"
     ProfileDB(device=DEVICE).save(path)
@@ -256,7 +269,7 @@ def test_estimate_refuses_a_database_of_another_kind_of_device(capsys, tmp_path)
 def test_profile_segments_measures_each_distinct_layer_once(capsys, tmp_path) -> None:
     db = tmp_path / "db.json"
     argv = ["profile-segments", *GPT, "--nproc", "2", "--tp", "1", "2", "--samples", "1", "--recompute", "none",
-            "--no-sp", "--zero", "0", "1", "3", "--repeats", "2", "--db", str(db), "--json"]
+            "--no-sp", "--zero", "0", "1", "3", "--repeats", "2", "--rounds", "2", "--db", str(db), "--json"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     data = json.loads(out)

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
         description="Start N ranks (gloo on CPU, NCCL on GPUs). For each layout (tensor-parallel size, sequence "
         "parallelism, recomputation, samples per device) apply the plan with the runtime as `autopar run` does, "
         "to a model keeping one layer of each kind, and time each distinct layer's forward and backward there, "
-        "its collectives and recomputation included; each layer keeps its fastest of --rounds rounds over all "
+        "its collectives and recomputation included; each layer keeps its median of --rounds rounds over all "
         "layouts. Times are added to --db (created if absent; entries measured "
         "again are replaced) for estimate/plan/analyze --profile-db. Measured in fp32, as autopar run trains.",
     )
@@ -46,9 +46,9 @@ def register(subparsers: Any) -> None:
                         "ranks, where tp leaves more than one; default 0 1 3)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per layer and layout, after a warm-up; "
                         "each time is their median (default 9)")
-    parser.add_argument("--rounds", type=int, default=2, help="times every layout is profiled, one round after "
-                        "another; each layer keeps its fastest round, so that a slow spell of a shared machine "
-                        "has to last a whole round to count (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every layout is profiled, one round after "
+                        "another; each layer keeps its median round, so that neither a slow spell of a shared "
+                        "machine nor a lucky one during one round counts (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run, dtype="fp32")
 
@@ -136,8 +136,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
         if group:
             groups.append(group)
     started = time.perf_counter()
-    measured: dict = {}  # each layer's fastest round so far, by key
+    measured: dict = {}  # each layer's median round so far, by key
     roots: dict = {}  # the root unit's collectives, by key (launches of one sharding measure it alike)
+    rounds: dict = {}  # every round's measurement of each layer and unit, by key
     with sigterm_raises():
         for round_ in range(args.rounds):
             for group in groups:
@@ -157,13 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
                 new = entries(results, layouts, ranks=args.nproc, repeats=args.repeats,
                               recomputes=[repeated[key] for _, key, *_ in results])
                 for entry in new:
-                    if _faster(entry, measured.get(entry.key), lambda e: e.forward + e.backward):
-                        measured[entry.key] = entry
-                        db.add(entry)
+                    measured[entry.key] = _median(rounds, ("layer", entry.key), entry, entry.forward + entry.backward)
+                    db.add(measured[entry.key])
                 for unit in unit_entries(units, layouts, ranks=args.nproc, repeats=args.repeats):
-                    if _faster(unit, roots.get(unit.key), lambda u: u.gather + u.reduce_scatter):
-                        roots[unit.key] = unit
-                        db.add_unit(unit)
+                    roots[unit.key] = _median(rounds, ("unit", unit.key), unit, unit.gather + unit.reduce_scatter)
+                    db.add_unit(roots[unit.key])
                 db.save(args.db)  # after each launch: an interrupt keeps what was measured
                 say(f"  {len(new)} time{'s' if len(new) != 1 else ''} in {time.perf_counter() - begin:.1f} s, "
                     f"saved to {args.db}")
@@ -193,9 +192,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     return data if args.json else render(data)
 
 
-def _faster(new: Any, kept: Any, seconds: Any) -> bool:  # noqa: ANN401
-    """Whether ``new`` replaces ``kept`` (None: nothing measured yet in this command) as the faster round."""
-    return kept is None or seconds(new) < seconds(kept)
+def _median(rounds: dict, key: tuple, measurement: Any, seconds: float) -> Any:  # noqa: ANN401
+    """The median of the rounds measured so far for ``key``, ``measurement`` (of ``seconds``) added: with an even
+    count, the faster of the middle two. One slow or one fast round of three does not count."""
+    found = rounds.setdefault(key, [])
+    found.append((seconds, len(found), measurement))
+    found.sort(key=lambda item: item[:2])
+    return found[(len(found) - 1) // 2][2]
 
 
 def _shallower(args: argparse.Namespace, zoo: Any, keys: list[str | None], cluster: Any) -> tuple | None:
