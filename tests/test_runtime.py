@@ -319,18 +319,23 @@ def test_pipelines_match_one_process_and_the_predicted_collectives(
 
 
 @pytest.mark.slow
-def test_opt_pipelines_with_tp_match_one_process(tmp_path) -> None:
-    """OPT's chain (learned positions offset by 2, its head tied to the embedding) in 2 stages, each over tp 2, its
-    attention forming heads with the module's own head count (made per rank). With GELU: OPT's ReLU has units
-    whose input lies within 1e-7 of zero at these sizes, which fp32 sums in another order can put on the other
-    side, so a step's gradients differ from one process's at a kink, whatever the plan."""
+@pytest.mark.parametrize(("pp", "sp"), [(2, False), (2, True), (1, True)])
+def test_opt_plans_with_tp_match_one_process(tmp_path, pp, sp) -> None:
+    """OPT's chain (learned positions offset by 2, its head tied to the embedding) in 2 stages, or one, over tp 2,
+    its attention forming heads with the module's own head count (made per rank). Under sequence parallelism its
+    decoder layer holds its MLP's linears itself, flattening the stream's batch and sequence into rows before
+    them, and its final norm, registered before its layers, runs after them on sequence shards. With GELU: OPT's
+    ReLU has units whose input lies within 1e-7 of zero at these sizes, which fp32 sums in another order can put on
+    the other side, so a step's gradients differ from one process's at a kink, whatever the plan."""
     from transformers import OPTConfig
 
     OPTConfig(num_hidden_layers=4, hidden_size=64, word_embed_proj_dim=64, num_attention_heads=4, ffn_dim=256,
               vocab_size=128, activation_function="gelu").to_json_file(tmp_path / "config.json")
-    path = _pipeline_plan(tmp_path, f"hf:{tmp_path / 'config.json'}", {}, tp=2, dp=1, pp=2, schedule="gpipe")
-    data = _run(path, 4)
-    assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp", "tp"}
+    path = _pipeline_plan(tmp_path, f"hf:{tmp_path / 'config.json'}", {}, tp=2, dp=1, pp=pp, schedule="gpipe",
+                          sp=sp)
+    data = _run(path, 2 * pp)
+    axes = {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]}
+    assert axes >= ({"pp", "tp"} if pp > 1 else {"tp"})
 
 
 @pytest.mark.slow

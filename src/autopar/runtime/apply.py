@@ -658,8 +658,9 @@ def _tensor_parallel(
     prices it. Works for the zoo's models and for Hugging Face ones alike, ``nn.Linear`` and GPT-2's ``Conv1D``
     (weight stored as (in, out)) alike."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    ColwiseParallel, RowwiseParallel, _ = _stream_styles()  # noqa: N806 - torch's styles, for a flattened stream too
     sp = plan.sp
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks: sequence shards under SP
     tp = mesh.size()
@@ -669,6 +670,13 @@ def _tensor_parallel(
     styles: dict[str, Any] = {}
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     fused_blocks: set[str] = set()
+    heads = tp_partial_names(module, plan)
+    norms = norms_before_columns(module, columns, sp=sp, summed=heads)
+    # blocks that are layers of the stream themselves, with one column and no one norm it reads (OPT's decoder
+    # layer holds its MLP's linears and two norms): under SP their input is sequence shards that their own norms
+    # and residual adds run on, so their column gathers its input itself rather than the block gathering its own
+    on_stream = {block for block, names in columns.items()
+                 if sp and len(names) == 1 and _in_list(modules, block) and block not in norms}
     for fqn, placement in placements.items():
         parent_name = fqn.rpartition(".")[0]
         if placement == "S(1)":
@@ -676,7 +684,7 @@ def _tensor_parallel(
         elif parent_name in columns:  # a row-parallel linear of the same block consumes the shards
             # its input arrives as a replicated DTensor (hook below) where several columns read it, and under SP,
             # where the norms before it hand on local sequence shards
-            shared = len(columns[parent_name]) > 1 or sp
+            shared = len(columns[parent_name]) > 1 or (sp and parent_name not in on_stream)
             style = ColwiseParallel() if shared else ColwiseParallel(input_layouts=stream)
         else:  # a column layer with no row partner (the LM head): gather its output for what follows
             style = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
@@ -703,10 +711,8 @@ def _tensor_parallel(
     for block, names in columns.items():  # separate q, k and v: a head count the block's code reshapes by
         if block not in fused_blocks and len(names) > 1:
             _per_rank_head_counts(modules[block], tp)
-    heads = tp_partial_names(module, plan)
-    norms = norms_before_columns(module, columns, sp=sp, summed=heads)
     for block, names in columns.items():
-        if (len(names) > 1 or sp) and block not in norms:
+        if (len(names) > 1 or sp) and block not in norms and block not in on_stream:
             _relayout_input(modules[block], mesh, stream, Replicate(), local=False)
         if len(names) > 1 and not sp:
             _share_other_inputs(modules[block], [modules[name] for name in names], mesh)
@@ -724,6 +730,47 @@ def _tensor_parallel(
     for norm in gathered:
         _relayout_output(modules[norm], mesh, stream, Replicate(), local=True)
     return permutations, heads
+
+
+@functools.cache
+def _stream_styles() -> tuple[type, type, type]:
+    """torch's ColwiseParallel, RowwiseParallel and SequenceParallel, where a layer may flatten the stream's batch
+    and sequence into rows before its MLP (OPT's decoder layer: ``reshape(-1, hidden)``): a sequence shard given as
+    ``Shard(1)`` of a (batch, sequence, features) stream is then ``Shard(0)`` of the (rows, features) one. Each
+    rank's rows are its own positions of every sample, gathered rank after rank: an MLP and a norm work row by row,
+    and the reduce-scatter after the MLP hands each rank back its own rows."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    def rows(layouts: tuple, x: Any) -> tuple:
+        return tuple(Shard(0) if p == Shard(1) else p for p in layouts) if x.dim() == 2 else layouts
+
+    class Colwise(ColwiseParallel):
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # noqa: ANN001, ANN205
+            return ColwiseParallel._prepare_input_fn(rows(input_layouts, inputs[0]), desired_input_layouts, mod, inputs,
+                                                     device_mesh)
+
+    class Rowwise(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+            return RowwiseParallel._prepare_output_fn(rows(output_layouts, outputs), use_local_output, mod, outputs,
+                                                      device_mesh)
+
+    class Sequence(SequenceParallel):
+        @staticmethod
+        def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):  # noqa: ANN001, ANN205
+            return SequenceParallel._prepare_input_fn(rows(sequence_sharding, inputs[0]), mod, inputs, device_mesh)
+
+    for style, base in ((Colwise, ColwiseParallel), (Rowwise, RowwiseParallel), (Sequence, SequenceParallel)):
+        style.__name__ = style.__qualname__ = base.__name__
+    return Colwise, Rowwise, Sequence
+
+
+def _in_list(modules: dict[str, nn.Module], fqn: str) -> bool:
+    """Whether the module ``fqn`` is an element of a list of layers (``nn.ModuleList``, ``nn.Sequential`` or a
+    pipeline stage's ``nn.ModuleDict``)."""
+    return isinstance(modules.get(fqn.rpartition(".")[0]), (nn.ModuleList, nn.Sequential, nn.ModuleDict))
 
 
 def is_conv1d(module: Any) -> bool:
@@ -1057,9 +1104,9 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
     output by the whole sequence before the head (GPT-2 does); the names of such norms are returned, for the
     caller to gather their outputs once the styles are applied."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
-
     from autopar.runtime.pipeline import HF_CHAINS, chain_kind
+
+    SequenceParallel = _stream_styles()[2]  # noqa: N806
 
     named = list(module.named_modules())
     split = list(styles)
@@ -1084,8 +1131,22 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
         raise NotImplementedError(f"sequence parallelism runs one list of layers on sequence shards ({stack!r}), and "
                                   f"module {other!r}, which tp splits, sits in another (an encoder-decoder model): "
                                   "plan without --sp")
+    try:  # a stage's chain is the whole model's (a stage lacks the modules of the others)
+        chain = HF_CHAINS.get(stage.kind if stage is not None else chain_kind(module))
+    except NotImplementedError:
+        chain = None
+    # in the order the forward runs them: a Hugging Face model's modules after its layers (``last``) may be
+    # registered before them (OPT's final norm)
+    ends = [f"{chain.outer}.{name}" for name in chain.last] if chain is not None else []
+
+    def after(fqn: str) -> bool:
+        return any(fqn == end or fqn.startswith(f"{end}.") for end in ends)
+
+    ordered = [(fqn, m) for fqn, m in named if not after(fqn)]
+    end = max(i for i, (fqn, _) in enumerate(ordered) if fqn.startswith(f"{stack}."))
+    ordered[end + 1 : end + 1] = [(fqn, m) for fqn, m in named if after(fqn)]
     within = False  # from the stack's first layer to the first split module after the stack
-    for fqn, norm in named:
+    for fqn, norm in ordered:
         in_stack = fqn.startswith(f"{stack}.")
         within = within or in_stack
         if within and not in_stack and fqn in styles:
@@ -1094,10 +1155,6 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
             styles[fqn] = SequenceParallel(use_local_output=True)
     if stage is None or stage.first:  # a later pipeline stage is handed the shards the stage before it made
         _relayout_input(next(iter(dict(named)[stack].children())), mesh, Replicate(), Shard(1), local=True)
-    try:
-        chain = HF_CHAINS.get(chain_kind(module))
-    except NotImplementedError:
-        chain = None
     last = f"{chain.outer}.{chain.last[0]}" if chain is not None and chain.last else None  # its final norm
     gathered = []
     for name in dict.fromkeys(("head", "lm_head", *((chain.head,) if chain is not None else ()))):
