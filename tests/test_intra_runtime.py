@@ -158,6 +158,26 @@ def test_an_intra_op_plan_whose_collectives_differ_is_refused_when_planned() -> 
         check_runnable(plans[2])
 
 
+def test_an_intra_op_plan_of_an_moe_model_is_refused_where_dtensor_cannot_run_its_experts(tmp_path, capsys) -> None:
+    """DTensor works out each op's output on fake tensors on the ranks too, and the fake kernel of MoE's grouped
+    matmul takes bf16 only on CPU: the ranks' fp32 step fails in the experts. The plan-time rehearsal, in fp32 as
+    the ranks train, finds that and names the module (a rehearsal in bf16 passed and then counted half the bytes
+    of the priced fp32 step); `plan` says so in `not_runnable`, and `run` refuses the plan before any rank starts."""
+    import json
+
+    from autopar.cli.main import main
+
+    pytest.importorskip("transformers")
+    path = tmp_path / "ilp.json"
+    assert main(["plan", "hf:mixtral", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                 "--search", "ilp", "--gpus", "2", "--cluster", "cpu", "--seq", "32", "--batch", "8", "--out",
+                 str(path), "--json"]) == 0
+    reason = json.loads(capsys.readouterr().out)["not_runnable"]
+    assert reason and "module 'model.layers.0.mlp.experts'" in reason and "BF16" in reason, reason
+    assert main(["run", str(path), "--nproc", "2", "--steps", "1"]) == 2
+    assert "model.layers.0.mlp.experts" in capsys.readouterr().err
+
+
 def test_a_data_parallel_intra_op_plan_of_two_micro_batches_passes_the_checks_and_the_dryrun() -> None:
     """The plan-time check rehearses one micro-batch (each issues the same collectives; the gradients synchronise
     once a step) against the prediction for one; `autopar dryrun` rehearses the whole step."""

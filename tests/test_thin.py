@@ -200,3 +200,28 @@ def test_the_rehearsal_all_reduces_in_ddp_s_buckets() -> None:
     gradients = sum(p.numel() for p in model.parameters()) * 4
     assert counted == [{"kind": "all_reduce", "axis": "dp", "count": 2, "bytes": gradients}]
     check_runnable(plan, source=source)
+
+
+def test_a_pipeline_is_rehearsed_stage_by_stage_when_planned(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPT of 16 layers in 2 stages over tp 2, its head tied to the embedding: each stage is thinned on its own,
+    keeping its first two and last two layers (the pairs of neighbours), and every pipeline device is rehearsed running the plan's schedule. Where the
+    two ends stop summing the tied weight's gradient, which the estimate prices on the pp axis and which only a
+    pipeline's stages (not its tensor parallelism rehearsed as one stage) do, the plan is refused when planned,
+    naming the rank and its stage."""
+    from autopar.runtime.pipeline import Pipeline
+
+    path = tmp_path / "gpt.json"
+    assert main(["estimate", "gpt3-125m", "--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "128",
+                 "--seq", "16", "--cluster", "cpu", "--gpus", "4", "--pp", "2", "--tp", "2", "--batch", "8",
+                 "--mbs", "2", "--out", str(path)]) == 0
+    plan = Plan.load(path)
+    model = ModelSource.of_workload(Workload.of(plan)).meta()
+    thinned = thin(model, plan)
+    assert [[n for n in stage.layers if n.startswith("layers.")] for stage in thinned.stages] == [
+        [f"layers.{i}" for i in range(4)], [f"layers.{i}" for i in range(4, 8)]]  # layers 0, 1, 6, 7 | 8, 9, 14, 15
+    check_runnable(plan)
+    monkeypatch.setattr(Pipeline, "sync_tied", lambda self: None)
+    with pytest.raises(ValueError, match=r"its pipeline, applied on a fake process group, has rank 0 \(stage 0\) "
+                                         r"issue other collectives than priced \(all_reduce on pp: 0 calls .*each "
+                                         r"stage with one layer of each kind, 2 micro-batches\)"):
+        check_runnable(plan)

@@ -12,7 +12,8 @@ layer's place (``layer_idx``) does not tell layers apart; one that changes what 
 an attention type) does. A layer is kept where the pair (kind of the layer before it, its kind) first occurs,
 together with the layer before it, and so is the last layer: every pair of neighbours in the model also meets in
 the thinned model. A checkpointed run of layers is one item of its list, thinned the same way inside; its first
-and last layers are always kept, so it stays a run.
+and last layers are always kept, so it stays a run. A pipeline's stages are thinned one by one, each keeping its
+first and last layers, so the thinned plan has the same stages and the same neighbours across their boundaries.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def thinned(model: nn.Module, plan: Plan) -> tuple[Plan, dict[str, str | None]]:
                  for layer, name in zip(layers, names)]
         spans = [(int(first.rpartition(".")[2]), int(last.rpartition(".")[2]) + 1)
                  for stage in plan.stages for first, last in stage.segments if first.rpartition(".")[0] == head]
-        kept, _ = _thin(nest(0, len(layers), spans), kinds)
+        kept = []
+        for start, end in _ranges(plan, head, len(layers)):  # each pipeline stage's layers thinned apart
+            kept += _thin(nest(start, end, [s for s in spans if start <= s[0] < end]), kinds)[0]
         if len(kept) == len(layers):
             continue
         container._modules = {str(j): layers[i] for j, i in enumerate(kept)}
@@ -77,6 +80,21 @@ def _lists(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
                 if isinstance(modules.get(head), nn.ModuleList) and len(modules[head]) >= 3 and head not in found:
                     found.append(head)
     return found
+
+
+def _ranges(plan: Plan, head: str, count: int) -> list[tuple[int, int]]:
+    """The runs [start, end) of the list ``head`` (of ``count`` layers) that the plan's stages hold: the whole list
+    where one stage holds it, each pipeline stage's own run otherwise, so that every stage keeps its first and
+    last layers and each pair of neighbours across a stage boundary stays one."""
+    runs = []
+    for stage in plan.stages:
+        if head in stage.layers:
+            return [(0, count)]
+        held = [int(index) for above, _, index in (name.rpartition(".") for name in stage.layers)
+                if above == head and index.isdigit()]
+        if held:
+            runs.append((min(held), max(held) + 1))
+    return runs if len(runs) > 1 else [(0, count)]
 
 
 def thins(plan: Plan, model: nn.Module) -> bool:

@@ -138,6 +138,8 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
     if plan.pp > 1:
         stage_layers(model, plan)
         check_stage_forward(model, seq=_seq(source))
+        if rehearse:
+            _check_pipeline(plan, source)
 
 
 def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
@@ -149,7 +151,10 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
 
     # one micro-batch: every micro-batch issues the same collectives, and the gradients synchronise once a step
     plan, source = _fewer_micro_batches(plan, source, 1)
-    counted = _rehearse(plan, source, model=model, count=True)
+    # in fp32 only: DTensor works out each op's output on fake tensors on the ranks too, so an op whose fake kernel
+    # takes bf16 only (MoE's grouped matmul on CPU) fails there as here, where a plain tensor's step would run
+    with fake_errors_quiet():
+        counted = rehearsal(plan, source=source, model=model, count=True)
     result = compare(counted, intra_prediction(plan, source.traced_at(plan.micro_batch_size)))
     if not result["ok"]:
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
@@ -185,12 +190,88 @@ def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: Trac
                          f"{kept}, {applied.micro_batches} micro-batch{'es' if applied.micro_batches > 1 else ''})")
 
 
+def _check_pipeline(plan: Plan, source: ModelSource) -> None:
+    """Rehearse a pipeline as `autopar dryrun` does, once per pipeline device (its first rank, holding its own stage
+    or chunks and running the plan's schedule), on each stage's kinds of layers only (`thin`, stage by stage:
+    every stage keeps its first and last layers), and compare the collectives each issues with what the cost model
+    predicts for the same thinned pipeline. What a stage does apart from a whole model (the first scatters the
+    sequence, the last gathers it and runs the final norm and head, the weights tied across them) is stepped here,
+    not only the tensor parallelism every stage applies alike. A plan the thinned rehearsal refuses is rehearsed
+    again whole, so that a refusal is never an artefact of the layers left out."""
+    if plan.schedule != "interleaved":  # as many micro-batches as stages: each issues what every other does
+        plan, source = _fewer_micro_batches(plan, source, plan.pp)
+    model = source.meta()
+    applied = thin(model, plan)
+    try:
+        mismatch = _rehearse_devices(applied, source, model)
+    except ValueError:
+        if applied is plan:  # nothing was left out
+            raise
+        applied = plan
+        mismatch = _rehearse_devices(plan, source, source.meta())
+    if mismatch:
+        kept = "each stage with one layer of each kind" if applied is not plan else "the whole model"
+        raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: its pipeline, "
+                         f"applied on a fake process group, has {mismatch}; {kept}, {plan.micro_batches} "
+                         "micro-batches)")
+
+
+def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str | None:
+    """`_check_pipeline` on ``model`` (the source's meta model, thinned as ``plan`` names its layers): the first
+    pipeline device whose collectives differ from the prediction, and how, or None. In fp32, as the runtime trains,
+    or in bf16 where only a fake-tensor kernel's dtype limit fails fp32 (`_counted`), predicted in that dtype."""
+    from autopar.runtime.comm import compare, rank_prediction
+
+    failed: ValueError | None = None
+    per_device = plan.grid[0] * plan.grid[1]
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            with fake_errors_quiet():
+                expected = _pipeline_predictions(plan, _traced_meta(model, source, dtype), dtype)
+                for device in range(plan.pp):
+                    rank = device * per_device
+                    counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), count=True,
+                                        rank=rank)
+                    result = compare(counted or [], rank_prediction(plan, expected, rank))
+                    if not result["ok"]:
+                        return f"rank {rank} (stage {device}) issue other collectives than priced ({result['message']}"
+            return None
+        except NotImplementedError:
+            if dtype == torch.float32:
+                raise
+        except (ValueError, CaptureError) as exc:
+            if dtype == torch.float32:
+                failed = exc if isinstance(exc, ValueError) else ValueError(f"the model cannot be traced: {exc}")
+    assert failed is not None
+    raise failed
+
+
+def _pipeline_predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
+    """Per stage of the pipeline ``plan``, the collectives one of its devices issues in a step, as the cost model
+    predicts them on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineModel
+    from autopar.runtime.comm import predicted
+    from autopar.search.pipeline import config_of
+
+    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
+                          dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
+    chain = {layer.name for layer in model.layers}  # a layer that computes nothing (dropout at 0) is not traced
+    stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
+                   for stage in plan.stages)
+    result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
+                            global_batch=plan.micro_batch_size * plan.micro_batches)
+    return [predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count} for c in report.collectives)
+            for report in result.stages]
+
+
 def _counted(plan: Plan, source: ModelSource, model: nn.Module,
              traced: TracedShapes) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
     """The collectives rank 0 issues in `rehearsal` of ``plan`` on a copy of ``model`` (the source's meta model),
     with ``model`` traced in the dtype the rehearsal ran in: fp32 as the runtime trains, or bf16 where a
-    fake-tensor kernel takes bf16 only (`_rehearse`); the dtype sets the bytes predicted. Raises the fp32
-    failure."""
+    fake-tensor kernel takes bf16 only (MoE's grouped matmul on fake CPU tensors, while a real fp32 CPU step of
+    plain tensors runs: the layouts and the step are the same in either dtype); the dtype sets the bytes predicted.
+    Raises the fp32 failure. (An intra-op plan is rehearsed in fp32 only, `_check_intra`.)"""
     failed: ValueError | None = None
     for dtype in (torch.float32, torch.bfloat16):
         try:
@@ -294,30 +375,6 @@ def _quiet(name: str) -> Any:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _rehearse(plan: Plan, source: ModelSource, *, model: nn.Module | None = None,
-              count: bool = False) -> list[dict[str, Any]] | None:
-    """`rehearsal` in fp32, as the runtime trains; where that fails and a bf16 rehearsal passes, the fp32 failure
-    is a fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real
-    fp32 CPU step runs), not the plan's: the layouts and the step are the same in either dtype. ``model``: the
-    source's meta model, already built, for the first rehearsal (it is changed); the second builds its own.
-    ``count``: return the collectives rank 0 issued."""
-    failed: ValueError | None = None
-    for dtype in (torch.float32, torch.bfloat16):
-        try:
-            with fake_errors_quiet():
-                return rehearsal(plan, source=source, dtype=dtype, model=model, count=count)
-        except ValueError as exc:
-            if dtype == torch.float32:
-                failed = exc
-        except NotImplementedError:
-            if dtype == torch.float32:
-                raise
-        finally:
-            model = None
-    assert failed is not None
-    raise failed
 
 
 def check_compiler() -> None:
