@@ -225,3 +225,19 @@ def test_a_pipeline_is_rehearsed_stage_by_stage_when_planned(tmp_path, monkeypat
                                          r"issue other collectives than priced \(all_reduce on pp: 0 calls .*each "
                                          r"stage with one layer of each kind, 2 micro-batches\)"):
         check_runnable(plan)
+
+
+def test_a_middle_stage_under_zero_3_gathers_each_layer_twice_a_micro_batch_as_priced(tmp_path) -> None:
+    """1F1B runs forwards between a middle stage's backwards. FSDP2 left to prefetch by itself gathers, in a
+    backward, the unit whose forward ran before, of another micro-batch: a forward then reshards it and it is
+    gathered again, one gather a step more than priced (17 for 16 here). Each layer prefetching the one before it
+    in its own micro-batch issues what the plan prices, and the plan is written and passes `autopar dryrun`."""
+    from autopar.runtime.dryrun import dryrun
+
+    path = tmp_path / "gpt.json"
+    assert main(["estimate", "gpt3-125m", "--layers", "8", "--hidden", "64", "--heads", "4", "--vocab", "128",
+                 "--seq", "16", "--cluster", "cpu", "--gpus", "8", "--pp", "4", "--dp", "2", "--zero", "3",
+                 "--batch", "16", "--mbs", "2", "--out", str(path)]) == 0
+    result = dryrun(Plan.load(path), checked=True)
+    assert result["ok"], result["message"]
+    assert [r["rank"] for r in result["ranks"]] == [0, 2, 4, 6]

@@ -566,6 +566,17 @@ def _fully_shard(root: nn.Module, layers: Iterable[nn.Module], mesh: Any, zero: 
     fully_shard(root, mesh=mesh, reshard_after_forward=False if zero < 3 else None)
 
 
+def _prefetch_within(stage: nn.Module, layers: list[nn.Module]) -> None:
+    """In a pipeline stage under ZeRO 3, each layer's backward prefetches the weights of the layer before it in
+    the same micro-batch, and the stage's first layer those of the stage's root unit (kept gathered), as
+    FSDP2's own prefetching does in one process. Left to itself, FSDP2 prefetches the unit that ran the forward
+    before, in whichever micro-batch: a schedule that runs forwards between backwards (1F1B on a middle stage)
+    then has a layer gathered for a backward that a forward reshards first, and gathered again, one gather more
+    a step than the plan prices."""
+    for at, layer in enumerate(layers):
+        layer.set_modules_to_backward_prefetch([layers[at - 1] if at else stage])
+
+
 def _ddp(module: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -595,8 +606,10 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
-            layers = pipeline.stage_stack(part)._modules.values()
+            layers = list(pipeline.stage_stack(part)._modules.values())
             _fully_shard(part, layers, mesh["dp"], plan.zero)
+            if plan.zero == 3:
+                _prefetch_within(part, layers)
         if names:  # by name, once wrapped (FSDP2 replaces the parameters)
             params = dict(part.named_parameters())
             heads.extend(params[name] for name in names)
