@@ -36,7 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -218,37 +218,28 @@ def _check_pipeline(plan: Plan, source: ModelSource) -> None:
 
 def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str | None:
     """`_check_pipeline` on ``model`` (the source's meta model, thinned as ``plan`` names its layers): the first
-    pipeline device whose collectives differ from the prediction, and how, or None. In fp32, as the runtime trains,
-    or in bf16 where only a fake-tensor kernel's dtype limit fails fp32 (`_counted`), predicted in that dtype."""
+    pipeline device whose collectives differ from the prediction, and how, or None. Rehearsed and predicted in
+    one dtype (`_fp32_else_bf16`)."""
     from autopar.runtime.comm import compare, rank_prediction
 
-    failed: ValueError | None = None
     per_device = plan.grid[0] * plan.grid[1]
-    for dtype in (torch.float32, torch.bfloat16):
-        try:
-            with fake_errors_quiet():
-                expected = _pipeline_predictions(plan, _traced_meta(model, source, dtype), dtype)
-                for device in range(plan.pp):
-                    rank = device * per_device
-                    counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), count=True,
-                                        rank=rank)
-                    result = compare(counted or [], rank_prediction(plan, expected, rank))
-                    if not result["ok"]:
-                        return f"rank {rank} (stage {device}) issue other collectives than priced ({result['message']}"
-            return None
-        except NotImplementedError:
-            if dtype == torch.float32:
-                raise
-        except (ValueError, CaptureError) as exc:
-            if dtype == torch.float32:
-                failed = exc if isinstance(exc, ValueError) else ValueError(f"the model cannot be traced: {exc}")
-    assert failed is not None
-    raise failed
+
+    def attempt(dtype: torch.dtype) -> str | None:
+        expected = _predictions(plan, _traced_meta(model, source, dtype), dtype)
+        for device in range(plan.pp):
+            rank = device * per_device
+            counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), count=True, rank=rank)
+            result = compare(counted or [], rank_prediction(plan, expected, rank))
+            if not result["ok"]:
+                return f"rank {rank} (stage {device}) issue other collectives than priced ({result['message']}"
+        return None
+
+    return _fp32_else_bf16(attempt)
 
 
-def _pipeline_predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
-    """Per stage of the pipeline ``plan``, the collectives one of its devices issues in a step, as the cost model
-    predicts them on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
+def _predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
+    """Per stage of ``plan``, the collectives one of its devices issues in a step, as the cost model predicts them
+    on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
     from autopar.cluster import load_cluster
     from autopar.cost.pipeline import PipelineModel
     from autopar.runtime.comm import predicted
@@ -256,7 +247,8 @@ def _pipeline_predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[
 
     model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
                           dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
-    chain = {layer.name for layer in model.layers}  # a layer that computes nothing (dropout at 0) is not traced
+    # a layer that computes nothing as the runtime builds the model (dropout at 0) is not in its trace
+    chain = {layer.name for layer in model.layers}
     stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
                    for stage in plan.stages)
     result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
@@ -268,18 +260,25 @@ def _pipeline_predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[
 def _counted(plan: Plan, source: ModelSource, model: nn.Module,
              traced: TracedShapes) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
     """The collectives rank 0 issues in `rehearsal` of ``plan`` on a copy of ``model`` (the source's meta model),
-    with ``model`` traced in the dtype the rehearsal ran in: fp32 as the runtime trains, or bf16 where a
-    fake-tensor kernel takes bf16 only (MoE's grouped matmul on fake CPU tensors, while a real fp32 CPU step of
-    plain tensors runs: the layouts and the step are the same in either dtype); the dtype sets the bytes predicted.
-    Raises the fp32 failure. (An intra-op plan is rehearsed in fp32 only, `_check_intra`.)"""
+    with ``model`` traced in the dtype the rehearsal ran in (`_fp32_else_bf16`), which sets the bytes predicted."""
+
+    def attempt(dtype: torch.dtype) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
+        counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), traced=traced, count=True)
+        return counted or [], _traced_meta(model, source, dtype), dtype
+
+    return _fp32_else_bf16(attempt)
+
+
+def _fp32_else_bf16(attempt: Callable[[torch.dtype], Any]) -> Any:
+    """``attempt(dtype)`` in fp32, as the runtime trains; where that fails and bf16 passes, the fp32 failure is a
+    fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real fp32
+    CPU step of plain tensors runs: the layouts and the step are the same in either dtype), and bf16's result is
+    returned. Raises the fp32 failure. (An intra-op plan is rehearsed in fp32 only, `_check_intra`.)"""
     failed: ValueError | None = None
     for dtype in (torch.float32, torch.bfloat16):
         try:
             with fake_errors_quiet():
-                counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), traced=traced,
-                                    count=True)
-                graph = _traced_meta(model, source, dtype)
-            return counted or [], graph, dtype
+                return attempt(dtype)
         except NotImplementedError:
             if dtype == torch.float32:
                 raise
@@ -312,21 +311,7 @@ def _traced_meta(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> G
 def _stage_prediction(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[dict[str, Any]]:
     """The collectives rank 0 of a single-stage ``plan`` issues in a step, as the cost model predicts them on
     ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
-    from autopar.cluster import load_cluster
-    from autopar.cost.pipeline import PipelineModel
-    from autopar.runtime.comm import predicted
-    from autopar.search.pipeline import config_of
-
-    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
-                          dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
-    # a layer that computes nothing as the runtime builds the model (dropout at 0) is not in its trace
-    chain = {layer.name for layer in model.layers}
-    stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
-                   for stage in plan.stages)
-    result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
-                            global_batch=plan.micro_batch_size * plan.micro_batches)
-    return predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count}
-                     for c in result.stages[0].collectives)
+    return _predictions(plan, graph, dtype)[0]
 
 
 def tensor_parallel_proxy(plan: Plan) -> Plan:
