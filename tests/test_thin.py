@@ -204,10 +204,10 @@ def test_the_rehearsal_all_reduces_in_ddp_s_buckets() -> None:
 
 def test_a_pipeline_is_rehearsed_stage_by_stage_when_planned(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPT of 16 layers in 2 stages over tp 2, its head tied to the embedding: each stage is thinned on its own,
-    keeping its first two and last two layers (the pairs of neighbours), and every pipeline device is rehearsed running the plan's schedule. Where the
-    two ends stop summing the tied weight's gradient, which the estimate prices on the pp axis and which only a
-    pipeline's stages (not its tensor parallelism rehearsed as one stage) do, the plan is refused when planned,
-    naming the rank and its stage."""
+    keeping its first two and last two layers (the pairs of neighbours), and every pipeline device is rehearsed
+    running the plan's schedule. Where the two ends stop summing the tied weight's gradient, which the estimate
+    prices on the pp axis and which only a pipeline's stages do (not its tensor parallelism rehearsed as one
+    stage), the plan is refused when planned, naming the rank and its stage."""
     from autopar.runtime.pipeline import Pipeline
 
     path = tmp_path / "gpt.json"
