@@ -14,6 +14,7 @@ scalar (`SCALAR_BYTES`) are counted apart and not compared.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import Counter
 from collections.abc import Iterable
@@ -246,21 +247,33 @@ def stage_predictions(plan: Plan) -> list[list[dict[str, Any]]]:
     """Per pipeline stage, the collectives one of its devices issues in an iteration, as the cost model predicts
     them for the plan's own workload (its model traced in fp32, as the runtime trains it)."""
     from autopar.capture import trace
-    from autopar.cluster import load_cluster
-    from autopar.cost.pipeline import PipelineModel
     from autopar.runtime.source import ModelSource
     from autopar.runtime.train import Workload
-    from autopar.search.pipeline import config_of
     from autopar.zoo import load
 
     work = Workload.of(plan)
     if not plan.is_pipeline:
         return [intra_prediction(plan, ModelSource.of_workload(work).traced_at(plan.micro_batch_size))]
     zoo = load(work.model, batch=1, seq=work.seq, dtype=torch.float32, **work.overrides)
-    devices = plan.devices
-    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(devices),
-                          traced_batch=1, dtype="fp32", kernels=plan.kernels)  # compiled layers replay whole
-    result = model.estimate(config_of(model, plan), global_batch=work.batch)
+    return predictions_on(plan, trace(zoo.module, example_kwargs=zoo.inputs), torch.float32)
+
+
+def predictions_on(plan: Plan, graph: Any, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
+    """Per stage of the pipeline ``plan``, the collectives one of its devices issues in a step, as the cost model
+    predicts them on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1; compiled layers priced
+    replaying whole, as they recompute)."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineModel
+    from autopar.search.pipeline import config_of
+
+    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
+                          dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
+    # a layer that computes nothing as the runtime builds the model (dropout at 0) is not in its trace
+    chain = {layer.name for layer in model.layers}
+    stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
+                   for stage in plan.stages)
+    result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
+                            global_batch=plan.micro_batch_size * plan.micro_batches)
     return [predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count} for c in report.collectives)
             for report in result.stages]
 

@@ -170,7 +170,7 @@ def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: Trac
     would find it. ``model``: the source's meta model (thinned in place). A plan the thinned rehearsal refuses is
     rehearsed again whole, so that a refusal is never an artefact of the layers left out, and names the module the
     whole step fails in."""
-    from autopar.runtime.comm import compare
+    from autopar.runtime.comm import compare, predictions_on
 
     # the first and last micro-batches: every other issues the first's collectives, the last synchronises
     short, shorter = _fewer_micro_batches(plan, source, 2)
@@ -182,7 +182,7 @@ def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: Trac
             raise
         applied = short
         counted, graph, dtype = _counted(short, shorter, source.meta(), traced)
-    result = compare(counted, _stage_prediction(applied, graph, dtype))
+    result = compare(counted, predictions_on(applied, graph, dtype)[0])
     if not result["ok"]:
         kept = "one layer of each kind" if applied is not short else "the whole model"
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied on a "
@@ -220,12 +220,12 @@ def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str 
     """`_check_pipeline` on ``model`` (the source's meta model, thinned as ``plan`` names its layers): the first
     pipeline device whose collectives differ from the prediction, and how, or None. Rehearsed and predicted in
     one dtype (`_fp32_else_bf16`)."""
-    from autopar.runtime.comm import compare, rank_prediction
+    from autopar.runtime.comm import compare, predictions_on, rank_prediction
 
     per_device = plan.grid[0] * plan.grid[1]
 
     def attempt(dtype: torch.dtype) -> str | None:
-        expected = _predictions(plan, _traced_meta(model, source, dtype), dtype)
+        expected = predictions_on(plan, _traced_meta(model, source, dtype), dtype)
         for device in range(plan.pp):
             rank = device * per_device
             counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), count=True, rank=rank)
@@ -235,26 +235,6 @@ def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str 
         return None
 
     return _fp32_else_bf16(attempt)
-
-
-def _predictions(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
-    """Per stage of ``plan``, the collectives one of its devices issues in a step, as the cost model predicts them
-    on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
-    from autopar.cluster import load_cluster
-    from autopar.cost.pipeline import PipelineModel
-    from autopar.runtime.comm import predicted
-    from autopar.search.pipeline import config_of
-
-    model = PipelineModel(graph, load_cluster("cpu").with_devices(plan.devices), traced_batch=1,
-                          dtype="fp32" if dtype == torch.float32 else "bf16", kernels=plan.kernels)
-    # a layer that computes nothing as the runtime builds the model (dropout at 0) is not in its trace
-    chain = {layer.name for layer in model.layers}
-    stages = tuple(dataclasses.replace(stage, layers=tuple(n for n in stage.layers if n in chain))
-                   for stage in plan.stages)
-    result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
-                            global_batch=plan.micro_batch_size * plan.micro_batches)
-    return [predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count} for c in report.collectives)
-            for report in result.stages]
 
 
 def _counted(plan: Plan, source: ModelSource, model: nn.Module,
@@ -306,12 +286,6 @@ def _traced_meta(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> G
 
     inputs = _cast({k: v[:1].to("meta") for k, v in source.batch(1).items()}, dtype)
     return trace(copy.deepcopy(model).to(dtype), example_kwargs=inputs)
-
-
-def _stage_prediction(plan: Plan, graph: Graph, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """The collectives rank 0 of a single-stage ``plan`` issues in a step, as the cost model predicts them on
-    ``graph`` (the model the plan names, traced in ``dtype`` at batch 1)."""
-    return _predictions(plan, graph, dtype)[0]
 
 
 def tensor_parallel_proxy(plan: Plan) -> Plan:
