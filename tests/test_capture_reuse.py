@@ -99,3 +99,29 @@ def test_layers_of_alternating_kinds_are_each_a_layer() -> None:
     graph = autopar.trace(deeper.module, example_kwargs=deeper.inputs)
     assert sorted(group.instances for group in graph.repeats) == [("model.layers.0", "model.layers.2"),
                                                                    ("model.layers.1", "model.layers.3")]
+
+
+def test_a_weight_two_modules_share_is_named_as_named_parameters_names_it() -> None:
+    """nanoGPT's embedding takes the head's weight (``wte.weight = lm_head.weight``), and the embedding is a
+    repeated unit (it has a sibling of its class in ``transformer``), traced when called: the trace used to name the
+    weight by the head, a name the model's state does not hold, so the head's read of the embedding's weight went
+    unseen and a pipeline's sum of it over the two ends was not priced."""
+    import sys
+    from pathlib import Path
+
+    from autopar.capture import trace
+    from autopar.cost.layers import analyse
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import nanogpt
+    finally:
+        sys.path.remove(examples)
+    model, inputs = nanogpt.build(2)
+    graph = trace(model, example_kwargs=inputs)
+    named = {s.state for n in graph.nodes for s in n.sources if s.state}
+    assert named <= set(graph.state)
+    rows = {layer.name: layer for layer in analyse(graph)}
+    assert rows["model.transformer.wte"].params == 128 * 512
+    assert rows["model.lm_head"].tied == [("model.transformer.wte", 128 * 512)]

@@ -195,6 +195,9 @@ class _Recorder(tp.TorchDispatchMode):
         self.keep: list[torch.Tensor] = []  # holds every traced tensor so ids and storages stay unique
         self.state_storage: dict[int, str] = {}
         self.fakes: dict[int, torch.Tensor] = {}  # id(real parameter or buffer) -> its fake
+        # id(real parameter or buffer) -> its name as `named_parameters` gives it: a tensor two modules share (a tied
+        # head) is named so whichever module is swapped in first (a repeated unit's, when it is called)
+        self.canonical = {id(t): name for name, t in (*model.named_parameters(), *model.named_buffers())}
         self.swapped: list[tuple[dict[str, Any], str, Any]] = []  # (module._parameters or _buffers, name, real)
         self.events: list[_Save | int] = []  # pack events in time order; an int is the entry index of a replay
         self.pending: list[tuple[_Save, str]] = []  # packed before the op that saves them, with the pack's module
@@ -272,7 +275,8 @@ class _Recorder(tp.TorchDispatchMode):
                         fake = self._new_fake(tuple(real.shape), real.stride(), real.dtype, grad)
                         self.fakes[id(real)] = fake
                         prefix = self.fqn_of.get(id(module), "?")
-                        self.state_storage[_storage_key(fake)] = f"{prefix}.{name}" if prefix else name
+                        self.state_storage[_storage_key(fake)] = self.canonical.get(
+                            id(real), f"{prefix}.{name}" if prefix else name)
                     self.swapped.append((table, name, real))
                     table[name] = fake
 

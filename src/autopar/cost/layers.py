@@ -143,8 +143,11 @@ def analyse(graph: Graph) -> list[LayerCost]:
         layer.sharded_params = sum(graph.state[fqn].tensor.numel for fqn in split)
         layer.tp_partial = frozenset(_applied_to_shards(graph, layer) - layer.column_biases)
         layer.tp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in layer.tp_partial)
-        foreign = {s.state for node in layer.nodes if _is_param_contraction(node) and _reads_foreign_weight(node)
-                   for s in node.sources if s.state and s.state.rpartition(".")[0] != node.module}
+        # weights read here and owned by another row: a head tied to the embedding, whichever of the two the
+        # weight is named by (nanoGPT's embedding reads the head's)
+        foreign = {s.state for node in layer.nodes for s in node.sources
+                   if s.state in graph.state and not graph.state[s.state].is_buffer
+                   and graph.layer_of(s.state.rpartition(".")[0]) != layer.name}
         layer.tied = [(graph.layer_of(fqn.rpartition(".")[0]), graph.state[fqn].tensor.numel)
                       for fqn in sorted(foreign) if fqn in graph.state]
         for node in layer.nodes:  # a column-parallel op saves its replicated input; the rest of a region is split
