@@ -41,7 +41,6 @@ from autopar.cluster.spec import Cluster
 from autopar.plan import Plan
 from autopar.plan.checks import FieldError, integer, text
 from autopar.plan.records import MAX_DEVICES
-from autopar.runtime.apply import PIPELINE_FIRST
 from autopar.runtime.source import ModelSource, meta_copy
 
 log = logging.getLogger(__name__)
@@ -169,7 +168,7 @@ def _plan_here(meta: nn.Module, rows: dict[str, torch.Tensor], request: _Request
     graph = trace(meta, example_kwargs=rows)
     source = ModelSource.of_module(meta, rows, graph=graph)
     subject = Subject.of(graph, meta, name=request.name, check=lambda p: refusal(p, source=source),
-                         pipelines=len(rows) == 2 and "labels" in rows and any(k in rows for k in PIPELINE_FIRST))
+                         pipelines=len(rows) == 2)
     searched = search_pipeline(subject, cluster, request.options, started=start)
     memory = searched.chosen.result.estimate.memory
     if not searched.fits:

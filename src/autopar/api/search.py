@@ -90,17 +90,27 @@ class Subject:
     pipelines: bool = True
     no_tp: str | None = None
     workload: Workload | None = None
+    # a model cut by its traced forward: the rows a stage may start at (`autopar.runtime.chain.cut_points`), or
+    # None where stages may start at any row
+    cuts: frozenset[int] | None = None
 
     @classmethod
     def of(cls, graph: Graph, module: nn.Module, *, name: str, check: Callable[[Plan], str | None],
            pipelines: bool = True, workload: Workload | None = None) -> Subject:
         """``module`` (its trace ``graph``), with what keeps its plans runnable worked out: the pipeline cut
-        (`can_pipeline`, and ``pipelines``) and the tp refusal."""
+        (`can_pipeline`, and ``pipelines``; for a model cut by its traced forward, the rows stages may start at)
+        and the tp refusal."""
+        from autopar.runtime.chain import cut_points
+        from autopar.runtime.pipeline import chain_kind
         from autopar.runtime.validate import tensor_parallel_refusal
 
         seq = next((int(t.shape[1]) for t in graph.inputs if len(t.shape) == 2), 0)  # token inputs' length
-        return cls(graph=graph, name=name, check=check, pipelines=pipelines and can_pipeline(module, seq=seq),
-                   no_tp=tensor_parallel_refusal(graph, module), workload=workload)
+        cuts = None
+        if pipelines and chain_kind(module) == "fx":  # where its forward can be cut, once
+            cuts = frozenset(cut_points(module, [layer.name for layer in graph.layers()]))
+        return cls(graph=graph, name=name, check=check,
+                   pipelines=pipelines and (bool(cuts) if cuts is not None else can_pipeline(module, seq=seq)),
+                   no_tp=tensor_parallel_refusal(graph, module), workload=workload, cuts=cuts)
 
     def __post_init__(self) -> None:
         text("name", self.name, limit=1024)
@@ -167,7 +177,7 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
         precision = Precision.of(options.dtype, optimizer=options.optimizer)
         model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
                               screen=True, precision=precision, profile=profile)  # searches: the closed form
-    limit = _limit(subject.pipelines, options.kernels, subject.no_tp)
+    limit = _limit(subject.pipelines, options.kernels, subject.no_tp, cuts=subject.cuts, rows=model.layers)
     found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
                               progress=progress, should_stop=should_stop,
                               limit=limit if options.runnable_only else None, seed=options.seed)
@@ -203,12 +213,19 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
                     interrupted=interrupted, seconds=seconds)
 
 
-def _limit(pipelines: bool, kernels: str, no_tp: str | None) -> Callable[[Any], str | None]:
+def _limit(pipelines: bool, kernels: str, no_tp: str | None, *, cuts: frozenset[int] | None = None,
+           rows: list[Any] = ()) -> Callable[[Any], str | None]:
     """Why `autopar run` cannot run a configuration (`runtime_limit`), tp > 1 included where the model cuts the
-    output of a projection tp would split (``no_tp``)."""
+    output of a projection tp would split (``no_tp``), and a stage starting at a row of ``rows`` where the model's
+    forward cannot be cut (one not in ``cuts``)."""
     def limit(config: Any) -> str | None:
         if no_tp is not None and any(s.tp > 1 for s in config.stages):
             return no_tp
+        if cuts is not None:
+            wrong = next((s.start for s in config.stages[1:] if s.start not in cuts), None)
+            if wrong is not None:
+                return (f"the model's forward cannot be cut before {rows[wrong].name!r}: the stages either side "
+                        "would hand each other more than one value")
         return runtime_limit(config, pipelines=pipelines, kernels=kernels)
 
     return limit
@@ -228,13 +245,16 @@ def refusal(plan: Plan, *, source: ModelSource | None = None) -> str | None:
     return None
 
 
-def can_pipeline(module: nn.Module, *, seq: int = 0) -> bool:
+def can_pipeline(module: nn.Module, *, seq: int = 0, rows: list[str] | None = None) -> bool:
     """Whether the runtime can cut ``module`` into pipeline stages (`autopar.runtime.pipeline.chain_kind`) that
-    compute what its forward does at sequence length ``seq`` (`check_stage_forward`)."""
+    compute what its forward does at sequence length ``seq`` (`check_stage_forward`); a model of one's own, whether
+    its forward traced at its profile ``rows`` can be cut somewhere (`autopar.runtime.chain.cut_points`)."""
+    from autopar.runtime.chain import can_cut
     from autopar.runtime.pipeline import chain_kind, check_stage_forward
 
+    if chain_kind(module) == "fx":
+        return rows is not None and can_cut(module, rows)
     try:
-        chain_kind(module)
         check_stage_forward(module, seq=seq)
     except NotImplementedError:
         return False

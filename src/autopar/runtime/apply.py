@@ -157,9 +157,9 @@ class ParallelModel:
         """One step through the pipeline schedule: this data-parallel rank's rows of every micro-batch, back to
         back (the schedule splits them again); the mean micro-batch loss on the last stage, 0 elsewhere."""
         inputs, pipe, losses = local.inputs, self.pipeline, []
-        if set(inputs) != {pipe.inputs, "labels"}:
-            raise ValueError(f"a pipeline plan of this model feeds {pipe.inputs} to its first stage and labels to its "
-                             f"loss; the batch holds {sorted(inputs)}")
+        if set(inputs) != {pipe.inputs, pipe.target}:
+            raise ValueError(f"a pipeline plan of this model feeds {pipe.inputs} to its first stage and {pipe.target} "
+                             f"to its loss; the batch holds {sorted(inputs)}")
         with warnings.catch_warnings():
             # FSDP2 warns that a stage returning a view would lose its pre-backward hook to an in-place op on it;
             # what a stage returns is only sent to the next stage or read by the loss, neither in place
@@ -167,7 +167,7 @@ class ParallelModel:
             if pipe.first:
                 pipe.schedule.step(inputs[pipe.inputs])
             elif pipe.last:
-                pipe.schedule.step(target=inputs["labels"], losses=losses)
+                pipe.schedule.step(target=inputs[pipe.target], losses=losses)
             else:
                 pipe.schedule.step()
         pipe.sync_tied()
@@ -456,7 +456,8 @@ def parallelize(
     A plan with compiled kernels gets its repeated layers compiled (`compile_layers`); ``compile=False`` leaves
     them eager, for a rehearsal on fake tensors only (it checks layouts and collectives, not kernels).
 
-    ``units`` are the repeated layers FSDP shards one by one (default: the children of every ``nn.ModuleList``).
+    ``units`` are the repeated layers FSDP shards one by one (default: `repeated_layers`, those the cost model
+    prices as FSDP units).
     With ``ddp=False``, ZeRO 0 all-reduces gradients by hand (`ParallelModel.finish_backward`, the same buckets)
     instead of wrapping the model in DDP. Needs an initialised default process group of the plan's size; ``mesh``
     (a `DeviceMesh` with dims ``("dp", "tp")``, or ``("pp", "dp", "tp")`` for a pipeline, of the plan's sizes) is made
@@ -498,7 +499,10 @@ def parallelize(
     spanning = [axis for axis in names if sizes[axis] == dist.get_world_size()]
     axes[dist.group.WORLD.group_name] = spanning[0] if spanning else "world"
     if pp > 1:
-        ids = next((example[k] for k in PIPELINE_FIRST if k in example), None) if example is not None else None
+        ids = None  # the first stage's input: the example's one entry, or its tokens or images
+        if example is not None:
+            ids = next(iter(example.values())) if len(example) == 1 else \
+                next((example[k] for k in PIPELINE_FIRST if k in example), None)
         parallel = _pipelined(model, plan, mesh, axes, example=ids)
     else:
         parallel = _one_stage(model, plan, mesh, axes, units=units, ddp=ddp)
@@ -542,9 +546,7 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     if dp == 1:
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if zero > 0:
-        layers = list(units) or [
-            m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst._modules.values()
-        ]
+        layers = list(units) or repeated_layers(model)
         _fully_shard(model, layers, mesh["dp"], zero)
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
@@ -554,6 +556,16 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
                              **summed())
     wrapped = _ddp(model)
     return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
+
+
+def repeated_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated layers, as the trace finds them (`autopar.capture.reuse.find_units`: the outermost
+    children of a ModuleList, Sequential or ModuleDict that share a class with a sibling and own parameters), in
+    the order `named_modules` gives: the FSDP units the cost model prices, each on its own."""
+    from autopar.capture.reuse import find_units
+
+    found = find_units(model)
+    return [m for m in model.modules() if id(m) in found]
 
 
 def _fully_shard(root: nn.Module, layers: Iterable[nn.Module], mesh: Any, zero: int) -> None:
@@ -606,7 +618,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
-            layers = list(pipeline.stage_stack(part)._modules.values())
+            layers = pipeline.stage_units(part)
             _fully_shard(part, layers, mesh["dp"], plan.zero)
             if plan.zero == 3:
                 _prefetch_within(part, layers)

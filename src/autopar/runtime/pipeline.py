@@ -370,6 +370,8 @@ def _rotary_by_type(rotary: nn.Module) -> bool:
 
 
 def chain_kind(model: nn.Module) -> str:
+    """Which chain ``model`` is: the zoo's ``gpt`` or ``llama``, a Hugging Face family of `HF_CHAINS`, or ``fx``: any
+    other model, cut by its own traced forward (`autopar.runtime.chain`), where it can be."""
     from autopar.zoo.gpt import GPT
     from autopar.zoo.llama import Llama
 
@@ -381,11 +383,7 @@ def chain_kind(model: nn.Module) -> str:
         inner = chain.inner(model)
         if hasattr(model, chain.head) and inner is not None and all(_has(inner, a) for a in chain.modules):
             return kind
-    raise NotImplementedError(
-        f"pipeline stages of a {type(model).__name__} cannot be run yet (zoo GPT and LLaMA models, and Hugging Face "
-        "LLaMA-style, Phi, GPT-NeoX, GPT-2-style, OPT-style, Falcon and BLOOM causal LMs, RoBERTa and BERT masked LMs "
-        "and ViT image classifiers can)"
-    )
+    return "fx"
 
 
 CHECK_SEQ = 16  # tokens of the small copy's check; a sliding window shorter than the real sequence is made 8
@@ -491,10 +489,14 @@ def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits[:, :-1], labels[:, 1:])
 
 
-def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]]:
+def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]] | list[list[str]]:
     """The repeated-layer indices of each stage. Rows that are not repeated layers (embedding, norm, head) belong to
-    the first or the last stage; a plan that puts one elsewhere is refused by name."""
+    the first or the last stage; a plan that puts one elsewhere is refused by name. A model of one's own (``fx``)
+    is cut by its traced forward at the plan's rows (`autopar.runtime.chain.cut`, which refuses a cut it cannot
+    make): its stages' rows are returned."""
     stages = plan.stages
+    if chain_kind(model) == "fx":
+        return _own_stages(model, plan)
     chain = HF_CHAINS.get(chain_kind(model))
     prefix = f"{chain.outer}.{chain.stack}" if chain else "layers"
     count = len(_layers(model))
@@ -514,6 +516,38 @@ def stage_layers(model: nn.Module, plan: Plan) -> list[list[int]]:
     return result
 
 
+def _own_stages(model: nn.Module, plan: Plan) -> list[list[str]]:
+    """The rows of each stage of a pipeline of a model of one's own, checked by cutting its forward there."""
+    from autopar.runtime.chain import cut
+
+    name = type(model).__name__
+    if plan.sp:
+        raise NotImplementedError(f"sequence parallelism in pipeline stages of {name} (cut by its traced forward) "
+                                  "cannot be run yet; plan without --sp")
+    if any(stage.segments for stage in plan.stages):
+        raise NotImplementedError(f"checkpointed runs of layers in pipeline stages of {name} (cut by its traced "
+                                  "forward) cannot be run yet; recompute layers one by one")
+    layers = [list(stage.layers) for stage in plan.stages]
+    cut(model, layers)
+    return layers
+
+
+def make_stage(model: nn.Module, layers: list[list[int]] | list[list[str]], index: int) -> nn.Module:
+    """Stage ``index`` of ``model`` cut at ``layers`` (`stage_layers`)."""
+    if chain_kind(model) == "fx":
+        from autopar.runtime.chain import ChainStage
+
+        return ChainStage(model, layers, index)
+    return StageModule(model, layers[index], first=index == 0, last=index == len(layers) - 1)
+
+
+def stage_units(part: nn.Module) -> list[nn.Module]:
+    """The repeated layers a stage holds, each an FSDP unit of its own."""
+    if getattr(part, "kind", None) == "fx":
+        return list(part.units)
+    return list(stage_stack(part)._modules.values())
+
+
 @dataclass
 class Pipeline:
     """This rank's stage and the schedule that drives it."""
@@ -522,7 +556,8 @@ class Pipeline:
     stages: int
     schedule: Any
     tied: list[tuple[nn.Parameter, Any]]  # (parameter, group with its twin on the other end of the pipeline)
-    inputs: str = "input_ids"  # the batch's input the first stage takes (the loss takes ``labels``)
+    inputs: str = "input_ids"  # the batch's input the first stage takes
+    target: str = "labels"  # and the one the loss takes
 
     @property
     def first(self) -> bool:
@@ -562,7 +597,7 @@ def build(
     index = mesh.get_local_rank("pp")
     mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
     layers = stage_layers(model, plan)
-    parts = [StageModule(model, layers[v], first=v == 0, last=v == virtual - 1) for v in mine]
+    parts = [make_stage(model, layers, v) for v in mine]
     shards = plan.grid[1] if plan.sp else 1
     for part in parts:
         part.shards = shards
@@ -574,8 +609,7 @@ def build(
     per_stage = mesh.size() // pp
     rank = dist.get_rank()
     # a weight both ends hold (not one a stage reads twice itself: RoBERTa's head bias)
-    ends = (StageModule(model, layers[0], first=True, last=False),
-            StageModule(model, layers[-1], first=False, last=True))
+    ends = (make_stage(model, layers, 0), make_stage(model, layers, virtual - 1))
     across = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[1].parameters()}
     if _tied_names(model, None, across):
         for offset in range(per_stage):
@@ -599,12 +633,16 @@ def build(
               for w, v in zip(wrapped, mine)]
     chain = HF_CHAINS.get(parts[0].kind)
     loss = shifted_lm_loss if chain is not None and chain.shifted else lm_loss
+    inputs, target = chain.inputs if chain else "input_ids", "labels"
+    if parts[0].kind == "fx":  # a model of one's own: the loss its forward computes, its inputs' names
+        loss = ends[1].loss_fn
+        inputs, target = parts[0].inputs, parts[0].target
     if chunks > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
     else:
         schedule_class = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         schedule = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=True)
-    return wrapped, names, Pipeline(index, pp, schedule, tied, chain.inputs if chain else "input_ids"), groups
+    return wrapped, names, Pipeline(index, pp, schedule, tied, inputs, target), groups
 
 
 def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tensor, *,
@@ -621,8 +659,8 @@ def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tenso
     seen = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(example.shape, dtype=example.dtype, device="meta")
-        for v, indices in enumerate(layers):  # with autograd: a stage sends gradients back for what requires them
-            out = StageModule(model, indices, first=v == 0, last=v == len(layers) - 1)(x)
+        for v in range(len(layers)):  # with autograd: a stage sends gradients back for what requires them
+            out = make_stage(model, layers, v)(x)
             seen.append((x, out))
             x = out
 

@@ -80,13 +80,17 @@ def _forget_meshes() -> None:
         native()
 
 
-def _pipeline_example(plan: Plan, source: ModelSource) -> dict[str, torch.Tensor]:
-    """One micro-batch of a rank's input ids (or images) on the meta device: the shapes a pipeline's stages are
-    built for."""
+def _pipeline_example(plan: Plan, source: ModelSource, model: nn.Module) -> dict[str, torch.Tensor]:
+    """One micro-batch of a rank's input to the first stage (token ids, images, or what a model of one's own takes
+    first) on the meta device: the shapes a pipeline's stages are built for."""
     from autopar.runtime.apply import PIPELINE_FIRST
+    from autopar.runtime.pipeline import chain_kind, make_stage, stage_layers
 
     batch = source.batch(plan.micro_batch_size)
-    name = next(k for k in PIPELINE_FIRST if k in batch)
+    if chain_kind(model) == "fx":
+        name = make_stage(model, stage_layers(model, plan), 0).inputs
+    else:
+        name = next(k for k in PIPELINE_FIRST if k in batch)
     rows = plan.micro_batch_size // plan.grid[0]
     return {name: torch.empty((rows, *batch[name].shape[1:]), dtype=batch[name].dtype, device="meta")}
 
@@ -397,7 +401,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
         model = source.meta() if model is None else model
         applied = plan if whole or count else thin(model, plan)
         model = model.to(dtype)  # thinned first: a 1,000-layer model's cast alone took a second
-        example = _pipeline_example(plan, source) if plan.pp > 1 else None
+        example = _pipeline_example(applied, source, model) if plan.pp > 1 else None
         # kernels: the preflight in `check_runnable`
         parallel = parallelize(model, applied, ddp=False, compile=False, example=example)
         where = _track_modules(parallel.module)

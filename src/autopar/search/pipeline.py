@@ -181,8 +181,8 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
     from autopar.runtime.apply import unsupported
 
     if len(config.stages) > 1 and not pipelines:
-        return "the runtime cannot cut this model into pipeline stages yet (zoo GPT and LLaMA, and Hugging Face " \
-               "LLaMA-style, Phi, GPT-NeoX, GPT-2-style and OPT-style causal LMs it can)"
+        return "the runtime cannot cut this model into pipeline stages: its forward does not trace into a chain of " \
+               "layers each handing the next one value, or its stages would not compute what the forward does"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
                        intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
