@@ -45,7 +45,10 @@ class Cut:
 
 class _Tracer(fx.Tracer):
     """Traces through the modules that hold rows; calls every other module whole (a row, a module inside one, or
-    one no row names). Asserts become graph nodes."""
+    one no row names). Asserts become graph nodes; buffers read as attributes are traced as parameters are (a
+    rotary table sliced by the traced sequence length)."""
+
+    proxy_buffer_attributes = True
 
     def __init__(self, rows: Iterable[str]) -> None:
         super().__init__()
@@ -272,11 +275,18 @@ def _projection(n: fx.Node) -> bool:
 
 def _what(n: fx.Node) -> str:
     if n.op in ("call_module", "get_attr"):
-        return f"{'module' if n.op == 'call_module' else 'parameter'} {n.target!r}"
+        return f"{'module' if n.op == 'call_module' else 'attribute'} {n.target!r}"
     if n.op == "placeholder":
         return f"input {n.target!r}"
     op = f"Tensor.{n.target}" if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
-    return f"value {n.name!r} ({op} in the forward)"
+    base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if base is None:
+        of = ""
+    elif base.op in ("call_module", "get_attr", "placeholder"):
+        of = f" of {'the output of ' if base.op == 'call_module' else ''}{_what(base)}"
+    else:
+        of = f" of value {base.name!r}"
+    return f"value {n.name!r} ({op}{of} in the forward)"
 
 
 def _graph(handed: list[fx.Node], members: list[fx.Node], out: fx.Node,
@@ -357,7 +367,9 @@ class ChainStage(nn.Module):
             self.loss_fn = _Loss(holder, found.loss)
 
     def forward(self, x: Any) -> Any:
-        return fx.Interpreter(self, graph=self._graph).run(x)
+        out = fx.Interpreter(self, graph=self._graph).run(x)
+        # handed to the next stage: a send takes a contiguous tensor (a transpose between modules makes a view)
+        return out.contiguous() if isinstance(out, torch.Tensor) and not self.last else out
 
 
 class _Loss:

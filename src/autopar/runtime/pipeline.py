@@ -163,6 +163,11 @@ class StageModule(nn.Module):
             self.norm, self.head = model.norm, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        # handed to the next stage: a send takes a contiguous tensor
+        return out if self.last else out.contiguous()
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind in LLAMA_STYLE:
             return self._forward_hf(x)
         if self.kind == "gpt2":
