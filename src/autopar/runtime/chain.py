@@ -84,8 +84,19 @@ def trace(model: nn.Module, rows: Iterable[str]) -> fx.Graph:
         text = str(exc).strip().splitlines()
         raise NotImplementedError(
             f"pipeline stages of {type(model).__name__} cannot be cut: its forward cannot be traced symbolically "
-            f"between its layers ({type(exc).__name__}: {text[0] if text else ''}); plan without pipeline "
-            "parallelism") from None
+            f"between its layers ({type(exc).__name__}: {text[0] if text else ''}{_where(exc)}); plan without "
+            "pipeline parallelism") from None
+
+
+def _where(exc: BaseException) -> str:
+    """`` at file:line`` of the model's own code the tracer stopped in (the innermost frame outside torch and
+    autopar), or ""."""
+    import traceback
+    from pathlib import Path
+
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def _row_of(target: str, rows: dict[str, int]) -> str | None:
@@ -194,16 +205,20 @@ def _place(model: nn.Module, stages: list[list[str]], graph: fx.Graph, *, late: 
         raise _refusal(model, f"its forward reads {len(inputs)} input{'s' if len(inputs) != 1 else ''} "
                               f"({', '.join(n.target for n in inputs) or 'none'}); a pipeline's first stage takes "
                               "one and its loss the labels")
-    pinned: dict[fx.Node, int] = {}  # row modules and parameters: on their row's stage
+    # modules holding parameters or buffers, and parameters: on their row's stage. A module holding neither (a
+    # dropout, an activation, a loss module) runs where its call is needed, as a function would, on every stage
+    # that calls it (one dropout called after every block)
+    pinned: dict[fx.Node, int] = {}
     for n in nodes:
+        if n.op == "call_module" and not _holds_state(modules[n.target]):
+            continue
         if n.op in ("call_module", "get_attr"):
             if n.op == "get_attr" and n.target not in params:
                 continue  # a buffer or constant: copied where read
             row = _row_of(n.target, stage_of_row)
-            if row is not None:
-                pinned[n] = stage_of_row[row]
-            elif n.op == "get_attr" or any(True for _ in modules[n.target].parameters()):
+            if row is None:
                 raise _refusal(model, f"module or parameter {n.target!r} belongs to no row of the plan")
+            pinned[n] = stage_of_row[row]
 
     def reaches(sources: set[fx.Node]) -> set[fx.Node]:
         found = set(sources)
@@ -221,11 +236,9 @@ def _place(model: nn.Module, stages: list[list[str]], graph: fx.Graph, *, late: 
     source, target = feeding[0], next(p for p in inputs if p is not feeding[0])
     in_loss = reaches({target}) - {target}
     for n in in_loss:
-        if n in pinned and (pinned[n] != last or n.op == "get_attr"
-                            or any(True for _ in modules[n.target].parameters())):
-            raise _refusal(model, f"module or parameter {n.target!r} reads the labels ({target.target}); the "
-                                  "labels reach only the loss, which holds no parameters")
-        pinned.pop(n, None)  # a parameterless module of the last stage's row (a loss module): in the loss
+        if n in pinned:
+            raise _refusal(model, f"{_what(n)} reads the labels ({target.target}); the labels reach only the loss, "
+                                  "which holds no parameters or buffers")
     moving = reaches({source, target}) | from_pinned  # the rest reads buffers and constants alone
     constant = {n for n in nodes if n.op not in ("placeholder", "output") and n not in moving}
     result = next(n for n in nodes if n.op == "output").args[0]
@@ -264,6 +277,11 @@ def _place(model: nn.Module, stages: list[list[str]], graph: fx.Graph, *, late: 
                 crossing[boundary].append(n)
     return _Placed(nodes=nodes, stage=stage, crossing=crossing, constant=constant, source=source, target=target,
                    result=result)
+
+
+def _holds_state(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters or buffers (which one stage holds), or nothing (which any may call)."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _projection(n: fx.Node) -> bool:
