@@ -212,6 +212,25 @@ def test_a_forward_the_tracer_cannot_follow_is_refused() -> None:
         cut(Branchy(), [ROWS[:4], ROWS[4:]])
 
 
+def test_a_draw_the_tracer_would_bake_into_the_stages_is_refused() -> None:
+    """Noise of a fixed shape drawn in the forward runs once while tracing; the stages would replay that one draw
+    every step, where one process draws anew."""
+
+    class Noisy(Net):
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids) + 0.01 * torch.randn(SEQ, WIDTH)
+            for block in self.blocks:
+                x = block(x)
+            return nn.functional.cross_entropy(self.head(self.norm(x)).flatten(0, 1), labels.flatten())
+
+    model = Noisy()
+    before = torch.random.get_rng_state()
+    with pytest.raises(NotImplementedError, match="draws random numbers between its modules"):
+        cut(model, [ROWS[:4], ROWS[4:]])
+    assert torch.equal(before, torch.random.get_rng_state())  # the user's generator is left as it was
+    assert not can_cut(model, ROWS)
+
+
 # ---- planned, checked and run --------------------------------------------------------------------------------------
 
 def _user_file(tmp_path: Path) -> Path:

@@ -78,14 +78,28 @@ class _Tracer(fx.Tracer):
 
 def trace(model: nn.Module, rows: Iterable[str]) -> fx.Graph:
     """``model``'s forward traced down to ``rows`` (`_Tracer`); NotImplementedError where it cannot be."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # a trace under a fake tensor mode (a rehearsal) reads the real generator
+        state = torch.random.get_rng_state()
     try:
-        return _Tracer(rows).trace(model)
+        graph = _Tracer(rows).trace(model)
     except Exception as exc:  # noqa: BLE001 - whatever the tracer met: this forward cannot be cut here
         text = str(exc).strip().splitlines()
         raise NotImplementedError(
             f"pipeline stages of {type(model).__name__} cannot be cut: its forward cannot be traced symbolically "
             f"between its layers ({type(exc).__name__}: {text[0] if text else ''}{_where(exc)}); plan without "
             "pipeline parallelism") from None
+    finally:
+        with unset_fake_temporarily():
+            drew = not torch.equal(state, torch.random.get_rng_state())
+            torch.random.set_rng_state(state)
+    if drew:  # a draw whose shape the tracer knew: made once while tracing, it would be replayed as a constant
+        raise NotImplementedError(
+            f"pipeline stages of {type(model).__name__} cannot be cut: its forward draws random numbers between its "
+            "modules from values known before it runs (a tensor of fixed shape), which the stages would draw once "
+            "and replay every step; draw them inside a module, or plan without pipeline parallelism")
+    return graph
 
 
 def _where(exc: BaseException) -> str:
