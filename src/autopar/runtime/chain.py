@@ -377,9 +377,10 @@ class ChainStage(nn.Module):
 
     kind = "fx"
 
-    def __init__(self, model: nn.Module, layers: list[list[str]], index: int) -> None:
+    def __init__(self, model: nn.Module, layers: list[list[str]], index: int, *, found: Cut | None = None) -> None:
+        """``found``: ``model`` already cut at ``layers`` (`cut`), shared by the stages one rank builds."""
         super().__init__()
-        found = cut(model, layers)
+        found = cut(model, layers) if found is None else found
         self.first, self.last = index == 0, index == len(layers) - 1
         self.shards = 1
         attach(self, model, found.reads[index])

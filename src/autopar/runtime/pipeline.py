@@ -537,13 +537,24 @@ def _own_stages(model: nn.Module, plan: Plan) -> list[list[str]]:
     return layers
 
 
-def make_stage(model: nn.Module, layers: list[list[int]] | list[list[str]], index: int) -> nn.Module:
-    """Stage ``index`` of ``model`` cut at ``layers`` (`stage_layers`)."""
+def make_stage(model: nn.Module, layers: list[list[int]] | list[list[str]], index: int, *,
+               found: Any = None) -> nn.Module:
+    """Stage ``index`` of ``model`` cut at ``layers`` (`stage_layers`); ``found``: a model of one's own already cut
+    there (`own_cut`), so that the stages one rank builds trace its forward once."""
     if chain_kind(model) == "fx":
         from autopar.runtime.chain import ChainStage
 
-        return ChainStage(model, layers, index)
+        return ChainStage(model, layers, index, found=found)
     return StageModule(model, layers[index], first=index == 0, last=index == len(layers) - 1)
+
+
+def own_cut(model: nn.Module, layers: list[list[int]] | list[list[str]]) -> Any:
+    """A model of one's own cut at ``layers`` (`autopar.runtime.chain.cut`), or None for a known chain."""
+    if chain_kind(model) != "fx":
+        return None
+    from autopar.runtime.chain import cut
+
+    return cut(model, layers)
 
 
 def stage_units(part: nn.Module) -> list[nn.Module]:
@@ -602,11 +613,12 @@ def build(
     index = mesh.get_local_rank("pp")
     mine = list(range(index, virtual, pp))  # interleaved: stage v runs on device v % pp
     layers = stage_layers(model, plan)
-    parts = [make_stage(model, layers, v) for v in mine]
+    found = own_cut(model, layers)
+    parts = [make_stage(model, layers, v, found=found) for v in mine]
     shards = plan.grid[1] if plan.sp else 1
     for part in parts:
         part.shards = shards
-    shapes = stage_shapes(model, layers, example, shards=shards) if example is not None else None
+    shapes = stage_shapes(model, layers, example, shards=shards, found=found) if example is not None else None
     # weights both ends hold (the tied head): a group per (dp, tp) position with the twin rank
     groups: dict[str, str] = {}
     tied = []
@@ -614,7 +626,7 @@ def build(
     per_stage = mesh.size() // pp
     rank = dist.get_rank()
     # a weight both ends hold (not one a stage reads twice itself: RoBERTa's head bias)
-    ends = (make_stage(model, layers, 0), make_stage(model, layers, virtual - 1))
+    ends = (make_stage(model, layers, 0, found=found), make_stage(model, layers, virtual - 1, found=found))
     across = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[1].parameters()}
     if _tied_names(model, None, across):
         for offset in range(per_stage):
@@ -651,21 +663,23 @@ def build(
 
 
 def stage_shapes(model: nn.Module, layers: list[list[int]], example: torch.Tensor, *,
-                 shards: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 shards: int = 1, found: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each stage's input and output (meta tensors) for the micro-batch of input ids ``example``: the chain of
     stages of ``model`` (on the meta device, every stage's modules still in it) run one after another on the meta
     device, under a fake tensor mode (a model's own checks of its inputs' values, such as Hugging Face's look for
     packed sequences, are skipped on fake tensors, as when it is traced). ``shards``: the sequence shards a stage
-    hands on under sequence parallelism (its tp), which divide its boundaries' dim 1."""
+    hands on under sequence parallelism (its tp), which divide its boundaries' dim 1; ``found``: as for
+    `make_stage`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("stage shapes are worked out on the meta device: build the model there")
+    found = own_cut(model, layers) if found is None else found
     seen = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(example.shape, dtype=example.dtype, device="meta")
         for v in range(len(layers)):  # with autograd: a stage sends gradients back for what requires them
-            out = make_stage(model, layers, v)(x)
+            out = make_stage(model, layers, v, found=found)(x)
             seen.append((x, out))
             x = out
 
