@@ -1,6 +1,8 @@
 """ParallelBlocks, candidates and segments on zoo models (CFP §3-4)."""
 
 import pytest
+import torch
+from torch import nn
 
 from autopar.analysis import Split, build_blocks, find_segments, op_dims
 from autopar.capture import trace
@@ -113,3 +115,33 @@ def test_a_chunk_cuts_the_dim_its_third_argument_names() -> None:
     dims = op_dims(node).dims
     assert dims[2].split is Split.FREE and dims[2].outputs == (2, 2, 2)
     assert dims[1].outputs == (1, 1, 1)
+
+
+class _Sliced(nn.Module):
+    """A fused projection cut by slices, as Phi-3 cuts its q, k and v (``cuts``: (start, stop) of each)."""
+
+    def __init__(self, cuts: list[tuple[int | None, int | None]]) -> None:
+        super().__init__()
+        self.proj, self.cuts = nn.Linear(16, 48), cuts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return sum((y[..., a:b].sum() for a, b in self.cuts), torch.zeros(()))
+
+
+@pytest.mark.parametrize(("cuts", "pieces"), [
+    ([(None, 16), (16, 32), (32, None)], True),  # q, k and v: together the whole dim, each part once
+    ([(0, 32), (32, 40), (40, 48)], True),  # pieces of unequal widths (grouped-query attention's)
+    ([(None, 16), (16, 32)], False),  # the last 16 features never read
+    ([(None, 24), (16, None)], False),  # overlapping
+    ([(None, 16), (-32, None)], True),  # negative bounds, as Python slices take them
+])
+def test_slices_that_cut_a_dim_in_pieces_split_it_freely_as_a_split_does(cuts: list, pieces: bool) -> None:
+    """Slices of one tensor along one dim that together hold all of it, each part once, are pieces: the dim splits
+    freely (each rank its share of every piece, as the runtime lays a fused projection out); a slice that leaves
+    part of the dim out, or overlaps another, keeps its dim whole."""
+    graph = trace(_Sliced(cuts), (torch.randn(2, 4, 16),))
+    slices = [n for n in graph.nodes if n.op == "aten.slice.Tensor" and n.inputs[0].shape[-1] == 48]
+    assert len(slices) == len(cuts)
+    for node in slices:
+        assert (op_dims(node).dims[2].split is Split.FREE) == pieces, node.args

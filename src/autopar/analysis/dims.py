@@ -94,12 +94,14 @@ def dim_rule(*ops: str) -> Callable[[Rule], Rule]:
 
 def op_dims(node: Node) -> OpDims:
     """The dimension map of ``node`` (cached by op, shapes and arguments)."""
-    return _cached(node.op, node.inputs, node.outputs, node.args)
+    return _cached(node.op, node.inputs, node.outputs, node.args, node.piece)
 
 
 @lru_cache(maxsize=65536)
-def _cached(op: str, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...], args: tuple) -> OpDims:
-    node = Node(id=-1, op=op, module="", module_type="", inputs=inputs, sources=(), outputs=outputs, args=args)
+def _cached(op: str, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...], args: tuple,
+            piece: bool = False) -> OpDims:
+    node = Node(id=-1, op=op, module="", module_type="", inputs=inputs, sources=(), outputs=outputs, args=args,
+                piece=piece)
     rule = _RULES.get(op) or _RULES.get(op.rpartition(".")[0])
     if rule is None:
         if "scaled_dot_product" in op:
@@ -351,11 +353,18 @@ def _cuts_in_pieces(node: Node) -> bool:
     return node.op.startswith(("aten.split", "aten.chunk"))
 
 
+def is_piece(node: Node) -> bool:
+    """A piece of a dim cut in pieces: a ``split``'s or ``chunk``'s, or a slice that the tensor's other slices
+    along that dim complete (`Node.piece`)."""
+    return _cuts_in_pieces(node) or node.piece
+
+
 @dim_rule("aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
           "aten.chunk.default", "aten.narrow.default", "aten.unbind.int")
 def _slice(node: Node) -> OpDims:
-    """Slicing along one dim: the others pass through; a split's dim splits freely when every piece divides like
-    the whole (a fused QKV output split into Q, K and V is sharded per piece, as Megatron lays out its weights)."""
+    """Slicing along one dim: the others pass through; a split's dim (or that of slices cutting it in pieces, as
+    Phi-3 cuts its fused q/k/v) splits freely when every piece divides like the whole (a fused QKV output split
+    into Q, K and V is sharded per piece, as Megatron lays out its weights)."""
     shape = node.inputs[0].shape
     rank = len(shape)
     axis = split_axis(node)
@@ -364,9 +373,9 @@ def _slice(node: Node) -> OpDims:
         if i == axis:
             outs = tuple(i if len(x.shape) == rank else None for x in node.outputs)
             # pieces of unequal sizes too (grouped-query attention's [q; k; v]): each shard holds its share of
-            # every piece, as the runtime lays the fused weight out (`runtime.apply._qkv_order`); every piece must
+            # every piece, as the runtime lays the fused weight out (`runtime.apply._pieces_order`); every piece must
             # divide (`sharding.apply` checks each output)
-            dims.append(Dim(size, (i,), outs, Split.FREE if _cuts_in_pieces(node) else Split.FIXED))
+            dims.append(Dim(size, (i,), outs, Split.FREE if is_piece(node) else Split.FIXED))
         else:
             o = i if len(node.outputs[0].shape) == rank or i < axis else i - 1
             dims.append(Dim(size, (i,), tuple(o for _ in node.outputs), Split.FREE if size > 1 else Split.FIXED))

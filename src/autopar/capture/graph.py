@@ -94,6 +94,9 @@ class Node:
     saved_bytes: int = 0  # activation bytes this node saves for backward, counted once per storage in the trace
     is_view: bool = False
     args: tuple = ()  # positional arguments, tensors as TENSOR_ARG (dims of a transpose, sizes of a view, ...)
+    # a slice that, with the other slices of the same tensor along the same dim, cuts it into pieces that hold all of
+    # it, as ``split`` does (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``)
+    piece: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:

@@ -89,6 +89,7 @@ class _Draft:
     bytes_written: int
     is_view: bool
     args: tuple[Any, ...]
+    piece: bool = False  # `Node.piece`
 
 
 @dataclass(slots=True)
@@ -204,6 +205,8 @@ class _Recorder(tp.TorchDispatchMode):
         self.last_entry: int | None = None
         self.last_outputs: set[int] = set()
         self.last_in_module: dict[str, int] = {}
+        # (producer of the sliced tensor, dim) -> [(entry, start, stop)] of its unit-step slices (`_note_slice`)
+        self.slices: dict[tuple[Any, int], list[tuple[int, int, int]]] = {}
         self.module_stack: list[str] = [""]
         self.templates: dict[tuple[str, Any], _Template] = {}
         # (fingerprint, fqn, the template it ran as, or the entry index of its replay), in call order
@@ -249,6 +252,7 @@ class _Recorder(tp.TorchDispatchMode):
         self._flush_pending(None)
         self.keep.clear()
         self.producer.clear()
+        self.slices.clear()
         return _GraphBuilder(self, input_infos).build()
 
     def _modules_outside_units(self) -> list[nn.Module]:
@@ -308,6 +312,34 @@ class _Recorder(tp.TorchDispatchMode):
             out.append(leaf)
         return tree_unflatten(out, spec), tuple(infos)
 
+    def _note_slice(self, index: int, draft: _Draft) -> None:
+        """Mark slices of one tensor along one dim (step 1, in one module) as pieces (`Node.piece`) once together
+        they cover the dim exactly, each part once: the cost model then splits that dim freely as it does a
+        ``split``'s, each rank holding its share of every piece (as the runtime lays a fused projection out)."""
+        args = draft.args
+        size = draft.inputs[0].shape
+        if len(args) < 2 or not isinstance(args[1], int) or not size or draft.sources[0] is None:
+            return
+        dim = args[1] % len(size)
+        start, stop, step = (list(args[2:5]) + [None, None, None])[:3]
+        if step not in (None, 1) or not all(v is None or isinstance(v, int) for v in (start, stop)):
+            return
+        width = size[dim]
+        start = 0 if start is None else max(0, min(width, start + width if start < 0 else start))
+        stop = width if stop is None else max(0, min(width, stop + width if stop < 0 else stop))
+        key = (draft.sources[0], dim)
+        seen = self.slices.setdefault(key, [])
+        if seen and self.entries[seen[0][0]].module != draft.module:
+            return
+        seen.append((index, start, stop))
+        spans = sorted((a, b) for _, a, b in seen)
+        if len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == width and all(
+                a < b and b == c for (a, b), (c, _) in zip(spans, spans[1:])) and spans[-1][0] < spans[-1][1]:
+            for entry, _, _ in seen:
+                marked = self.entries[entry]
+                if isinstance(marked, _Draft):
+                    marked.piece = True
+
     def _enter(self, module: nn.Module, _args: Any) -> None:
         self.module_stack.append(self.fqn_of.get(id(module), self.module_stack[-1]))
 
@@ -366,6 +398,8 @@ class _Recorder(tp.TorchDispatchMode):
         )
         index = len(self.entries)
         self.entries.append(draft)
+        if func is torch.ops.aten.slice.Tensor and ins:
+            self._note_slice(index, draft)
         for k, t in enumerate(outs):
             self.producer[id(t)] = ("out", index, k)
             self.keep.append(t)
@@ -644,6 +678,7 @@ class _Expansion:
             saved_bytes=self.saved.get(node_id, 0),
             is_view=d.is_view,
             args=d.args,
+            piece=d.piece,
         )
 
     def _resolve(self, source: _Source, state: str | None) -> Ref:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.analysis import BlockGraph, Linearity, ParallelBlock, Split, op_dims
-from autopar.analysis.dims import OpDims, split_axis
+from autopar.analysis.dims import OpDims, is_piece, split_axis
 from autopar.capture import Node
 from autopar.cluster import Cluster, Collective, collective_seconds
 from autopar.cluster.calls import CommCall, Phase
@@ -371,7 +371,7 @@ class IntraCost:
     def _dims(self, node: Node) -> OpDims:
         """``node``'s dims (`analysis.dims.op_dims`), as DTensor splits them where ``dtensor``."""
         dims = op_dims(node)
-        if self.dtensor and node.op.startswith("aten.split") and node.inputs:  # `dims._slice` splits these freely
+        if self.dtensor and is_piece(node) and node.inputs:  # `dims._slice` splits these freely
             axis = split_axis(node)
             return replace(dims, dims=tuple(replace(d, split=Split.FIXED) if d.inputs and d.inputs[0] == axis else d
                                             for d in dims.dims))
