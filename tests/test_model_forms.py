@@ -290,6 +290,106 @@ def test_a_chunked_fused_projection_is_refused_and_separate_ones_are_not(tmp_pat
             assert reason.startswith("module 'qkv' would be split by output features over tp")
 
 
+_ALL_HEADS_NORM = """
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    \"\"\"A norm over all heads' features at once, its statistics taken as ``how`` says.\"\"\"
+
+    def __init__(self, width, how):
+        super().__init__()
+        self.weight, self.how = nn.Parameter(torch.ones(width)), how
+
+    def forward(self, x):
+        if self.how == "rms_norm":
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+        if self.how == "layer_norm":
+            return nn.functional.layer_norm(x, (x.shape[-1],), self.weight)
+        if self.how == "var":
+            return x * torch.rsqrt(x.var(-1, keepdim=True) + 1e-6) * self.weight
+        centred = x - x.mean(-1, keepdim=True)
+        return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.q_norm = Norm(32, how)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x)).view(b, t, -1, 8).transpose(1, 2)
+        k, v = (y.view(b, t, -1, 8).transpose(1, 2) for y in (self.k(x), self.v(x)))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Net(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention(how) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def build(batch, how="mean"):
+    torch.manual_seed(0)
+    return Net(how), {"x": torch.randn(batch, 8, 32)}
+
+
+def with_var(batch):
+    return build(batch, "var")
+
+
+def with_rms_norm(batch):
+    return build(batch, "rms_norm")
+
+
+def with_layer_norm(batch):
+    return build(batch, "layer_norm")
+"""
+
+
+@pytest.mark.parametrize(("function", "written"), [
+    ("build", True), ("with_rms_norm", True), ("with_var", False), ("with_layer_norm", False)])
+def test_a_users_norm_over_all_heads_runs_split_where_its_means_can_be_summed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], function: str, written: bool) -> None:
+    """A norm of one's own over all heads at once, written with means (or ``rms_norm``) over the features tp
+    splits: its weight is split with them and the runtime takes its means over every rank's features, so the plan
+    is written (the slow tier runs it against one process). Written with ``var`` or ``layer_norm``, which the
+    runtime does not take over the ranks, it is refused naming the norm."""
+    (tmp_path / "net.py").write_text(_ALL_HEADS_NORM)
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", f"{tmp_path / 'net.py'}:{function}", "--cluster", "cpu", "--gpus",
+                           "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out", str(out))
+    assert (code == 0) == written == out.exists(), err
+    if written:
+        modules = json.loads(out.read_text())["plan"]["modules"]
+        assert modules["blocks.0.q_norm"]["params"] == {"blocks.0.q_norm.weight": "[R, S(0)]"}
+    else:
+        assert "module 'blocks.0.q_norm' reduces over 32 features of the activations tp 2 splits" in err
+
+
+@pytest.mark.slow
+def test_a_users_norm_over_all_heads_split_over_tp_trains_what_one_process_trains(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "net.py").write_text(_ALL_HEADS_NORM)
+    for function in ("build", "with_rms_norm"):
+        out = tmp_path / f"{function}.json"
+        code, _, err = run_cli(capsys, "estimate", f"{tmp_path / 'net.py'}:{function}", "--cluster", "cpu", "--gpus",
+                               "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out", str(out))
+        assert code == 0, err
+        code, text, err = run_cli(capsys, "run", str(out), "--nproc", "2", "--steps", "3", "--check", "--check-comm")
+        assert code == 0, err
+        assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text
+
+
 def test_the_zoo_fused_attention_is_not_refused() -> None:
     from autopar.runtime.validate import tensor_parallel_refusal
 
@@ -310,12 +410,13 @@ def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pyt
     assert os.path.exists(out)
 
 
-def test_norms_per_head_are_summed_over_tp_and_a_norm_over_all_heads_is_refused(
+def test_norms_per_head_are_summed_over_tp_and_norms_over_all_heads_split_with_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3 and Gemma 3 normalise q and k per head with one weight each: under tp each rank computes its gradient
     from its own heads, so the plan marks those weights summed over tp (`autopar run --check` measured a difference
-    of 1.4e-3 without the sum). OLMo 2 normalises q over all heads at once: each rank would normalise over its own
-    part, so that is refused; so is a plan that does not sum what it must."""
+    of 1.4e-3 without the sum). OLMo 2 normalises q and k over all heads at once: their weights are split with the
+    features (nothing summed), and the runtime takes the norms' means over every rank's features (the slow tier
+    runs it against one process). A plan that does not sum what it must is refused."""
     common = ["--seq", "32", "--cluster", "cpu", "--gpus", "2", "--batch", "4", "--tp", "2", "--pp", "1", "--mbs", "4"]
     for name in ("qwen3", "gemma3_text"):  # Gemma 3 scales by 1 + weight: an op on the weight alone first
         out = tmp_path / f"{name}.json"
@@ -327,8 +428,12 @@ def test_norms_per_head_are_summed_over_tp_and_a_norm_over_all_heads_is_refused(
         assert summed == [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "kq"]
     code, _, err = run_cli(capsys, "estimate", "hf:olmo2", *_flags(SMALL), "--kv-heads", "2", *common, "--out",
                            str(tmp_path / "olmo2.json"))
-    assert code == 2 and "module 'model.layers.0.self_attn.q_norm' reduces over 64 features of the activations tp " \
-        "2 splits (aten.mean.dim), where a head has 16" in err
+    assert code == 0, err
+    modules = json.loads((tmp_path / "olmo2.json").read_text())["plan"]["modules"]
+    assert not [name for entry in modules.values() for name in entry.get("summed", [])]
+    for norm in ("q_norm", "k_norm"):
+        assert modules[f"model.layers.1.self_attn.{norm}"]["params"] == {
+            f"model.layers.1.self_attn.{norm}.weight": "[R, S(0)]"}
     data = json.loads((tmp_path / "qwen3.json").read_text())
     for entry in data["plan"]["modules"].values():
         entry.pop("summed", None)
@@ -949,13 +1054,15 @@ def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
     ("falcon", {"new_decoder_architecture": True}, True),  # fused by key/value head (2 of them)
     ("falcon", {"multi_query": False, "alibi": True}, True),  # head by head, ALiBi
     ("falcon", {}, False),  # multi-query attention: one key/value head
+    ("hf:phi3", {}, True),  # q, k and v cut by slices at its config's widths, gate and up by chunk(2)
 ])
 def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, config: dict, written: bool) -> None:
     """BLOOM's, Persimmon's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q,
     k and v together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the
     plan is written (the slow tier runs BLOOM and Falcon against one process). One key/value head cannot be split:
-    refused, naming it."""
+    refused, naming it. Phi-3's fused projections are laid out piece by piece per rank instead (each rank's q, k
+    and v, or gate and up, contiguous), and its attention given its own config with one rank's head counts."""
     if model == "falcon":
         from transformers import FalconConfig
 

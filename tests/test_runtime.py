@@ -142,6 +142,12 @@ def test_sequence_parallelism_with_zero_across_dp_matches_one_process_and_the_pr
         # holds them) taken per rank
         ("hf:bloom", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
         ("falcon-new", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
+        # fused q/k/v cut by slices at the config's widths, and gate/up by chunk(2): laid out piece by piece
+        ("hf:phi3", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
+        # norms over all heads at once (OLMo 2's q and k norms): weights split with the features, means taken over
+        # every rank's; under FSDP x TP too, their DTensor weights gathered over dp
+        ("hf:olmo2", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
+        ("hf:olmo2", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 2, 3, None),
     ],
 )
 def test_single_stage_plans_match_one_process_and_the_predicted_collectives(

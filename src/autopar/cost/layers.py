@@ -203,6 +203,7 @@ def _sequence_shards(graph: Graph, ordered: list[LayerCost], first: LayerCost) -
                 read.update(s.state for s in node.sources
                             if s.state and s.state in graph.state and not graph.state[s.state].is_buffer)
         read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such
+        read -= layer.column_biases  # split with a column's features, which it sees for the whole sequence
         layer.sp_partial_params = sum(graph.state[fqn].tensor.numel for fqn in read)
         layer.sp_partial_tensors = len(read)
 
@@ -226,17 +227,29 @@ def _applied_to_shards(graph: Graph, layer: LayerCost) -> set[str]:
 
 
 def _column_biases(graph: Graph, layer: LayerCost) -> set[str]:
-    """The 1-D parameters a column-parallel contraction's own module adds to its output in an op after it (its
-    bias, where the Linear ran as ``mm`` and ``add``): the runtime splits them with the column's output features."""
-    modules = {graph.node(c).module for c in layer.columns}
+    """The 1-D parameters split with a column-parallel contraction's output features: those the column's own module
+    adds to its output in an op after it (its bias, where the Linear ran as ``mm`` and ``add``), and those another
+    module applies along the whole of those features, to a value as large as the column's output (OLMo 2's q and k
+    norms, over all heads at once: the runtime runs such a norm on DTensors, its weight split with the features,
+    `runtime.apply.split_norms`). A norm per head (Qwen3's) applies its weight along a head's features instead: it
+    stays whole, its gradient summed over tp (`_applied_to_shards`)."""
+    columns = [graph.node(c) for c in layer.columns]
+    modules = {c.module for c in columns}
+    # (elements, features) of each column's output: its matmul's (rows, features) or a view of them
+    shapes = {(c.outputs[0].numel, c.outputs[0].shape[-1]) for c in columns if c.outputs and c.outputs[0].shape}
     found: set[str] = set()
     for node in layer.nodes:
-        if node.id not in layer.sharded or _is_param_contraction(node) or node.module not in modules:
+        if node.id not in layer.sharded or _is_param_contraction(node):
             continue
+        along = any(s.state is None and t.shape and (t.numel, t.shape[-1]) in shapes
+                    for s, t in zip(node.sources, node.inputs))
         for ref in node.sources:
             info = graph.state.get(ref.state) if ref.state else None
-            if info is not None and not info.is_buffer and ref.state.rpartition(".")[0] == node.module \
-                    and len(info.tensor.shape) == 1:
+            if info is None or info.is_buffer or len(info.tensor.shape) != 1:
+                continue
+            owner = ref.state.rpartition(".")[0]
+            if (owner == node.module and node.module in modules) or (
+                    along and owner == node.module and any(info.tensor.shape[0] == f for _, f in shapes)):
                 found.add(ref.state)
     return found
 

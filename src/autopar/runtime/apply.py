@@ -30,6 +30,7 @@ says so (intra-op plans of one stage run with DTensor, `autopar.runtime.intra`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 from collections import Counter
@@ -696,7 +697,7 @@ def _tensor_parallel(
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     fused_blocks: set[str] = set()
     heads = tp_partial_names(module, plan)
-    norms = norms_before_columns(module, columns, sp=sp, summed=heads)
+    norms = norms_before_columns(module, columns, sp=sp, summed=heads, split=split_norms(module, plan))
     # blocks that are layers of the stream themselves, with one column and no one norm it reads (OPT's decoder
     # layer holds its MLP's linears and two norms): under SP their input is sequence shards that their own norms
     # and residual adds run on, so their column gathers its input itself rather than the block gathering its own
@@ -720,9 +721,9 @@ def _tensor_parallel(
             _per_rank_heads(parent, tp)
             _alibi_per_rank(parent, mesh)
             fused_blocks.add(parent_name)
-        fused = fused_qkv(parent, child) if placement == "S(0)" else None
-        if fused is not None:
-            order = _qkv_order(*fused, tp=tp)
+        pieces = fused_pieces(parent, child) if placement == "S(0)" else None
+        if pieces is not None:
+            order = _pieces_order(pieces, tp=tp)
             dim = out_features_dim(linear)
             with torch.no_grad():
                 linear.weight.copy_(linear.weight.index_select(dim, order))
@@ -731,8 +732,9 @@ def _tensor_parallel(
             permutations[f"{fqn}.weight"] = (dim, order)
             if linear.bias is not None:
                 permutations[f"{fqn}.bias"] = (0, order)
-            _per_rank_heads(parent, tp)
-            fused_blocks.add(parent_name)
+            if fused_qkv(parent, child) is not None:
+                _per_rank_heads(parent, tp)
+                fused_blocks.add(parent_name)
     for block, names in columns.items():  # separate q, k and v: a head count the block's code reshapes by
         if block not in fused_blocks and len(names) > 1:
             _per_rank_head_counts(modules[block], tp)
@@ -743,8 +745,11 @@ def _tensor_parallel(
             _share_other_inputs(modules[block], [modules[name] for name in names], mesh)
     gathered: list[str] = []
     if sp:  # norms inside a block see its heads, not sequence shards
-        gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads})
+        gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads}
+                                      | set(split_norms(module, plan)))
     parallelize_module(module, mesh, styles)
+    for norm in split_norms(module, plan):
+        _split_norm(modules[norm], mesh, scatter=sp)
     for fqn, placement in placements.items():  # after the styles' hooks: on the local tensor they hand on
         if placement == "S(1)" and _named(modules.get(fqn.rpartition(".")[0]), "FalconMLP"):
             # Falcon's parallel attention adds the attention's output into the MLP's in place, which autograd
@@ -847,16 +852,39 @@ def _conv1d_style(style: Any) -> Any:
     return converted
 
 
+def fused_pieces(parent: Any, child: str) -> tuple[int, ...] | None:
+    """Widths of the pieces, in order, that ``parent`` cuts the output features of its child ``child`` into, where
+    the runtime lays that projection out per rank (`_pieces_order`: each rank's share of every piece in its one
+    contiguous shard, so that the rank's own cut hands it its shares): a fused [q; k; v] projection (`fused_qkv`),
+    and Phi-3's ``gate_up_proj``, which its MLP cuts into gate and up with ``.chunk(2)``; None otherwise."""
+    qkv = fused_qkv(parent, child)
+    if qkv is not None:
+        heads, kv, size = qkv
+        return heads * size, kv * size, kv * size
+    proj = getattr(parent, child, None) if child == "gate_up_proj" else None
+    if _named(parent, "Phi3MLP") and isinstance(proj, nn.Linear) and proj.out_features % 2 == 0:
+        return proj.out_features // 2, proj.out_features // 2
+    return None
+
+
 def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
     """(heads, key/value heads, head dim) where ``parent``'s child ``child`` is a fused [q; k; v] projection the
-    runtime lays out per rank (`_qkv_order`) and ``parent`` is an attention whose head counts it can make per-rank
-    (`_per_rank_heads`): the zoo's ``Attention.qkv``, and GPT-2's self-attention ``c_attn`` (cut into q, k and v
-    with ``.split(split_size)``); None otherwise. (Phi-3's ``qkv_proj`` is cut by slices at widths from its config,
-    which the cost model prices as gathering the projection: its tp stays refused, `cut_projections`.)"""
+    runtime lays out per rank (`_pieces_order`) and ``parent`` is an attention whose head counts it can make
+    per-rank (`_per_rank_heads`): the zoo's ``Attention.qkv``, GPT-2's self-attention ``c_attn`` (cut into q, k and
+    v with ``.split(split_size)``) and Phi-3's ``qkv_proj`` (cut by slices at widths from its config); None
+    otherwise."""
     from autopar.zoo.layers import Attention
 
     if isinstance(parent, Attention) and child == "qkv":
         return parent.heads, parent.kv_heads, parent.head_dim
+    if child == "qkv_proj" and _named(parent, "Phi3Attention"):
+        heads = getattr(getattr(parent, "config", None), "num_attention_heads", None)
+        kv, size = getattr(parent, "num_key_value_heads", None), getattr(parent, "head_dim", None)
+        proj = getattr(parent, "qkv_proj", None)
+        if (_count(heads) and _count(kv) and _count(size) and isinstance(proj, nn.Linear)
+                and proj.out_features == (heads + 2 * kv) * size):
+            return heads, kv, size
+        return None
     sizes = [getattr(parent, name, None) for name in ("split_size", "num_heads", "head_dim")]
     if (child == "c_attn" and is_conv1d(getattr(parent, "c_attn", None))
             and getattr(parent, "is_cross_attention", None) is False and all(isinstance(n, int) for n in sizes)
@@ -909,6 +937,12 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
         attention.num_heads //= tp
         if _count(getattr(attention, "num_kv_heads", None)):
             attention.num_kv_heads //= tp
+    elif _named(attention, "Phi3Attention"):  # cuts q at its config's head count: give it a config of its own
+        config = copy.copy(attention.config)
+        config.num_attention_heads //= tp
+        config.num_key_value_heads //= tp
+        attention.config = config
+        attention.num_key_value_heads //= tp
     else:
         attention.split_size //= tp
         attention.num_heads //= tp
@@ -976,17 +1010,18 @@ def column_groups(placements: Mapping[str, str]) -> dict[str, list[str]]:
 
 
 def norms_before_columns(
-    module: nn.Module, columns: Mapping[str, list[str]], *, sp: bool, summed: Iterable[str]
+    module: nn.Module, columns: Mapping[str, list[str]], *, sp: bool, summed: Iterable[str], split: Iterable[str]
 ) -> dict[str, str]:
     """Block -> the norm it applies to its own input before its column linears read it (a pre-norm written inside
     the attention or MLP module), for the blocks whose columns share one replicated input (several columns, or
     any under SP). The norm is a direct child whose type is a LayerNorm or RMSNorm, over the columns' input
-    features, not a per-head norm (q and k norms, whose weights tp sums), and the block's only such child. The
+    features, not a per-head norm (q and k norms, whose weights tp sums: ``summed``) nor one over all heads at
+    once (OLMo 2's, run split: ``split``, `split_norms`), and the block's only such child. The
     columns then read the norm's output, not the block's input, so that output becomes the DTensor they share.
     This is read from the module tree; `check_runnable` checks it against the traced model, so a plan whose
     columns read something else is refused when planned."""
     modules = dict(module.named_modules())
-    summed = list(summed)
+    summed, split = list(summed), set(split)
     found: dict[str, str] = {}
     for block, names in columns.items():
         if len(names) == 1 and not sp:
@@ -994,7 +1029,7 @@ def norms_before_columns(
         features = {getattr(modules[name], "in_features", None) for name in names}
         norms = [
             f"{block}.{name}" for name, child in modules[block].named_children()
-            if type(child).__name__.endswith(("LayerNorm", "RMSNorm"))
+            if type(child).__name__.endswith(("LayerNorm", "RMSNorm")) and f"{block}.{name}" not in split
             and not any(p.startswith(f"{block}.{name}.") for p in summed)
             and {p.shape[-1] for p in child.parameters()} <= features
         ]
@@ -1042,6 +1077,8 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             tied = Counter(id(p) for p in _all_parameters(model))
         if weight_tensor is not None and tied[id(weight_tensor)] > 1:
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
+        if _is_split_norm(linear, entry):  # run on DTensors by `_split_norm`
+            continue
         if not isinstance(linear, nn.Linear) and not is_conv1d(linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
         if tp_placement in ("S(0)", "S(1)"):
@@ -1051,6 +1088,125 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
         placements[fqn] = tp_placement
     return placements
+
+
+def _is_split_norm(module: nn.Module, entry: Any) -> bool:  # noqa: ANN401 - a plan's module entry
+    """Whether ``module`` is not a projection but holds only 1-D parameters, and the plan splits its weight over tp
+    by features (OLMo 2's q and k norms, over all heads at once): the runtime runs it on DTensors (`_split_norm`)."""
+    weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
+    return (weight is not None and short(weight.on(1)) == "S(0)" and not isinstance(module, nn.Linear)
+            and not is_conv1d(module) and all(p.dim() == 1 for p in module.parameters(recurse=False))
+            and not list(module.children()))
+
+
+def split_norms(module: nn.Module, plan: Plan) -> list[str]:
+    """The modules of ``module`` (the model, or one pipeline stage's modules) run on DTensors under tp
+    (`_is_split_norm`)."""
+    if plan.grid[1] == 1:
+        return []
+    modules = dict(module.named_modules())
+    return [entry.fqn for entry in plan.modules if entry.fqn in modules and _is_split_norm(modules[entry.fqn], entry)]
+
+
+def _split_norm(norm: nn.Module, mesh: Any, *, scatter: bool) -> None:  # noqa: ANN401 - a DeviceMesh
+    """Run ``norm``, which normalises the features a column-parallel projection hands on split (over all of them at
+    once), on this rank's features: its parameters become DTensors split by features over the 1-D ``mesh`` (each
+    rank's gradient then covers its own features, with nothing to sum), its own code runs on their local parts, and
+    every mean it takes over its input's last dim is the mean over all ranks' features: the local sum all-reduced
+    over tp, whose gradient is all-reduced back (one all-reduce of (rows, 1) each way, as priced). With
+    ``scatter`` (sequence parallelism) that sum is reduce-scattered over the rows and gathered back instead, as the
+    cost model prices a pending sum under SP (the same sum, in two collectives each way). DTensor's own propagation
+    would also be right, but defers the backward's sum to the input's whole gradient, a reduce-scatter of every
+    feature. The plan-time check lets only means over the last dim reduce inside such a norm
+    (`validate._check_replicated_inside`)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, param in list(norm.named_parameters(recurse=False)):
+        norm.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                                   requires_grad=param.requires_grad))
+    forward = norm.forward
+    group, ranks = mesh.get_group(), mesh.size()
+
+    @functools.wraps(forward)
+    def split_forward(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        with _OverAllFeatures(norm, group, ranks, scatter=scatter):
+            return forward(*args, **kwargs)
+
+    norm.forward = split_forward
+
+
+class _OverAllFeatures(torch.overrides.TorchFunctionMode):
+    """Inside a split norm's forward (`_split_norm`): its own parameters read as their local parts, and a mean over
+    the last dim (``mean``, or inside ``rms_norm`` over that dim) taken over every rank's features."""
+
+    _NORMS = (torch.rms_norm, nn.functional.rms_norm)
+
+    def __init__(self, norm: nn.Module, group: Any, ranks: int, *, scatter: bool) -> None:  # noqa: ANN401
+        super().__init__()
+        self.scatter = scatter
+        self.own = {id(p) for p in norm.parameters(recurse=False)}
+        self.width = max((p.to_local().shape[0] for p in norm.parameters(recurse=False)), default=0)  # this rank's
+        self.group, self.ranks = group, ranks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        args = tuple(a.to_local() if id(a) in self.own else a for a in args)
+        kwargs = {k: v.to_local() if id(v) in self.own else v for k, v in kwargs.items()}
+        if func in (torch.mean, torch.Tensor.mean) and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            dims = args[1] if len(args) > 1 else kwargs.get("dim")
+            dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+            if (len(dims) == 1 and isinstance(dims[0], int) and dims[0] % x.ndim == x.ndim - 1
+                    and x.shape[-1] == self.width):
+                keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+                return self.mean(x, keep)
+        if func in self._NORMS and args:
+            x, shape = args[0], args[1] if len(args) > 1 else kwargs["normalized_shape"]
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            if len(tuple(shape)) == 1 and x.shape[-1] == self.width:  # as rms_norm computes, in fp32 at least
+                eps = args[3] if len(args) > 3 else kwargs.get("eps")
+                eps = torch.finfo(x.dtype).eps if eps is None else eps
+                wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+                y = (wide * torch.rsqrt(self.mean(wide * wide, True) + eps)).type_as(x)
+                return y if weight is None else y * weight
+        return func(*args, **kwargs)
+
+    def mean(self, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        total = x.sum(-1, keepdim=keep)
+        # under SP: over the first dim the ranks divide (the batch or the sequence; the sum is the same)
+        rows = next((d for d in range(total.dim() - (1 if keep else 0)) if total.shape[d] % self.ranks == 0), None)
+        return _SumOverRanks.apply(total, self.group, rows if self.scatter else None) / (x.shape[-1] * self.ranks)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of every rank's ``x`` over ``group``, all-reduced, or with ``rows`` reduce-scattered along that dim
+    and gathered back; its gradient, every rank's gradient summed back the same way (each rank's output feeds that
+    rank's own features, so every rank's share of the gradient reaches each input)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, rows: int | None) -> torch.Tensor:  # noqa: ANN401
+        ctx.group, ctx.rows = group, rows
+        return _summed(x, group, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN401
+        return _summed(grad, ctx.group, ctx.rows), None, None
+
+
+def _summed(x: torch.Tensor, group: Any, rows: int | None) -> torch.Tensor:  # noqa: ANN401
+    import torch.distributed as dist
+
+    if rows is None:
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+    ranks = dist.get_world_size(group)
+    moved = x.movedim(rows, 0).contiguous()
+    part = moved.new_empty((moved.shape[0] // ranks, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(part, moved, group=group)
+    whole = torch.empty_like(moved)
+    dist.all_gather_into_tensor(whole, part, group=group)
+    return whole.movedim(0, rows)
 
 
 def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool) -> None:
@@ -1193,15 +1349,14 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
     return gathered
 
 
-def _qkv_order(heads: int, kv: int, hd: int, *, tp: int) -> torch.Tensor:
-    """Order of a fused [q; k; v] projection's output features that puts each rank's heads' q, k and v in one
-    contiguous shard."""
-    if heads % tp or kv % tp:
-        raise ValueError(f"tp {tp} does not divide the attention's {heads} heads and {kv} key/value heads")
-    q_rows = torch.arange(heads * hd).view(tp, -1)
-    k_rows = (heads * hd + torch.arange(kv * hd)).view(tp, -1)
-    v_rows = ((heads + kv) * hd + torch.arange(kv * hd)).view(tp, -1)
-    return torch.cat([q_rows, k_rows, v_rows], dim=1).reshape(-1)
+def _pieces_order(widths: tuple[int, ...], *, tp: int) -> torch.Tensor:
+    """Order of a fused projection's output features, cut into pieces of ``widths`` (q, k and v; gate and up), that
+    puts each rank's share of every piece, in piece order, in one contiguous shard."""
+    if any(width % tp for width in widths):
+        raise ValueError(f"tp {tp} does not divide the widths {list(widths)} a fused projection is cut into")
+    starts = [sum(widths[:k]) for k in range(len(widths))]
+    return torch.cat([(start + torch.arange(width)).view(tp, -1) for start, width in zip(starts, widths)],
+                     dim=1).reshape(-1)
 
 
 def _all_parameters(model: nn.Module) -> list[torch.Tensor]:

@@ -49,8 +49,8 @@ from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.plan.batch import split_batch
 from autopar.runtime.apply import (
-    check_matches, check_supported, checkpoint_segments, column_groups, fused_qkv, norms_before_columns,
-    out_features_dim, parallelize, recompute, tensor_parallel_placements, tp_partial_names, tp_role,
+    check_matches, check_supported, checkpoint_segments, column_groups, fused_pieces, norms_before_columns,
+    out_features_dim, parallelize, recompute, split_norms, tensor_parallel_placements, tp_partial_names, tp_role,
 )
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin
@@ -620,8 +620,9 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
+    norms = set(split_norms(model, plan))  # run on DTensors: whatever they reduce is summed over tp
     split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
-             if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard)}
+             if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard) and entry.fqn not in norms}
     modules = dict(model.named_modules())
     split = {fqn: tp_role(modules[fqn], dim) for fqn, dim in split.items() if fqn in modules}  # by role
     columns = [fqn for group in column_groups({fqn: f"S({dim})" for fqn, dim in split.items()}).values()
@@ -629,7 +630,7 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     found = cut_projections(graph, model, columns)
     if found:
         raise ValueError(_cut_message(*found[0], tp=f"tp {tp}"))
-    _check_replicated_inside(graph, split, columns, tp=tp, model=model, plan=plan)
+    _check_replicated_inside(graph, split, columns, tp=tp, model=model, plan=plan, norms=norms)
 
 
 def _check_shared_inputs(graph, plan: Plan, model: nn.Module,  # noqa: ANN001 - a traced Graph
@@ -644,7 +645,8 @@ def _check_shared_inputs(graph, plan: Plan, model: nn.Module,  # noqa: ANN001 - 
     if tp == 1:
         return
     columns = column_groups(placements)
-    norms = norms_before_columns(model, columns, sp=plan.sp, summed=tp_partial_names(model, plan))
+    norms = norms_before_columns(model, columns, sp=plan.sp, summed=tp_partial_names(model, plan),
+                                 split=split_norms(model, plan))
     owner = {column: block for block in norms for column in columns[block]}
     if not owner:
         return
@@ -688,13 +690,14 @@ def _activation_sources(graph, node, block: str) -> list:  # noqa: ANN001 - a tr
 
 
 def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *, tp: int,  # noqa: ANN001
-                             model: nn.Module, plan: Plan) -> None:
+                             model: nn.Module, plan: Plan, norms: set[str]) -> None:
     """What runs between a column-parallel linear and its row-parallel partner sees each rank's share of the heads.
-    Refused: a reduction there over more than one head's features (OLMo 2 normalises q over all heads at once:
-    each rank would normalise over its own part), and a replicated parameter applied there that the plan does not
-    mark ``summed`` (q and k norms per head, as Qwen3 and Gemma 3 have: each rank computes their gradient from its
-    own heads, and the runtime sums the marked ones over tp, `tp_partial_names`), or one it marks that is not
-    applied there."""
+    Refused: a reduction there over more than one head's features (a norm over all heads at once, where each rank
+    would normalise over its own part), and a replicated parameter applied there that the plan does not mark
+    ``summed`` (q and k norms per head, as Qwen3 and Gemma 3 have: each rank computes their gradient from its own
+    heads, and the runtime sums the marked ones over tp, `tp_partial_names`), or one it marks that is not applied
+    there. The modules of ``norms`` are exempt: they run on DTensors, their weights split with the features
+    (`split_norms`: OLMo 2's q and k norms, over all heads at once)."""
     rows = {fqn for fqn, dim in split.items() if dim == 1}
     nodes = _first_instances(graph)
     consumers = _consumers(nodes)
@@ -706,9 +709,23 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
                 inside[user.id] = user
                 frontier.append(user)
     heads = {size for _, _, size in traced_shapes(graph).attention}
+    widths = {norm: {info.tensor.shape[0] for name, info in graph.state.items()
+                     if name.rpartition(".")[0] == norm and len(info.tensor.shape) == 1} for norm in norms}
+
+    def summed_in_norm(node) -> bool:  # noqa: ANN001 - a graph Node
+        """A reduction a split norm takes over every rank's features (`_split_norm`): a mean over the last dim
+        alone (``rms_norm`` runs as one), that dim as wide as the norm's weight (the features tp splits, not a
+        head's)."""
+        norm = next((n for n in norms if node.module == n or node.module.startswith(f"{n}.")), None)
+        if norm is None or not node.inputs or node.inputs[0].shape[-1:] != (max(widths[norm], default=0),):
+            return False
+        last = len(node.inputs[0].shape) - 1
+        dims = node.args[1] if node.op == "aten.mean.dim" and len(node.args) > 1 else None
+        return isinstance(dims, (tuple, list)) and len(dims) == 1 and dims[0] % (last + 1) == last
+
     for node in sorted(inside.values(), key=lambda n: n.id):
         reduced = _reduced_sizes(node)
-        if reduced is not None and not set(reduced) <= heads:
+        if reduced is not None and not set(reduced) <= heads and not summed_in_norm(node):
             raise ValueError(
                 f"module {node.module or '<root>'!r} reduces over {' x '.join(map(str, reduced))} features of the "
                 f"activations tp {tp} splits ({node.op}), where a head has {_sizes(heads)}: each rank would reduce "
@@ -720,7 +737,8 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
         for ref in node.sources:
             for name in ([ref.state] if ref.state else sorted(trained.get(ref.node, ()))):
                 info = graph.state.get(name)
-                if info is None or info.is_buffer or not info.requires_grad or name.rpartition(".")[0] in split:
+                if (info is None or info.is_buffer or not info.requires_grad or name.rpartition(".")[0] in split
+                        or name.rpartition(".")[0] in norms):
                     continue
                 if name in applied:  # one norm module for q and k, say: the block model prices each use apart
                     raise ValueError(
@@ -829,11 +847,11 @@ def cut_projections(graph, model: nn.Module, names) -> list[tuple[str, Any]]:  #
     output along its output features (split, chunk, slice, narrow) before any reshape changes that dim, as
     ``[(module, op node)]``. Column-parallel, each rank holds a contiguous block of those features, so a fused
     ``[q; k; v]`` projection cut in three would hand each rank parts of q as k and v. The zoo's own attention is
-    exempt, as GPT-2's ``c_attn`` is: the runtime permutes their fused outputs to whole heads per rank
-    (`fused_qkv`)."""
+    exempt, as GPT-2's ``c_attn`` and Phi-3's fused projections are: the runtime lays their fused outputs out
+    piece by piece per rank (`fused_pieces`)."""
     modules = dict(model.named_modules())
     wanted = {name.removesuffix(".weight") for name in names}
-    wanted = {m for m in wanted if fused_qkv(modules.get(m.rpartition(".")[0]), m.rpartition(".")[2]) is None}
+    wanted = {m for m in wanted if fused_pieces(modules.get(m.rpartition(".")[0]), m.rpartition(".")[2]) is None}
     if not wanted:
         return []
     nodes = _first_instances(graph)
