@@ -102,10 +102,12 @@ def test_layers_of_alternating_kinds_are_each_a_layer() -> None:
 
 
 def test_a_weight_two_modules_share_is_named_as_named_parameters_names_it() -> None:
-    """nanoGPT's embedding takes the head's weight (``wte.weight = lm_head.weight``), and the embedding is a
-    repeated unit (it has a sibling of its class in ``transformer``), traced when called: the trace used to name the
+    """nanoGPT's embedding takes the head's weight (``wte.weight = lm_head.weight``): the trace used to name the
     weight by the head, a name the model's state does not hold, so the head's read of the embedding's weight went
-    unseen and a pipeline's sum of it over the two ends was not priced."""
+    unseen and a pipeline's sum of it over the two ends was not priced. The embedding has a sibling of its class in
+    ``transformer`` (the position table), but holding the head's weight it is no repeated unit: FSDP could not
+    shard it apart from the head (ZeRO 3 of nanoGPT was refused so), and the cost model prices it with the
+    root's unit, as the runtime shards it."""
     import sys
     from pathlib import Path
 
@@ -125,3 +127,10 @@ def test_a_weight_two_modules_share_is_named_as_named_parameters_names_it() -> N
     rows = {layer.name: layer for layer in analyse(graph)}
     assert rows["model.transformer.wte"].params == 128 * 512
     assert rows["model.lm_head"].tied == [("model.transformer.wte", 128 * 512)]
+    assert not rows["model.transformer.wte"].repeated and rows["model.transformer.wpe"].repeated
+
+    from autopar.runtime.apply import repeated_layers
+
+    units = repeated_layers(model)
+    assert model.model.transformer.wte not in units and model.model.transformer.wpe in units
+    assert len(units) == 1 + len(model.model.transformer.h)

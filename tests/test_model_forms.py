@@ -410,6 +410,21 @@ def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pyt
     assert os.path.exists(out)
 
 
+@pytest.mark.slow
+def test_nanogpt_under_zero_3_shards_its_tied_embedding_with_the_head(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """nanoGPT's embedding, held beside the position table in a ``ModuleDict``, shares its weight with the head: it
+    is sharded in the root's FSDP unit with the head, as priced (FSDP used to refuse it as a unit of its own)."""
+    out = tmp_path / "z3.json"
+    code, _, err = run_cli(capsys, "estimate", f"{EXAMPLES / 'nanogpt.py'}:build", "--cluster", "cpu", "--gpus", "2",
+                           "--batch", "4", "--mbs", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3",
+                           "--out", str(out))
+    assert code == 0, err
+    code, text, err = run_cli(capsys, "run", str(out), "--nproc", "2", "--steps", "3", "--check", "--check-comm")
+    assert code == 0, err
+    assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text
+
+
 def test_norms_per_head_are_summed_over_tp_and_norms_over_all_heads_split_with_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3 and Gemma 3 normalise q and k per head with one weight each: under tp each rank computes its gradient

@@ -105,7 +105,10 @@ def _plain_tuple(value: Any) -> bool:
 def _find_units(
     model: nn.Module, fingerprint_of: dict[int, int], keys: list[tuple[Any, ...]], units: dict[int, str]
 ) -> None:
-    """Outermost repeated layers: children of a container that share a class with a sibling and own parameters.
+    """Outermost repeated layers: children of a container that share a class with a sibling and own parameters,
+    none of them shared with a module outside the child (nanoGPT keeps its embedding in a ``ModuleDict`` beside
+    the position table, its weight tied to the head: such a child is no layer of its own, and FSDP could not make
+    it a unit apart from the head).
 
     Layers live in containers (`nn.ModuleList`, `nn.Sequential`, `nn.ModuleDict`); two look-alike modules in
     unrelated places (an embedding's and a head's LayerNorm) gain nothing from replay. A layer whose configuration
@@ -120,6 +123,13 @@ def _find_units(
             hex_of[fp] = hashlib.sha1(_describe(fp, keys).encode()).hexdigest()[:16]
         return hex_of[fp]
 
+    holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    shared = {key for key, count in holders.items() if count > 1}
+
+    def tied_outside(child: nn.Module) -> bool:
+        inside = Counter(id(p) for m in child.modules() for p in m._parameters.values() if p is not None)
+        return any(holders[key] > count for key, count in inside.items() if key in shared)
+
     todo = [model]
     while todo:
         module = todo.pop()
@@ -129,7 +139,7 @@ def _find_units(
                 if child is None:
                     continue
                 fp = fingerprint_of[id(child)]
-                if counts[type(child)] > 1 and _owns_parameters(keys, fp):
+                if counts[type(child)] > 1 and _owns_parameters(keys, fp) and not (shared and tied_outside(child)):
                     units[id(child)] = stable(fp)
         todo.extend(c for c in module._modules.values() if c is not None and id(c) not in units)
 
