@@ -353,6 +353,27 @@ def with_rms_norm(batch):
 
 def with_layer_norm(batch):
     return build(batch, "layer_norm")
+
+
+class Residual(Attention):
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+class Inside(nn.Module):  # the residual add inside the module holding the projections
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Residual("mean") for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def residual_inside(batch):
+    torch.manual_seed(0)
+    return Inside(), {"x": torch.randn(batch, 8, 32)}
 """
 
 
@@ -374,6 +395,19 @@ def test_a_users_norm_over_all_heads_runs_split_where_its_means_can_be_summed(
         assert modules["blocks.0.q_norm"]["params"] == {"blocks.0.q_norm.weight": "[R, S(0)]"}
     else:
         assert "module 'blocks.0.q_norm' reduces over 32 features of the activations tp 2 splits" in err
+
+
+def test_a_residual_add_inside_the_module_holding_the_projections_is_refused_saying_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under tp the input a block's q, k and v share is one replicated DTensor; a residual add in the same module
+    meets it with the projection's plain output. Refused when planned, with what to change, not only DTensor's
+    own message."""
+    (tmp_path / "net.py").write_text(_ALL_HEADS_NORM)
+    code, _, err = run_cli(capsys, "estimate", f"{tmp_path / 'net.py'}:residual_inside", "--cluster", "cpu",
+                           "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out",
+                           str(tmp_path / "plan.json"))
+    assert code == 2 and not (tmp_path / "plan.json").exists()
+    assert "got mixed torch.Tensor and DTensor" in err and "keep the residual add and the norm in the module" in err
 
 
 @pytest.mark.slow

@@ -477,14 +477,23 @@ def _strided_shards_on_real_indices() -> Iterator[None]:
 
 
 def _reshape_hint(exc: BaseException, plan: Plan) -> str:
-    """Why a reshape fails under tp, where it does: the model's code reshapes a tensor tp splits by the model's
-    whole width or head count (``view(b, s, num_heads, 3, head_dim)``), which a rank's share does not have."""
-    if not plan.is_pipeline or plan.grid[1] == 1 or not isinstance(exc, RuntimeError) \
-            or "is invalid for input of size" not in str(exc):
+    """Why the model's code fails under tp, where that is known: it reshapes a tensor tp splits by the model's
+    whole width or head count (``view(b, s, num_heads, 3, head_dim)``), which a rank's share does not have; or it
+    meets the replicated input its block's projections share (a DTensor) with a plain tensor of its own (a residual
+    add, or a norm written by hand, inside the block that holds the projections)."""
+    if not plan.is_pipeline or plan.grid[1] == 1 or not isinstance(exc, RuntimeError):
         return ""
-    return (f"; under tp {plan.grid[1]} a rank holds 1/{plan.grid[1]} of the features a split projection makes, "
-            "and code that reshapes them by the model's whole head count or width fails so: plan with tp 1 "
-            "(`autopar plan` finds one)")
+    tp = plan.grid[1]
+    if "is invalid for input of size" in str(exc):
+        return (f"; under tp {tp} a rank holds 1/{tp} of the features a split projection makes, and code that "
+                "reshapes them by the model's whole head count or width fails so: plan with tp 1 (`autopar plan` "
+                "finds one)")
+    if "got mixed torch.Tensor and DTensor" in str(exc):
+        return (f"; under tp {tp} the input that a block's projections share is handed to them as one replicated "
+                "DTensor, and code of the block's own that reads it beside a plain tensor (a residual add, or a norm "
+                "written by hand, inside the module holding the projections) fails so: keep the residual add and "
+                "the norm in the module around it, as Hugging Face's and Megatron's layers do, or plan with tp 1")
+    return ""
 
 
 def _raised_by_autopar(exc: BaseException) -> bool:
