@@ -230,8 +230,8 @@ def _column_biases(graph: Graph, layer: LayerCost) -> set[str]:
     """The 1-D parameters split with a column-parallel contraction's output features: those the column's own module
     adds to its output in an op after it (its bias, where the Linear ran as ``mm`` and ``add``), and those another
     module applies along the whole of those features, to a value as large as the column's output (OLMo 2's q and k
-    norms, over all heads at once: the runtime runs such a norm on DTensors, its weight split with the features,
-    `runtime.apply.split_norms`). A norm per head (Qwen3's) applies its weight along a head's features instead: it
+    norms, over all heads at once: the runtime runs such a norm on each rank's features, its weight split with
+    them, `runtime.apply.split_norms`). A norm per head (Qwen3's) applies its weight along a head's features instead: it
     stays whole, its gradient summed over tp (`_applied_to_shards`)."""
     columns = [graph.node(c) for c in layer.columns]
     modules = {c.module for c in columns}

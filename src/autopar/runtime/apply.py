@@ -1077,7 +1077,7 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
             tied = Counter(id(p) for p in _all_parameters(model))
         if weight_tensor is not None and tied[id(weight_tensor)] > 1:
             continue  # a weight tied to another module (a GPT head shares the embedding): kept whole
-        if _is_split_norm(linear, entry):  # run on DTensors by `_split_norm`
+        if _is_split_norm(linear, entry):  # run split by `_split_norm`
             continue
         if not isinstance(linear, nn.Linear) and not is_conv1d(linear):
             raise NotImplementedError(f"module {fqn!r} ({type(linear).__name__}) cannot be split by tensor parallelism yet")
@@ -1092,7 +1092,8 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
 
 def _is_split_norm(module: nn.Module, entry: Any) -> bool:  # noqa: ANN401 - a plan's module entry
     """Whether ``module`` is not a projection but holds only 1-D parameters, and the plan splits its weight over tp
-    by features (OLMo 2's q and k norms, over all heads at once): the runtime runs it on DTensors (`_split_norm`)."""
+    by features (OLMo 2's q and k norms, over all heads at once): the runtime runs it on each rank's features,
+    its means taken over all ranks' (`_split_norm`)."""
     weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
     return (weight is not None and short(weight.on(1)) == "S(0)" and not isinstance(module, nn.Linear)
             and not is_conv1d(module) and all(p.dim() == 1 for p in module.parameters(recurse=False))
@@ -1100,7 +1101,7 @@ def _is_split_norm(module: nn.Module, entry: Any) -> bool:  # noqa: ANN401 - a p
 
 
 def split_norms(module: nn.Module, plan: Plan) -> list[str]:
-    """The modules of ``module`` (the model, or one pipeline stage's modules) run on DTensors under tp
+    """The modules of ``module`` (the model, or one pipeline stage's modules) run split under tp
     (`_is_split_norm`)."""
     if plan.grid[1] == 1:
         return []

@@ -629,7 +629,7 @@ def _check_split_outputs(graph, plan: Plan, model: nn.Module) -> None:  # noqa: 
     tp = plan.grid[1] if plan.is_pipeline else 1
     if tp == 1:
         return
-    norms = set(split_norms(model, plan))  # run on DTensors: whatever they reduce is summed over tp
+    norms = set(split_norms(model, plan))  # run split: their means are taken over all ranks' features
     split = {entry.fqn: p.on(1).dim for entry in plan.modules for p in entry.params
              if p.name.rpartition(".")[2] == "weight" and isinstance(p.on(1), Shard) and entry.fqn not in norms}
     modules = dict(model.named_modules())
@@ -705,7 +705,8 @@ def _check_replicated_inside(graph, split: dict[str, int], columns: list[str], *
     would normalise over its own part), and a replicated parameter applied there that the plan does not mark
     ``summed`` (q and k norms per head, as Qwen3 and Gemma 3 have: each rank computes their gradient from its own
     heads, and the runtime sums the marked ones over tp, `tp_partial_names`), or one it marks that is not applied
-    there. The modules of ``norms`` are exempt: they run on DTensors, their weights split with the features
+    there. The means over the split features that the modules of ``norms`` take are exempt, and so are their
+    weights: the runtime takes those means over all ranks' features and splits the weights with them
     (`split_norms`: OLMo 2's q and k norms, over all heads at once)."""
     rows = {fqn for fqn, dim in split.items() if dim == 1}
     nodes = _first_instances(graph)
