@@ -444,6 +444,21 @@ def test_nanogpt_example_plans_and_runs_on_two_ranks(tmp_path: Path, capsys: pyt
     assert os.path.exists(out)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
+def test_full_recomputation_under_tp_replays_a_post_norms_collective(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """Checkpointing's replay stops once it has every tensor the backward saved, so a pre-norm layer's last
+    all-reduce (its output only feeds the residual add) is not issued again; a layer normalising that output first
+    (Gemma 2's and OLMo 2's post-norms, which save their input) issues it again. The cost model assumed the first
+    for every layer, and the plan-time rehearsal refused these plans (one all-reduce a layer and micro-batch more
+    than priced); now they are written (`autopar run --check --check-comm` passes them on 2 ranks)."""
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", f"hf:{name}", *_flags(SMALL), "--kv-heads", "2", "--seq", "32",
+                           "--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "8", "--mbs", "2",
+                           "--recompute", "full", "--out", str(out))
+    assert code == 0 and out.exists(), err
+
+
 @pytest.mark.slow
 def test_nanogpt_under_zero_3_shards_its_tied_embedding_with_the_head(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -283,14 +283,15 @@ class IntraLayers:
         found = self._row_calls(ic, row, tp_axis, sp, choice)
         if found is None:
             return None
-        chosen, calls = found
+        chosen, calls, replays_tail = found
         priced, saved, temporary, attention = self._row_ops(ic, row, chosen, tp_axis.size, scale)
         tally = [0.0, 0.0]  # seconds the op database measured, forward and backward
         forward, backward = self._sequence(priced, tally)
         params = self.row_params(row, tp_axis, chosen=chosen)
         levels = ("none", "selective", "full") if self.model.layers[row].repeated else ("none",)
         return {level: self._assemble(row, level, forward, backward, [c.scaled(scale) for c in calls], saved,
-                                      temporary, params, attention, scale, tp_axis, sp, tally) for level in levels}
+                                      temporary, params, attention, scale, tp_axis, sp, tally, replays_tail)
+                for level in levels}
 
     def _sequence(self, priced: list, tally: list[float] | None = None) -> tuple[float, float]:
         """`sequence_seconds` of ``priced`` on the model's device, ops the profile database timed at their
@@ -299,9 +300,10 @@ class IntraLayers:
                                 ops=self.model.op_times, traced_batch=self.model.traced_batch, tally=tally)
 
     def _row_calls(self, ic: IntraCost, row: int, tp_axis: AxisPlacement, sp: bool,
-                   choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall]] | None:
-        """The candidate of every block row ``row``'s ops belong to (`row_prices`), and the collectives those ops
-        issue per micro-batch at the traced batch, in the order issued; None where a block has no cost."""
+                   choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall], bool] | None:
+        """The candidate of every block row ``row``'s ops belong to (`row_prices`), the collectives those ops issue
+        per micro-batch at the traced batch, in the order issued, and whether a full recomputation's replay issues
+        the last forward one again; None where a block has no cost."""
         layer = self.model.layers[row]
         chosen: dict[int, Candidate] = {}
         placed: list[tuple[int, int, CommCall]] = []  # (op id, order, call)
@@ -322,7 +324,15 @@ class IntraLayers:
                 placed += [(self.vocab.loss, -1, CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes,
                                                           phase=Phase.FORWARD)) for nbytes in self.vocab.reductions]
         placed.sort(key=lambda item: item[:2])
-        return chosen, [c for _, _, c in placed]
+        # whether checkpointing's replay reaches the row's last forward call: it stops once it has every tensor the
+        # backward saved, so it issues that call again only where an op after the op it is placed at saves one (a
+        # norm after the block's last row-parallel projection, as Gemma 2's and OLMo 2's post-norms are; the op
+        # itself may be the projection, whose saved input comes before the call). A dropout's mask is not counted:
+        # `autopar run` runs the model with dropout off, and the replay is priced as the ranks run it
+        last = max((op for op, _, c in placed if c.phase is Phase.FORWARD), default=None)
+        replays_tail = last is not None and any(n.saved_bytes for n in layer.nodes
+                                                if n.id > last and not n.module_type.endswith("Dropout"))
+        return chosen, [c for _, _, c in placed], replays_tail
 
     def _vocab_region(self, tp: int) -> frozenset[int]:
         """The loss's ops where Megatron-LM's vocabulary split runs them on split logits (`cost.vocab`)."""
@@ -456,9 +466,10 @@ class IntraLayers:
 
     def _assemble(self, row: int, level: str, forward: float, backward: float, calls: list[CommCall], saved: float,
                   temporary: float, params: float, attention: list, scale: float, tp_axis: AxisPlacement,
-                  sp: bool, tally: Sequence[float] = (0.0, 0.0)) -> LayerPrice:
+                  sp: bool, tally: Sequence[float] = (0.0, 0.0), replays_tail: bool = False) -> LayerPrice:
         """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued;
-        ``tally``: the forward and backward seconds among them the profile database measured)."""
+        ``tally``: the forward and backward seconds among them the profile database measured; ``replays_tail``:
+        a full recomputation issues the last forward call again, `_row_calls`)."""
         measured = tally[0] + tally[1]
         from autopar.cost.pipeline import LayerPrice
 
@@ -467,11 +478,12 @@ class IntraLayers:
         # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
         tail = forward_calls[-1] if forward_calls and self.model.kernels == "eager" else None
         if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
-            # (checkpointing stops once it has every saved tensor; the layer's output is not one of them)
+            # where nothing after it saves a tensor (checkpointing stops once it has every saved tensor; the layer's
+            # output is not one of them; `_row_calls`)
             backward += forward
             measured += tally[0]
             replay = [c.during(Phase.BACKWARD) for c in forward_calls]
-            if tail is not None:
+            if tail is not None and not replays_tail:
                 replay.remove(tail.during(Phase.BACKWARD))
             calls = calls + replay
             temporary = max(temporary, saved)
