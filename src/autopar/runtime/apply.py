@@ -697,7 +697,8 @@ def _tensor_parallel(
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     fused_blocks: set[str] = set()
     heads = tp_partial_names(module, plan)
-    norms = norms_before_columns(module, columns, sp=sp, summed=heads, split=split_norms(module, plan))
+    split = split_norms(module, plan)  # norms over all heads at once, run on each rank's features
+    norms = norms_before_columns(module, columns, sp=sp, summed=heads, split=split)
     # blocks that are layers of the stream themselves, with one column and no one norm it reads (OPT's decoder
     # layer holds its MLP's linears and two norms): under SP their input is sequence shards that their own norms
     # and residual adds run on, so their column gathers its input itself rather than the block gathering its own
@@ -746,9 +747,9 @@ def _tensor_parallel(
     gathered: list[str] = []
     if sp:  # norms inside a block see its heads, not sequence shards
         gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads}
-                                      | set(split_norms(module, plan)))
+                                      | set(split))
     parallelize_module(module, mesh, styles)
-    for norm in split_norms(module, plan):
+    for norm in split:
         _split_norm(modules[norm], mesh, scatter=sp)
     for fqn, placement in placements.items():  # after the styles' hooks: on the local tensor they hand on
         if placement == "S(1)" and _named(modules.get(fqn.rpartition(".")[0]), "FalconMLP"):
