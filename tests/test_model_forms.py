@@ -907,14 +907,15 @@ def test_a_moe_model_traces_in_fp32_as_in_bf16(capfd):
 
 def test_a_pipeline_stage_tp_cannot_split_is_refused_when_planned(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """Mixtral's router is not a Linear: a pp 2 x tp 2 plan used to be written, then failed on rank 1 of
-    `autopar run` (a single-stage plan's rehearsal already refused it)."""
-    code, _, err = run_cli(capsys, "estimate", "hf:mixtral", *_flags(SMALL), "--kv-heads", "2", "--experts", "4",
+    """GPT-OSS's experts add a bias per expert, which the runtime does not split: a pp 2 x tp 2 plan is refused
+    when planned, naming the module, as a single-stage one is (Mixtral's router, which the runtime once could not
+    run, used to give a pp 2 x tp 2 plan that failed on rank 1 of `autopar run`)."""
+    code, _, err = run_cli(capsys, "estimate", "hf:gpt_oss", *_flags(SMALL), "--kv-heads", "2", "--ffn", "128",
                            "--seq", "32", "--cluster", "cpu", "--gpus", "4", "--batch", "8", "--mbs", "2", "--tp", "2",
-                           "--pp", "2", "--dp", "1", "--out", str(tmp_path / "mixtral.json"))
+                           "--pp", "2", "--dp", "1", "--out", str(tmp_path / "gpt_oss.json"))
     assert code == 2
-    assert "module 'model.layers.0.mlp.gate' (MixtralTopKRouter) cannot be split by tensor parallelism yet" in err
-    assert not (tmp_path / "mixtral.json").exists()
+    assert "module 'model.layers.0.mlp.experts' (GptOssExperts) cannot be split by tensor parallelism yet" in err
+    assert not (tmp_path / "gpt_oss.json").exists()
 
 
 # ---- a model that draws random numbers in its own code, and --check -----------------------------------------------
@@ -1142,12 +1143,13 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
 
 
 def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureFixture[str]) -> None:
-    """Qwen2-MoE's shared-expert gate projects to one feature; the refusal used to say only "(here 1)"."""
-    code, _, err = run_cli(capsys, "estimate", "hf:qwen2_moe", *_flags({**SMALL, "kv_heads": 2, "experts": 4}),
+    """An MLP of 129 features under tp 2; the refusal used to say only "(here 129)". (Qwen2-MoE's shared-expert
+    gate, of one feature, was refused so before one-feature projections came to be kept whole.)"""
+    code, _, err = run_cli(capsys, "estimate", "hf:mistral", *_flags({**SMALL, "kv_heads": 2, "ffn": 129}),
                            "--seq", "32", "--cluster", "cpu", "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4",
                            "--mbs", "2")
     assert code == 2
-    assert "(here 1, of module 'model.layers.0.mlp.shared_expert_gate' (Linear, its output features))" in err
+    assert "(here 129, of module 'model.layers.0.mlp.gate_proj' (Linear, its output features))" in err
 
 
 def test_sequence_parallelism_keeps_an_encoders_embedding_norm_and_mlm_head_whole(

@@ -459,6 +459,27 @@ def _matmul(node: Node) -> OpDims:
     return _einsum(node, spec, {}, offset=offset)
 
 
+@dim_rule("aten._grouped_mm.default")
+def _grouped_mm(node: Node) -> OpDims:
+    """A mixture of experts' grouped matmul as Hugging Face's experts run it: rows (S, K), sorted by expert, times one
+    (K, N) weight per expert (E, K, N), with ``offs`` (E,) ending each expert's rows. The output features split
+    freely (each device holds those features of every expert), the contracted features leave partial sums; the rows
+    and the experts are fixed, as ``offs`` ties each row to its expert. Other forms (no ``offs``, 3-D rows) are
+    opaque."""
+    shapes = [t.shape for t in node.inputs]
+    if len(shapes) < 3 or len(shapes[0]) != 2 or len(shapes[1]) != 3 or shapes[2] != (shapes[1][0],):
+        return _opaque(node)
+    (rows, k), (experts, _, n) = shapes[0], shapes[1]
+    extra = (None,) * (len(shapes) - 3)
+    dims = (
+        Dim(rows, (0, None, None, *extra), (0,), Split.FIXED, "m"),
+        Dim(k, (1, 1, None, *extra), (None,), Split.PARTIAL if k > 1 else Split.FIXED, "k"),
+        Dim(n, (None, 2, None, *extra), (1,), Split.FREE if n > 1 else Split.FIXED, "n"),
+        Dim(experts, (None, 0, 0, *extra), (None,), Split.FIXED, "experts"),
+    )
+    return OpDims(dims, contraction=True)
+
+
 @dim_rule("aten.embedding.default")
 def _embedding(node: Node) -> OpDims:
     weight, index = node.inputs[0].shape, node.inputs[1].shape

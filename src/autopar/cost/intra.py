@@ -133,6 +133,7 @@ class IntraCost:
         self.signatures: list[int] = like.signatures if like is not None else self._signature_classes()
         self._cache: dict[tuple[int, Candidate], BlockCost | None] = {}
         self._downstream: dict[int, set[int]] = {}
+        self._routers: frozenset[int] | None = None
 
     # ---- candidates ---------------------------------------------------------------------------------------
     def candidates(self, block: ParallelBlock) -> list[Candidate]:
@@ -172,8 +173,13 @@ class IntraCost:
         candidate and its fallback. On the mesh's last axis (tp): a contraction reading a column-parallel block's
         output is row-parallel (its contracted dim split), any other contraction column-parallel (its output
         features split), except an embedding, a convolution and a contraction whose weight another module owns (a
-        head tied to the embedding), which stay whole. The other axes split the batch. The fallback splits the
+        head tied to the embedding) or a router (`cost.layers.routers`), which stay whole. The other axes split
+        the batch. The fallback splits the
         batch on every axis (a layer Megatron cannot split stays data-parallel)."""
+        from autopar.cost.layers import routers
+
+        if self._routers is None:
+            self._routers = routers(self.bg.graph)
         column: dict[int, bool] = {}
         last_row = -1  # the last row-parallel block's place
         found = []
@@ -187,7 +193,7 @@ class IntraCost:
             # the block's ops before its leading op made: a layer's pre-norm, which q, k and v all read)
             is_row = producer is not None and producer != block.id and column.get(producer, False) \
                 and source in self._after_leader(self.bg.blocks[producer])
-            whole = "embedding" in leader.op or "convolution" in leader.op or any(
+            whole = "embedding" in leader.op or "convolution" in leader.op or block.leader in self._routers or any(
                 s.state is not None and self._is_param(s.state) and self.param_owner.get(s.state) != block.id
                 for s in leader.sources)
             column[block.id] = not (is_row or whole)

@@ -83,6 +83,64 @@ def weight_out_dim(graph: Graph, node: Node, source) -> int:  # noqa: ANN001 - a
     return 0
 
 
+_CHOICES = ("aten.topk.", "aten.sort.", "aten.argmax.", "aten.argsort.", "aten.max.dim")
+
+
+def routers(graph: Graph) -> frozenset[int]:
+    """The parameter contractions that choose rather than compute (a mixture of experts' router, whose scores pick
+    each token's experts with a ``topk``) and those with one output feature (Qwen2-MoE's shared-expert gate):
+    tensor parallelism keeps them whole, on every device, as Megatron-LM keeps its router. A router's output reaches
+    a top-k or sort through ops that are no contraction, in its own profile row (the search stays in the row: the
+    residual stream would otherwise lead it through every later layer)."""
+    nodes = graph.nodes
+    row = {node.id: graph.layer_of(node.module) for node in nodes}
+    consumers: dict[int, list[Node]] = {}
+    for node in nodes:
+        for s in node.sources:
+            if s.state is None and s.node >= 0:
+                consumers.setdefault(s.node, []).append(node)
+    found = set()
+    for node in nodes:
+        if not _is_param_contraction(node) or not node.outputs:
+            continue
+        if node.outputs[0].shape and node.outputs[0].shape[-1] == 1:
+            found.add(node.id)
+            continue
+        frontier, seen = [node.id], {node.id}
+        while frontier and node.id not in found:
+            for user in consumers.get(frontier.pop(), ()):
+                if user.id in seen or user.op.startswith(_CONTRACTIONS) or row[user.id] != row[node.id]:
+                    continue
+                if user.op.startswith(_CHOICES):
+                    found.add(node.id)
+                    break
+                seen.add(user.id)
+                frontier.append(user.id)
+    return frozenset(found)
+
+
+def expert_weight_dim(graph: Graph, node: Node, source, *, column: bool) -> int | None:  # noqa: ANN001
+    """The dim of the 3-D expert weight ``source`` (one (in, out) or (out, in) matrix per expert, which the
+    grouped contraction ``node`` reads as stored or through one transpose) that tensor parallelism splits: the
+    output features for a ``column``, the contracted ones otherwise. None where the weight reaches the
+    contraction through anything else."""
+    from autopar.analysis.dims import Split, op_dims
+
+    index = node.sources.index(source)
+    found = [d.inputs[index] for d in op_dims(node).dims if d.inputs[index] is not None and (
+        (d.split is Split.FREE and any(o is not None for o in d.outputs)) if column else d.split is Split.PARTIAL)]
+    if len(found) != 1:
+        return None
+    if source.node < 0:
+        return found[0]
+    view = graph.node(source.node)
+    if view.op == "aten.transpose.int" and view.sources and view.sources[0].node < 0 and len(view.args) >= 3:
+        rank = len(view.inputs[0].shape)
+        a, b = (d % rank for d in view.args[1:3])
+        return b if found[0] == a else a if found[0] == b else found[0]
+    return None
+
+
 def _reads_foreign_weight(node: Node) -> bool:
     """A parameter owned by another module (a tied weight): TP keeps it, and the contraction, whole."""
     return any(s.state is not None and s.state.rpartition(".")[0] != node.module for s in node.sources if s.state)
@@ -110,14 +168,16 @@ def analyse(graph: Graph) -> list[LayerCost]:
     # node id -> the column-parallel contractions whose sharded region its output lies in
     open_region: dict[int, frozenset[int]] = {}
     closed: set[int] = set()  # columns some row-parallel contraction consumed
+    whole = routers(graph)
     for node in graph.nodes:
         layer = rows[graph.layer_of(node.module)]
         layer.nodes.append(node)
         activation_sources = [s for s in node.sources if s.state is None and s.node >= 0]
         region = frozenset().union(*(open_region.get(s.node, ()) for s in activation_sources))
         in_region = bool(region)
-        if _is_param_contraction(node) and (_reads_foreign_weight(node) or _is_convolution(node)):
-            pass  # a tied weight or a convolution: TP keeps it, and the contraction, whole (`_is_convolution`)
+        if _is_param_contraction(node) and (_reads_foreign_weight(node) or _is_convolution(node)
+                                            or node.id in whole):
+            pass  # a tied weight, a convolution or a router: TP keeps it, and the contraction, whole
         elif _is_param_contraction(node):
             if in_region:  # row-parallel: consumes the shard, produces partial sums
                 layer.sharded.add(node.id)
@@ -136,7 +196,7 @@ def analyse(graph: Graph) -> list[LayerCost]:
             if node.id in layer.sharded and _is_param_contraction(node):
                 for source in node.sources:
                     info = graph.state.get(source.state) if source.state else None
-                    if info is not None and (node.id in layer.columns or len(info.tensor.shape) == 2):
+                    if info is not None and (node.id in layer.columns or len(info.tensor.shape) >= 2):
                         split.add(source.state)
         layer.column_biases = frozenset(_column_biases(graph, layer))
         split |= layer.column_biases

@@ -683,7 +683,7 @@ def _tensor_parallel(
     `norms_before_columns`) becomes one replicated DTensor first, so its gradient is reduced once, as the cost model
     prices it. Works for the zoo's models and for Hugging Face ones alike, ``nn.Linear`` and GPT-2's ``Conv1D``
     (weight stored as (in, out)) alike."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     ColwiseParallel, RowwiseParallel, _ = _stream_styles()  # noqa: N806 - torch's styles, for a flattened stream too
@@ -706,6 +706,8 @@ def _tensor_parallel(
                  if sp and len(names) == 1 and _in_list(modules, block) and block not in norms}
     for fqn, placement in placements.items():
         parent_name = fqn.rpartition(".")[0]
+        if placement == "E":  # a mixture's experts: `_split_experts`, below
+            continue
         if placement == "S(1)":
             style = RowwiseParallel(output_layouts=stream)
         elif parent_name in columns:  # a row-parallel linear of the same block consumes the shards
@@ -749,6 +751,15 @@ def _tensor_parallel(
         gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads}
                                       | set(split))
     parallelize_module(module, mesh, styles)
+    for fqn, placement in placements.items():
+        if placement == "E":
+            entry = next(e for e in plan.modules if e.fqn == fqn)
+            permutations.update(_split_experts(modules[fqn], mesh, expert_dims(modules[fqn], entry, fqn), fqn,
+                                               sum_output=not sp))
+            if sp:  # the block holding the experts and their router gathers the sequence and scatters its sum
+                block = modules[fqn.rpartition(".")[0]]
+                _relayout_input(block, mesh, stream, Replicate(), local=True)
+                _relayout_output(block, mesh, Partial(), stream, local=True)
     for norm in split:
         _split_norm(modules[norm], mesh, scatter=sp)
     for fqn, placement in placements.items():  # after the styles' hooks: on the local tensor they hand on
@@ -1068,6 +1079,12 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
         fqn = entry.fqn
         if fqn not in modules:  # another pipeline stage's
             continue
+        own = dict(modules[fqn].named_parameters(recurse=False))  # the model's, not the plan's (which may lack shapes)
+        if any(p.name.rpartition(".")[2] in own and own[p.name.rpartition(".")[2]].dim() == 3
+               and short(p.on(1)) != "R" for p in entry.params):
+            expert_dims(modules[fqn], entry, fqn)  # raises where the runtime cannot split them
+            placements[fqn] = "E"
+            continue
         weight = next((p for p in entry.params if p.name.rpartition(".")[2] == "weight"), None)
         tp_placement = short(weight.on(1)) if weight is not None else "R"
         if tp_placement == "R":
@@ -1088,7 +1105,164 @@ def tensor_parallel_placements(module: nn.Module, plan: Plan, *, model: nn.Modul
         if tp_placement == "S(0)" and isinstance(parent, Attention) and not fqn.endswith(".qkv"):
             raise NotImplementedError(f"attention projection {fqn!r} cannot be split yet")
         placements[fqn] = tp_placement
+    for fqn in [fqn for fqn, placement in placements.items() if placement == "E" and plan.sp]:
+        block = fqn.rpartition(".")[0]
+        beside = next((other for other, placement in placements.items()
+                       if placement != "E" and other.startswith(f"{block}.")), None)
+        if beside is not None:  # the block would gather the sequence once; its split projections gather it again
+            raise NotImplementedError(
+                f"module {block!r} ({type(modules[block]).__name__}) holds experts and the split projection "
+                f"{beside!r} beside them, which sequence parallelism cannot run yet: plan without --sp")
     return placements
+
+
+def expert_dims(experts: nn.Module, entry: Any, fqn: str) -> dict[str, int]:  # noqa: ANN401 - a plan's entry
+    """Parameter -> the dim tp splits it by, for a mixture's experts the plan splits by features (`_split_experts`):
+    a Hugging Face experts module (`transformers.integrations.moe`) with one (E, out, in) or (E, in, out) matrix per
+    expert in ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` and no biases, the first split by its output
+    features and the second by its input features, as the plan says. Raises NotImplementedError naming ``fqn``
+    otherwise."""
+    own = dict(experts.named_parameters(recurse=False))
+    column = "gate_up_proj" if "gate_up_proj" in own else "up_proj"
+    dims = {p.name.rpartition(".")[2]: short(p.on(1)) for p in entry.params}
+    transposed = getattr(experts, "is_transposed", None)
+    reason = None
+    if not isinstance(transposed, bool) or set(own) != {column, "down_proj"} or set(dims) != set(own):
+        reason = "only Hugging Face experts with gate/up and down weights and no biases can be split"
+    elif any(p.dim() != 3 for p in own.values()):
+        reason = "its expert weights are not one matrix per expert"
+    else:  # (E, out, in) as stored, or (E, in, out) where ``is_transposed``
+        out_dim, in_dim = (2, 1) if transposed else (1, 2)
+        if dims != {column: f"S({out_dim})", "down_proj": f"S({in_dim})"}:
+            reason = f"the plan splits its weights as {dims}, not by the experts' features"
+    if reason is not None:
+        raise NotImplementedError(f"module {fqn!r} ({type(experts).__name__}) cannot be split by tensor parallelism "
+                                  f"yet: {reason}")
+    return {name: int(place[2]) for name, place in dims.items()}
+
+
+def _expert_pieces(experts: nn.Module, column: str) -> tuple[int, ...] | None:
+    """Widths of the pieces the experts cut their gate/up projection's output into (gate, then up), where they are
+    concatenated; None where there is one piece (no gate) or the two are interleaved feature by feature, which a
+    contiguous split already hands each rank its share of."""
+    if column != "gate_up_proj" or not getattr(experts, "has_gate", False) or not getattr(
+            experts, "is_concatenated", True):
+        return None
+    weight = getattr(experts, column)
+    width = weight.shape[2 if experts.is_transposed else 1]
+    return (width // 2, width // 2)
+
+
+def _split_experts(experts: nn.Module, mesh: Any, dims: dict[str, int], fqn: str, *,  # noqa: ANN401 - a DeviceMesh
+                   sum_output: bool = True) -> dict[str, tuple[int, torch.Tensor]]:
+    """Run a mixture's experts split by features over the 1-D ``mesh``, as Megatron-LM runs its experts under tp:
+    each rank holds every expert's share of the gate/up projection's output features (gate and up alike, the
+    weight reordered so that a contiguous shard holds both: returned, for the checks that gather it) and the same
+    share of the down projection's input features, its parameters DTensors split so (`expert_dims`). The router
+    and the choice of experts run whole on every rank; the experts' own code runs on the local parts
+    (`_LocalExperts`), each rank summing its part of every token's output, and the output is all-reduced over tp
+    (with ``sum_output``; otherwise left for the caller to sum, as sequence parallelism reduce-scatters it).
+    In the backward the gradient of the tokens each expert reads is all-reduced where they enter its gate/up
+    projection, and that of the routing weights, which multiply each rank's partial output, where they enter the
+    experts: as the block model prices it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    column = "gate_up_proj" if "gate_up_proj" in dims else "up_proj"
+    permutations = {}
+    pieces = _expert_pieces(experts, column)
+    tp = mesh.size()
+    for name, dim in dims.items():
+        param = getattr(experts, name)
+        data = param.data
+        if name == column and pieces is not None:
+            order = _pieces_order(pieces, tp=tp)
+            data = data.index_select(dim, order)
+            permutations[f"{fqn}.{name}"] = (dim, order)
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(data, mesh, [Shard(dim)]),
+                                                      requires_grad=param.requires_grad))
+    forward = experts.forward
+    group = mesh.get_group()
+
+    @functools.wraps(forward)
+    def split_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        # the routing weights (any float input besides the tokens) multiply this rank's partial outputs
+        args = tuple(_SumGradient.apply(a, group) if _is_float(a) else a for a in args)
+        kwargs = {k: _SumGradient.apply(v, group) if _is_float(v) else v for k, v in kwargs.items()}
+        # the weights as they are now: FSDP puts its gathered ones in their place for each forward
+        roles = {id(getattr(experts, column)): "column", id(experts.down_proj): "row"}
+        with _LocalExperts(roles, group):
+            out = forward(hidden_states, *args, **kwargs)
+        return _SumForward.apply(out, group) if sum_output else out
+
+    experts.forward = split_forward
+    return permutations
+
+
+def _is_float(value: Any) -> bool:  # noqa: ANN401
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+class _LocalExperts(torch.overrides.TorchFunctionMode):
+    """Inside split experts' forward (`_split_experts`): their weights read as their local parts, and the tokens a
+    grouped matmul multiplies by the gate/up weights given a gradient summed over tp (each rank's covers its own
+    features)."""
+
+    _GROUPED = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(nn.functional, "grouped_mm", None)) if f)
+
+    def __init__(self, roles: dict[int, str], group: Any) -> None:  # noqa: ANN401
+        super().__init__()
+        self.roles, self.group = roles, group
+        self.made: dict[int, tuple[torch.Tensor, str]] = {}  # views of the local weights (kept: ids stay unique)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        role = None
+
+        def local(value: Any) -> Any:  # noqa: ANN401
+            nonlocal role
+            if isinstance(value, torch.Tensor):
+                if id(value) in self.roles:
+                    role = self.roles[id(value)]
+                    return value.to_local()
+                if id(value) in self.made:
+                    role = self.made[id(value)][1]
+            return value
+
+        args = tuple(local(a) for a in args)
+        kwargs = {k: local(v) for k, v in kwargs.items()}
+        if func in self._GROUPED:
+            if role == "column":
+                args = (_SumGradient.apply(args[0], self.group), *args[1:])
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if role is not None and isinstance(out, torch.Tensor):
+            self.made[id(out)] = (out, role)
+        return out
+
+
+class _SumForward(torch.autograd.Function):
+    """Every rank's ``x`` summed over ``group``; the gradient passes as it is (each rank's is the whole one)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN401
+        return _summed(x, group, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
+        return grad, None
+
+
+class _SumGradient(torch.autograd.Function):
+    """``x`` as it is; its gradient, every rank's summed over ``group`` (each rank's covers its own part)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN401
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
+        return _summed(grad, ctx.group, None), None
 
 
 def _is_split_norm(module: nn.Module, entry: Any) -> bool:  # noqa: ANN401 - a plan's module entry

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from autopar.cluster import build_mesh
-from autopar.cost.layers import weight_out_dim
+from autopar.cost.layers import expert_weight_dim, weight_out_dim
 from autopar.cost.pipeline import PipelineConfig, PipelineEstimate, PipelineModel, Stage, even_stages
 from autopar.cost.types import RECOMPUTE
 from autopar.plan import Mesh, ModuleLayout, ParamLayout, Plan, Workload
@@ -863,7 +863,10 @@ def pipeline_plan(
                         tp_placement = laid_out.get(fqn[len(row.name) + 1:], "R")
                     elif stage.tp > 1 and node.id in row.sharded:
                         out_dim = weight_out_dim(model.graph, node, source) if len(info.tensor.shape) == 2 else 0
-                        if node.id in row.columns:  # weight and bias: split the output features
+                        if len(info.tensor.shape) == 3:  # a mixture's experts, one matrix each
+                            dim = expert_weight_dim(model.graph, node, source, column=node.id in row.columns)
+                            tp_placement = "R" if dim is None else f"S({dim})"
+                        elif node.id in row.columns:  # weight and bias: split the output features
                             tp_placement = f"S({out_dim})"
                         elif len(info.tensor.shape) == 2:  # a row-parallel weight: split the input features
                             tp_placement = f"S({1 - out_dim})"

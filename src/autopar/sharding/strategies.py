@@ -65,7 +65,10 @@ def apply(
             for j, t in enumerate(inputs):
                 partial = j == 0 or (dims.linearity is Linearity.ALL and _is_float(t))
                 in_layouts[j].append(PARTIAL if partial else REPLICATE)
-                grad_layouts[j].append(REPLICATE)
+                # a product's other float factor (``pending * w``) gets ``grad * pending`` as its gradient: a
+                # partial sum on each device, as the value it multiplied; a sum's operands get the whole gradient
+                multiplier = j > 0 and dims.linearity is Linearity.FIRST and _is_float(t)
+                grad_layouts[j].append(PARTIAL if multiplier else REPLICATE)
             for o in range(n_out):
                 out_layouts[o].append(PARTIAL)
             continue

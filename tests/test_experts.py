@@ -1,0 +1,125 @@
+"""Mixtures of experts under tensor parallelism: Hugging Face's experts (one matrix per expert, run by a grouped
+matmul) split by features, their routers kept whole, as Megatron-LM runs them, and priced so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.analysis import op_dims
+from autopar.analysis.dims import Split
+from autopar.capture import trace
+from autopar.cli.main import main
+from autopar.cost.layers import analyse, routers
+from autopar.sharding import PARTIAL, REPLICATE
+from autopar.sharding.strategies import PASS, apply
+from autopar.zoo import load
+
+SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--seq", "32", "--cluster", "cpu",
+         "--batch", "8", "--mbs", "2"]
+KV = {"mixtral": ["--kv-heads", "2"], "qwen2_moe": []}
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _graph(name: str):  # noqa: ANN202
+    zoo = load(f"hf:{name}", batch=2, seq=16, dtype=torch.float32, layers=2, hidden=64, heads=4, ffn=128,
+               **({"kv_heads": 2} if name == "mixtral" else {}))
+    return trace(zoo.module, example_kwargs=zoo.inputs)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_grouped_experts_split_by_features_and_routers_stay_whole(name: str) -> None:
+    """The experts' grouped matmuls split their output features freely and leave partial sums over the contracted
+    ones; the rows (sorted by expert, cut by ``offs``) and the experts are fixed. Megatron's roles: the gate/up
+    weights column-parallel, the down weights row-parallel, the router (whose scores pick the experts) and
+    Qwen2-MoE's one-feature shared-expert gate whole."""
+    graph = _graph(name)
+    grouped = [n for n in graph.nodes if n.op == "aten._grouped_mm.default" and ".layers.0." in n.module]
+    assert len(grouped) == 2
+    for node in grouped:
+        dims = {d.name: d.split for d in op_dims(node).dims}
+        assert dims == {"m": Split.FIXED, "k": Split.PARTIAL, "n": Split.FREE, "experts": Split.FIXED}
+    whole = routers(graph)
+    named = {graph.node(i).module.rpartition(".")[2] for i in whole if ".layers.0." in graph.node(i).module}
+    assert named == ({"gate", "shared_expert_gate"} if name == "qwen2_moe" else {"gate"})
+    layer = next(row for row in analyse(graph) if row.repeated)
+    up, down = grouped
+    assert up.id in layer.columns and down.id in layer.sharded and down.id not in layer.columns
+    assert not whole & layer.sharded
+
+
+def test_a_pending_sum_through_a_product_gives_the_other_factor_a_partial_gradient() -> None:
+    """``pending * w`` passes a partial sum on, and ``w``'s gradient, ``grad * pending``, is then partial on each
+    device too (the routing weights that scale each rank's share of the experts' outputs); a sum's operands get the
+    whole gradient."""
+
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return (x * w) + x
+
+    graph = trace(Scaled(), (torch.randn(4, 8), torch.randn(4, 1)))
+    product = next(n for n in graph.nodes if n.op == "aten.mul.Tensor")
+    strategy = apply(op_dims(product), (PASS,), product.inputs, product.outputs, (2,))
+    assert strategy.outputs == ((PARTIAL,),) and strategy.gradients == ((REPLICATE,), (PARTIAL,))
+    total = next(n for n in graph.nodes if n.op == "aten.add.Tensor")
+    strategy = apply(op_dims(total), (PASS,), total.inputs, total.outputs, (2,))
+    assert strategy.gradients == ((REPLICATE,), (REPLICATE,))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_plans_split_experts_by_features_and_keep_routers_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """A tp 2 plan is written (the plan-time rehearsal on a fake process group counts the collectives priced) with
+    every expert's gate/up weights split by output features and its down weights by input features; the router
+    and the shared-expert gate whole on every rank."""
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", "2", "--tp", "2", "--pp", "1",
+                        "--out", str(out))
+    assert code == 0 and out.exists(), err
+    modules = json.loads(out.read_text())["plan"]["modules"]
+    experts = "model.layers.0.mlp.experts"
+    assert modules[experts]["params"] == {f"{experts}.gate_up_proj": "[R, S(1)]", f"{experts}.down_proj": "[R, S(2)]"}
+    assert modules["model.layers.0.mlp.gate"]["params"] == {"model.layers.0.mlp.gate.weight": "[R, R]"}
+    if name == "qwen2_moe":
+        gate = "model.layers.0.mlp.shared_expert_gate"
+        assert modules[gate]["params"] == {f"{gate}.weight": "[R, R]"}
+        assert modules["model.layers.0.mlp.shared_expert.down_proj"]["params"] == {
+            "model.layers.0.mlp.shared_expert.down_proj.weight": "[R, S(1)]"}
+    assert not [p for entry in modules.values() for p in entry.get("summed", [])]
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", "2", "--tp", "2", "--pp", "1",
+                        "--sp", "--out", str(tmp_path / "sp.json"))
+    if name == "mixtral":  # the block of router and experts gathers the sequence and reduce-scatters its output
+        assert code == 0, err
+    else:  # its shared expert's projections would gather the sequence the block gathered: refused when planned
+        assert code == 2 and "module 'model.layers.0.mlp' (Qwen2MoeSparseMoeBlock) holds experts and the split " \
+            "projection 'model.layers.0.mlp.shared_expert.gate_proj' beside them" in err
+        assert not (tmp_path / "sp.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "options", "ranks"), [
+    ("mixtral", ["--tp", "2", "--pp", "1"], 2),
+    ("mixtral", ["--tp", "2", "--pp", "1", "--sp"], 2),  # the block gathers the sequence and scatters its sum
+    ("qwen2_moe", ["--tp", "2", "--pp", "1"], 2),  # beside a shared expert, column- and row-parallel
+    ("mixtral", ["--tp", "2", "--pp", "2"], 4),
+    ("mixtral", ["--tp", "2", "--pp", "1", "--dp", "2", "--zero", "3"], 4),  # FSDP gathers the weights of each forward
+    ("mixtral", ["--tp", "2", "--pp", "1", "--recompute", "full"], 2),
+])
+def test_experts_split_by_features_train_as_one_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, options: list[str], ranks: int) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", str(ranks), *options,
+                        "--out", str(out))
+    assert code == 0, err
+    code, text, err = _cli(capsys, "run", str(out), "--nproc", str(ranks), "--steps", "3", "--check", "--check-comm")
+    assert code == 0, err
+    assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text
