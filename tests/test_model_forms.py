@@ -821,6 +821,24 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
         assert "would train a different model" in err and "plan without pipeline parallelism" in err
 
 
+@pytest.mark.parametrize(("model", "kind"), [("gptj", "gptj"), ("codegen", "gptj"), ("persimmon", "persimmon"),
+                                           ("mpt", "mpt")])
+def test_chains_their_forwards_do_not_trace_are_cut_at_their_layers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, kind: str) -> None:
+    """GPT-J's, CodeGen's, Persimmon's and MPT's forwards cannot be traced symbolically (torch.fx: "co_varnames is
+    too small"), so their pipelines were refused. The first three are LLaMA-style chains under other names (GPT-J's
+    and CodeGen's ``transformer.wte``, ``drop``, ``h``, ``ln_f``, a rotary table for every layer; Persimmon's final
+    norm ``final_layernorm``); MPT's layers take ALiBi biases made from its config's longest sequence. Each is
+    checked on a small copy of the model when planned (the slow tier runs them against one process)."""
+    from autopar.runtime.pipeline import chain_kind
+
+    assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", f"hf:{model}", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
+                           "--gpus", "2", "--pp", "2", "--mbs", "2", "--batch", "4", "--out", str(out))
+    assert code == 0 and out.exists(), err
+
+
 @pytest.mark.parametrize(("options", "runs"), [
     ({}, True),  # rotary positions, multi-query attention
     ({"multi_query": False, "parallel_attn": False}, True),  # as many key/value heads as heads (no field for them)

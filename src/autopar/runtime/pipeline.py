@@ -93,6 +93,9 @@ HF_CHAINS = {
                  every=("rotary_emb",)),
     "gpt_neox": Chain("gpt_neox", "layers", first=("embed_in", "emb_dropout"), last=("final_layer_norm",),
                       every=("rotary_emb",)),
+    "persimmon": Chain("model", "layers", first=("embed_tokens",), last=("final_layernorm",), every=("rotary_emb",)),
+    # GPT-J and CodeGen: LLaMA-style under GPT-2's names, no learned positions
+    "gptj": Chain("transformer", "h", first=("wte", "drop"), last=("ln_f",), every=("rotary_emb",)),
     "gpt2": Chain("transformer", "h", first=("wte", "wpe", "drop"), last=("ln_f",)),  # GPT-2-style
     # OPT-style: learned positions (offset by 2) added to the embedding, optional projections in and out
     "opt": Chain("model.decoder", "layers", first=("embed_tokens", "project_in", "embed_positions"),
@@ -102,6 +105,8 @@ HF_CHAINS = {
     "falcon": Chain("transformer", "h", first=("word_embeddings",), last=("ln_f",), every=("rotary_emb",)),
     # BLOOM: a norm after the embedding, ALiBi biases made from the whole sequence's length for every stage
     "bloom": Chain("transformer", "h", first=("word_embeddings", "word_embeddings_layernorm"), last=("ln_f",)),
+    # MPT: ALiBi biases made from the config's longest sequence for every stage, no positions in the embedding
+    "mpt": Chain("transformer", "blocks", first=("wte",), last=("norm_f",)),
     # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
     "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
     "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
@@ -116,10 +121,11 @@ class StageModule(nn.Module):
     """The modules of one pipeline stage of a language model, under their names in the whole model.
 
     Knows the zoo's GPT-style and LLaMA-style models and the Hugging Face chains of `HF_CHAINS`: LLaMA-style causal
-    LMs (``model.model`` holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``; Phi's
-    and GPT-NeoX's the same under other names), GPT-2-style ones (``model.transformer`` holding ``wte``, ``wpe``,
-    ``drop``, ``h`` and ``ln_f``, and ``lm_head``), OPT-style ones (``model.model.decoder``), Falcon and BLOOM, and
-    RoBERTa and BERT masked LMs (``roberta.encoder.layer``, the head ``lm_head`` or ``cls``)."""
+    LMs (``model.model`` holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``; Phi's,
+    GPT-NeoX's, Persimmon's and GPT-J's (CodeGen's) the same under other names), GPT-2-style ones
+    (``model.transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and ``ln_f``, and ``lm_head``), OPT-style ones
+    (``model.model.decoder``), Falcon, BLOOM and MPT, and RoBERTa and BERT masked LMs (``roberta.encoder.layer``,
+    the head ``lm_head`` or ``cls``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -176,6 +182,8 @@ class StageModule(nn.Module):
             return self._forward_opt(x)
         if self.kind == "bloom":
             return self._forward_bloom(x)
+        if self.kind == "mpt":
+            return self._forward_mpt(x)
         if self.kind in ENCODERS:
             return self._forward_encoder(x)
         if self.first:
@@ -259,6 +267,25 @@ class StageModule(nn.Module):
             return self._logits(self.lm_head(inner.ln_f(x)))
         return x
 
+    def _forward_mpt(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of an MPT forward: the embedding, the layers under the causal mask (boolean, as the
+        model makes it) with the ALiBi biases of every head over the config's longest sequence (as the model makes
+        them, whatever the input's length), the final norm and the head."""
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        inner = self.transformer
+        if self.first:
+            x = inner.wte(x)
+        positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
+        alibi = build_mpt_alibi_tensor(self.config.n_heads, self.config.max_seq_len, device=x.device)
+        mask = _attention_mask(self.config, "full_attention", self._whole(x), positions)
+        mask = mask.to(torch.bool) if mask is not None else None
+        for layer in inner.blocks.values():
+            x = _hidden(layer(x, attention_mask=mask, position_bias=alibi))
+        if self.last:
+            return self._logits(self.lm_head(inner.norm_f(x)))
+        return x
+
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's share of a GPT-2-style forward: token and position embeddings summed and dropped out, the
         layers under the causal mask the whole model builds, the final norm and the head."""
@@ -324,7 +351,7 @@ class StageModule(nn.Module):
         return logits
 
 
-LLAMA_STYLE = ("hf", "phi", "gpt_neox", "falcon")  # the chains `StageModule._forward_hf` runs
+LLAMA_STYLE = ("hf", "phi", "gpt_neox", "persimmon", "gptj", "falcon")  # the chains `StageModule._forward_hf` runs
 
 
 def _takes_alibi(layer: nn.Module) -> bool:
