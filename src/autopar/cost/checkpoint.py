@@ -12,7 +12,8 @@ nested segment keeps its input and needs its own peak.
 
 What a replay runs is what PyTorch's non-reentrant checkpoint runs, measured on torch 2.13. It stops once every
 tensor the segment saved has been recomputed. So a trailing plain row replays without its last collective: the
-row-parallel reduction only the residual add reads. A trailing nested checkpoint (a segment or a "full" row) does
+row-parallel reduction only the residual add reads (`LayerPrice.tail`; a post-norm saves that reduction's output,
+and there the row replays it too). A trailing nested checkpoint (a segment or a "full" row) does
 not replay at all, because it recomputes itself from the input it holds. Other children replay in full.
 
 This is also the model of the rotor dynamic programme, MAP §5.2 (`autopar.search.rotor`). Rotor charges every

@@ -475,15 +475,15 @@ class IntraLayers:
 
         layer, device = self.model.layers[row], self.model.cluster.device
         forward_calls = [c for c in calls if c.phase is Phase.FORWARD]
-        # eager checkpointing stops once it has every saved tensor; a compiled layer replays its forward whole
-        tail = forward_calls[-1] if forward_calls and self.model.kernels == "eager" else None
-        if level == "full":  # the forward replays in the backward, its conversions too, except the layer's last
-            # where nothing after it saves a tensor (checkpointing stops once it has every saved tensor; the layer's
-            # output is not one of them; `_row_calls`)
+        # eager checkpointing stops once it has every saved tensor, before the layer's last call where nothing after
+        # it saves a tensor (the layer's output is not one of them; `_row_calls`), whether the layer is checkpointed
+        # alone or ends a checkpointed run of layers (`cost.checkpoint`); a compiled layer replays its forward whole
+        tail = forward_calls[-1] if forward_calls and self.model.kernels == "eager" and not replays_tail else None
+        if level == "full":  # the forward replays in the backward, its conversions too, except that tail
             backward += forward
             measured += tally[0]
             replay = [c.during(Phase.BACKWARD) for c in forward_calls]
-            if tail is not None and not replays_tail:
+            if tail is not None:
                 replay.remove(tail.during(Phase.BACKWARD))
             calls = calls + replay
             temporary = max(temporary, saved)

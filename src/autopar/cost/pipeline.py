@@ -85,7 +85,8 @@ class LayerPrice:
     params: float  # parameters on one device: what TP splits divided by tp, the rest whole
     collectives: tuple[CommCall, ...]  # on the tp axis per micro-batch, merged (`merge_calls`)
     # the forward's collectives alone (what a recomputing segment replays), and its last one, which a segment
-    # ending in this layer does not replay (checkpointing stops once it has every saved tensor), with its seconds
+    # ending in this layer does not replay (checkpointing stops once it has every saved tensor), with its seconds;
+    # None where an op after it saves a tensor (a post-norm), so that the replay issues it too
     forward_collectives: tuple[CommCall, ...] = ()
     tail: CommCall | None = None
     tail_seconds: float = 0.0
