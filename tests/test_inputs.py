@@ -348,3 +348,23 @@ def test_ctrl_c_stops_a_running_intra_op_search_promptly(tmp_path) -> None:
     assert proc.returncode == 0, err
     data = strict_json(out)
     assert data["interrupted"] is True and out_file.exists()
+
+
+def test_a_config_transformers_cannot_build_is_refused_in_one_line(capsys) -> None:
+    """transformers' own code failing on a config (DBRX's default config lacks a field its attention reads) is an
+    error naming the model and the reason, exit 2, not a traceback."""
+    from torch import nn
+
+    from autopar.zoo.hf_auto import _construct
+
+    class Broken(nn.Module):
+        def __init__(self, config: object) -> None:
+            raise AttributeError("'BrokenConfig' object has no attribute 'rope_theta'")
+
+    with pytest.raises(ValueError, match=r"hf:broken: transformers cannot build Broken from this config "
+                                         r"\(AttributeError: 'BrokenConfig' object has no attribute 'rope_theta'\)"):
+        _construct("hf:broken", Broken, None, "meta")
+    code, _, err = run_cli(capsys, "profile", "hf:dbrx")
+    assert "Traceback" not in err
+    if code:  # the transformers this was written with cannot build DBRX's default config
+        assert code == 2 and "hf:dbrx: transformers cannot build DbrxForCausalLM from this config" in err

@@ -226,15 +226,27 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
         config = part  # a text-only class of a multimodal type: it takes the text part
     config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     try:
-        with torch.device(device):
-            model = cls(config)
+        model = _construct(cfg.name, cls, config, device)
     except ValueError as exc:  # a submodule without SDPA: every attention in its own way
         if "attention implementation" not in str(exc) or config._attn_implementation == "eager":
             raise
         config._attn_implementation = "eager"
-        with torch.device(device):
-            model = cls(config)
+        model = _construct(cfg.name, cls, config, device)
     return model.to(dtype).train()
+
+
+def _construct(name: str, cls: type, config: Any, device: str) -> nn.Module:  # noqa: ANN401 - a transformers config
+    """``cls(config)`` on ``device``; where transformers' own code fails on the config (DBRX's default config lacks a
+    field its attention reads), a ValueError naming the model and transformers' reason, not a traceback."""
+    try:
+        with torch.device(device):
+            return cls(config)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raised, in one line
+        text = " ".join(str(exc).split())[:300]
+        raise ValueError(f"{name}: transformers cannot build {cls.__name__} from this config ({type(exc).__name__}: "
+                         f"{text}); give a config transformers builds (hf:path/config.json)") from exc
 
 
 def example_inputs(cfg: ModelConfig, *, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
@@ -292,6 +304,7 @@ def build_failure(model_type: str) -> str | None:
     try:
         build(get_config(f"hf:{model_type}"), dtype=torch.bfloat16, device="meta")
     except Exception as exc:  # noqa: BLE001 - whatever transformers raised is the reason
+        exc = exc.__cause__ or exc  # transformers' own error, where `_construct` named the model around it
         text = " ".join(str(exc).split())
         return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
     return None
