@@ -822,14 +822,17 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
 
 
 @pytest.mark.parametrize(("model", "kind"), [("gptj", "gptj"), ("codegen", "gptj"), ("persimmon", "persimmon"),
-                                           ("mpt", "mpt")])
-def test_chains_their_forwards_do_not_trace_are_cut_at_their_layers(
+                                           ("mpt", "mpt"), ("xglm", "xglm"), ("biogpt", "biogpt"),
+                                           ("gpt_neo", "gpt2")])
+def test_more_hugging_face_chains_are_cut_at_their_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, kind: str) -> None:
-    """GPT-J's, CodeGen's, Persimmon's and MPT's forwards cannot be traced symbolically (torch.fx: "co_varnames is
-    too small"), so their pipelines were refused. The first three are LLaMA-style chains under other names (GPT-J's
-    and CodeGen's ``transformer.wte``, ``drop``, ``h``, ``ln_f``, a rotary table for every layer; Persimmon's final
-    norm ``final_layernorm``); MPT's layers take ALiBi biases made from its config's longest sequence. Each is
-    checked on a small copy of the model when planned (the slow tier runs them against one process)."""
+    """GPT-J's, CodeGen's, Persimmon's, MPT's, XGLM's and BioGPT's forwards cannot be traced symbolically (torch.fx:
+    "co_varnames is too small", or a proxy assigned to), so their pipelines were refused. The first three are
+    LLaMA-style chains under other names (GPT-J's and CodeGen's ``transformer.wte``, ``drop``, ``h``, ``ln_f``, a
+    rotary table for every layer; Persimmon's final norm ``final_layernorm``); MPT's layers take ALiBi biases made
+    from its config's longest sequence; XGLM and BioGPT add positions to a scaled embedding (BioGPT's head is
+    ``output_projection``). GPT-Neo is GPT-2-style, but its layers return a tuple, which failed on the small copy.
+    Each is checked on a small copy of the model when planned (the slow tier runs them against one process)."""
     from autopar.runtime.pipeline import chain_kind
 
     assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind

@@ -107,6 +107,10 @@ HF_CHAINS = {
     "bloom": Chain("transformer", "h", first=("word_embeddings", "word_embeddings_layernorm"), last=("ln_f",)),
     # MPT: ALiBi biases made from the config's longest sequence for every stage, no positions in the embedding
     "mpt": Chain("transformer", "blocks", first=("wte",), last=("norm_f",)),
+    # XGLM and BioGPT: scaled token embeddings plus positions (sinusoidal; learned, offset by 2), OPT-style
+    "xglm": Chain("model", "layers", first=("embed_tokens", "embed_positions"), last=("layer_norm",)),
+    "biogpt": Chain("biogpt", "layers", first=("embed_tokens", "embed_positions"), last=("layer_norm",),
+                    head="output_projection"),
     # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
     "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
     "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
@@ -124,8 +128,8 @@ class StageModule(nn.Module):
     LMs (``model.model`` holding ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``, and ``lm_head``; Phi's,
     GPT-NeoX's, Persimmon's and GPT-J's (CodeGen's) the same under other names), GPT-2-style ones
     (``model.transformer`` holding ``wte``, ``wpe``, ``drop``, ``h`` and ``ln_f``, and ``lm_head``), OPT-style ones
-    (``model.model.decoder``), Falcon, BLOOM and MPT, and RoBERTa and BERT masked LMs (``roberta.encoder.layer``,
-    the head ``lm_head`` or ``cls``)."""
+    (``model.model.decoder``) and XGLM and BioGPT (OPT-style with positions of their own), Falcon, BLOOM and MPT,
+    and RoBERTa and BERT masked LMs (``roberta.encoder.layer``, the head ``lm_head`` or ``cls``)."""
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -184,6 +188,8 @@ class StageModule(nn.Module):
             return self._forward_bloom(x)
         if self.kind == "mpt":
             return self._forward_mpt(x)
+        if self.kind in ("xglm", "biogpt"):
+            return self._forward_positions(x)
         if self.kind in ENCODERS:
             return self._forward_encoder(x)
         if self.first:
@@ -286,6 +292,32 @@ class StageModule(nn.Module):
             return self._logits(self.lm_head(inner.norm_f(x)))
         return x
 
+    def _forward_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of an XGLM or BioGPT forward: the scaled token embedding plus the positions (XGLM's
+        sinusoidal table, BioGPT's learned one, made from the model's unpadded mask), dropped out at the config's
+        rate, the layers under the causal mask (BioGPT's given the positions too), the final norm and the head."""
+        chain, config = HF_CHAINS[self.kind], self.config
+        inner = chain.inner(self)
+        length = self._length(x)
+        positions = torch.arange(length, device=x.device).unsqueeze(0)
+        if self.first:
+            ids = x
+            x = inner.embed_tokens(ids)
+            if self.kind == "xglm":
+                x = x + inner.embed_positions(positions, 0).to(x.device)
+            else:
+                every = torch.ones(ids.shape[0], length, device=ids.device)
+                x = x + inner.embed_positions(every, 0, position_ids=positions)
+            rate = config.dropout if self.kind == "xglm" else config.hidden_dropout_prob
+            x = nn.functional.dropout(x, p=float(rate), training=self.training)
+        mask = _attention_mask(config, "full_attention", self._whole(x), positions)
+        extra = {"position_ids": positions} if self.kind == "biogpt" else {}
+        for layer in chain.layers(self).values():
+            x = _hidden(layer(x, attention_mask=mask, **extra))
+        if self.last:
+            return self._logits(getattr(self, chain.head)(inner.layer_norm(x)))
+        return x
+
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's share of a GPT-2-style forward: token and position embeddings summed and dropped out, the
         layers under the causal mask the whole model builds, the final norm and the head."""
@@ -294,8 +326,8 @@ class StageModule(nn.Module):
         if self.first:
             x = inner.drop(inner.wte(x) + inner.wpe(positions))
         mask = _attention_mask(self.config, "full_attention", self._whole(x), positions)
-        for layer in inner.h.values():
-            x = layer(x, attention_mask=mask, position_ids=positions)
+        for layer in inner.h.values():  # (GPT-Neo's layers return a tuple)
+            x = _hidden(layer(x, attention_mask=mask, position_ids=positions))
         if self.last:
             return self._logits(self.lm_head(inner.ln_f(x)))
         return x
