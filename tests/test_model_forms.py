@@ -832,7 +832,8 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     rotary table for every layer; Persimmon's final norm ``final_layernorm``); MPT's layers take ALiBi biases made
     from its config's longest sequence; XGLM and BioGPT add positions to a scaled embedding (BioGPT's head is
     ``output_projection``). GPT-Neo is GPT-2-style, but its layers return a tuple, which failed on the small copy.
-    Each is checked on a small copy of the model when planned (the slow tier runs them against one process)."""
+    Each is checked on a small copy of the model when planned (the slow tier runs GPT-J, MPT and BioGPT against one
+    process)."""
     from autopar.runtime.pipeline import chain_kind
 
     assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind

@@ -309,11 +309,10 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("hf:phi", HF_GPT2, 2, 1, 1, "1f1b", None),  # LLaMA-style under Phi's names, a dropout after the embedding
         ("hf:gpt_neox", HF_GPT2, 2, 2, 1, "1f1b", None),  # and GPT-NeoX's, its head untied
         ("hf:gptj", HF_GPT2, 2, 2, 1, "gpipe", None),  # and GPT-2's (GPT-J, CodeGen), attention and MLP in parallel
-        ("hf:persimmon", HF_GPT2, 2, 1, 1, "1f1b", None),  # and its final norm's
         ("hf:mpt", HF_GPT2, 2, 1, 1, "gpipe", None),  # ALiBi biases over the config's longest sequence
-        ("hf:xglm", HF_GPT2, 2, 1, 1, "1f1b", None),  # sinusoidal positions added to a scaled embedding
-        ("hf:biogpt", HF_GPT2, 2, 2, 1, "gpipe", None),  # learned ones, offset by 2; the head output_projection
-        ("hf:gpt_neo", HF_GPT2, 2, 1, 1, "1f1b", None),  # GPT-2-style, its layers returning a tuple
+        # OPT-style with positions added to a scaled embedding (XGLM's sinusoidal, BioGPT's learned), the head
+        # output_projection
+        ("hf:biogpt", HF_GPT2, 2, 2, 1, "gpipe", None),
         ("hf:falcon", HF_GPT2, 2, 1, 2, "gpipe", None),  # LLaMA-style under GPT-2's names, multi-query, PP x DP
         ("hf:bloom", HF_GPT2, 2, 1, 1, "1f1b", None),  # ALiBi biases made per stage, a norm after the embedding
         # masked LMs: the layers under ``roberta.encoder.layer``, the loss unshifted, the head's decoder tied to the
