@@ -1186,13 +1186,13 @@ def _split_experts(experts: nn.Module, mesh: Any, dims: dict[str, int], fqn: str
     @functools.wraps(forward)
     def split_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         # the routing weights (any float input besides the tokens) multiply this rank's partial outputs
-        args = tuple(_SumGradient.apply(a, group) if _is_float(a) else a for a in args)
-        kwargs = {k: _SumGradient.apply(v, group) if _is_float(v) else v for k, v in kwargs.items()}
+        args = tuple(_SumOverRanks.apply(a, group, None, False) if _is_float(a) else a for a in args)
+        kwargs = {k: _SumOverRanks.apply(v, group, None, False) if _is_float(v) else v for k, v in kwargs.items()}
         # the weights as they are now: FSDP puts its gathered ones in their place for each forward
         roles = {id(getattr(experts, column)): "column", id(experts.down_proj): "row"}
         with _LocalExperts(roles, group):
             out = forward(hidden_states, *args, **kwargs)
-        return _SumForward.apply(out, group) if sum_output else out
+        return _SumOverRanks.apply(out, group, None, True, False) if sum_output else out
 
     experts.forward = split_forward
     return permutations
@@ -1232,37 +1232,12 @@ class _LocalExperts(torch.overrides.TorchFunctionMode):
         kwargs = {k: local(v) for k, v in kwargs.items()}
         if func in self._GROUPED:
             if role == "column":
-                args = (_SumGradient.apply(args[0], self.group), *args[1:])
+                args = (_SumOverRanks.apply(args[0], self.group, None, False), *args[1:])
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if role is not None and isinstance(out, torch.Tensor):
             self.made[id(out)] = (out, role)
         return out
-
-
-class _SumForward(torch.autograd.Function):
-    """Every rank's ``x`` summed over ``group``; the gradient passes as it is (each rank's is the whole one)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN401
-        return _summed(x, group, None)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
-        return grad, None
-
-
-class _SumGradient(torch.autograd.Function):
-    """``x`` as it is; its gradient, every rank's summed over ``group`` (each rank's covers its own part)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN401
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
-        return _summed(grad, ctx.group, None), None
 
 
 def _is_split_norm(module: nn.Module, entry: Any) -> bool:  # noqa: ANN401 - a plan's module entry
@@ -1355,18 +1330,22 @@ class _OverAllFeatures(torch.overrides.TorchFunctionMode):
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """The sum of every rank's ``x`` over ``group``, all-reduced, or with ``rows`` reduce-scattered along that dim
-    and gathered back; its gradient, every rank's gradient summed back the same way (each rank's output feeds that
-    rank's own features, so every rank's share of the gradient reaches each input)."""
+    """Every rank's ``x`` summed over ``group`` in the ``forward`` and every rank's gradient summed in the
+    ``backward``, each where asked (the other way it passes as it is), all-reduced, or with ``rows``
+    reduce-scattered along that dim and gathered back. Both ways: a split norm's sum (each rank's output feeds that
+    rank's own features, so every rank's share of the gradient reaches each input). Forward only: split experts'
+    partial outputs (each rank's gradient is the whole one). Backward only: a value each rank applies to its own
+    features alone (the tokens entering the experts, the routing weights)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, rows: int | None) -> torch.Tensor:  # noqa: ANN401
-        ctx.group, ctx.rows = group, rows
-        return _summed(x, group, rows)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, rows: int | None = None,  # noqa: ANN401
+                forward: bool = True, backward: bool = True) -> torch.Tensor:
+        ctx.group, ctx.rows, ctx.backward = group, rows, backward
+        return _summed(x, group, rows) if forward else x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN401
-        return _summed(grad, ctx.group, ctx.rows), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN401
+        return (_summed(grad, ctx.group, ctx.rows) if ctx.backward else grad), None, None, None, None
 
 
 def _summed(x: torch.Tensor, group: Any, rows: int | None) -> torch.Tensor:  # noqa: ANN401
