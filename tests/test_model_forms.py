@@ -1140,7 +1140,7 @@ def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
     ("hf:persimmon", {}, True),  # and so, with a norm of each head's q and k
     ("falcon", {"new_decoder_architecture": True}, True),  # fused by key/value head (2 of them)
     ("falcon", {"multi_query": False, "alibi": True}, True),  # head by head, ALiBi
-    ("falcon", {}, False),  # multi-query attention: one key/value head
+    ("falcon", {}, True),  # multi-query attention: one key/value head, kept whole
     ("hf:phi3", {}, True),  # q, k and v cut by slices at its config's widths, gate and up by chunk(2)
 ])
 def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
@@ -1148,7 +1148,7 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
     """BLOOM's, Persimmon's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q,
     k and v together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the
     plan is written (the slow tier runs BLOOM and Falcon against one process). One key/value head cannot be split:
-    refused, naming it. Phi-3's fused projections are laid out piece by piece per rank instead (each rank's q, k
+    that attention is kept whole (`test_multi_query_attention_is_kept_whole_under_tp`). Phi-3's fused projections are laid out piece by piece per rank instead (each rank's q, k
     and v, or gate and up, contiguous), and its attention given its own config with one rank's head counts."""
     if model == "falcon":
         from transformers import FalconConfig
@@ -1160,8 +1160,45 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
                            "--gpus", "2", "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", "--out",
                            str(tmp_path / "plan.json"))
     assert (code == 0) == written == (tmp_path / "plan.json").exists(), err
-    if not written:
-        assert "module 'transformer.h.0.self_attention' has 1 kv_heads, which tp 2 does not divide" in err
+
+
+@pytest.mark.parametrize(("model", "attention", "sp"), [
+    ("hf:gpt_bigcode", "transformer.h.0.attn", True),  # q, k and v fused, cut by split
+    ("hf:falcon", "transformer.h.0.self_attention", False),  # attention and MLP in parallel
+    ("llama-7b", "layers.0.attn", True),  # the zoo's, with --kv-heads 1
+])
+def test_multi_query_attention_is_kept_whole_under_tp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, attention: str, sp: bool) -> None:
+    """One key/value head for all the query heads (GPTBigCode's and Falcon's default, Falcon-7B's): no tp degree
+    divides it. Those plans used to be refused ("has 1 kv_heads, which tp 2 does not divide"). The attention is
+    now kept whole on every rank, its weights' gradients need no sum, and the MLP is split: the plan is rehearsed
+    and written. Under SP the attention gathers the sequence and its output projection hands on this rank's shard
+    at once, which the cost model prices as the runtime runs it (the slow tier runs both against one process)."""
+    from autopar.capture.graph import multi_query_attentions
+    from autopar.cost.layers import analyse, kept_whole
+    from autopar.plan import load_plan
+    from autopar.runtime.source import ModelSource
+    from autopar.runtime.train import Workload
+
+    size = {**SMALL, "kv_heads": 1} if model == "llama-7b" else SMALL
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "estimate", model, *_flags(size), "--seq", "32", "--cluster", "cpu", "--gpus", "2",
+                           "--tp", "2", "--pp", "1", "--batch", "4", "--mbs", "2", *(["--sp"] if sp else []),
+                           "--out", str(out))
+    assert code == 0, err
+    modules = json.loads(out.read_text())["plan"]["modules"]
+    inside = {name: layout for entry in modules.values() for name, layout in entry["params"].items()
+              if name.startswith(f"{attention}.")}
+    assert inside and set(inside.values()) == {"[R, R]"}
+    assert any("S(" in layout for fqn, entry in modules.items() if ".mlp." in fqn for layout in entry["params"].values())
+    source = ModelSource.of_workload(Workload.of(load_plan(out)))
+    graph = source.traced_at(1)
+    assert attention in graph.multi_query == multi_query_attentions(source.meta())
+    whole = kept_whole(graph)
+    contractions = [n for n in graph.nodes if n.module.startswith(attention) and n.reads_params
+                    and n.op.startswith(("aten.mm.", "aten.addmm.", "aten.bmm."))]
+    assert contractions and all(n.id in whole for n in contractions)
+    assert not any(n.id in layer.sharded for layer in analyse(graph) for n in contractions)
 
 
 def test_a_width_tp_cannot_divide_is_named_by_its_module(capsys: pytest.CaptureFixture[str]) -> None:

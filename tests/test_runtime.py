@@ -334,6 +334,20 @@ def test_pipelines_match_one_process_and_the_predicted_collectives(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("name", "overrides", "pp", "sp"), [
+    ("hf:gpt_bigcode", HF_GPT2, 1, True),  # a sequential layer: the residual stream meets the attention's shard
+    ("hf:falcon", HF_GPT2, 2, False),  # attention and MLP in parallel, in 2 stages
+    ("llama-7b", {**LLAMA, "kv_heads": 1}, 1, True),
+])
+def test_multi_query_attention_kept_whole_under_tp_matches_one_process(tmp_path, name, overrides, pp, sp) -> None:
+    """One key/value head: the attention runs whole on every tp rank (gathering the sequence under SP and handing
+    on its shard of the output), the MLP split; the collectives are those the cost model predicts."""
+    path = _pipeline_plan(tmp_path, name, overrides, tp=2, dp=1, pp=pp, schedule="gpipe", sp=sp)
+    data = _run(path, 2 * pp)
+    assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"tp"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("pp", "sp"), [(2, False), (2, True), (1, True)])
 def test_opt_plans_with_tp_match_one_process(tmp_path, pp, sp) -> None:
     """OPT's chain (learned positions offset by 2, its head tied to the embedding) in 2 stages, or one, over tp 2,

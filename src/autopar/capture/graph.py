@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -149,6 +149,35 @@ class ModuleMemory:
     bwd_out: int
 
 
+KV_HEAD_COUNTS = ("kv_heads", "num_key_value_heads", "num_kv_heads")
+HEAD_COUNTS = ("heads", "num_heads", "num_attention_heads")
+
+
+def multi_query_attentions(model: Any) -> frozenset[str]:  # noqa: ANN401
+    """FQNs of the attention modules of ``model`` (an ``nn.Module``) with one key/value head for several query
+    heads (multi-query attention: Falcon's default, GPTBigCode's, the zoo's ``kv_heads=1``), read from the module's
+    head counts or, for Hugging Face attentions that keep only ``num_key_value_groups``, its config's. No tp degree
+    divides one key/value head, so tensor parallelism keeps these attentions whole (`cost.layers.kept_whole`), on
+    every rank, instead of splitting their heads. Counts are read from each module's own attributes (its
+    ``__dict__``: a lookup that misses costs an exception on an ``nn.Module``, 0.24 s over a 1,000-layer model);
+    the tracer finds them in its one pass over the modules (`capture.reuse.scan`)."""
+    return frozenset(name for name, module in model.named_modules() if one_key_value_head(vars(module)))
+
+
+def one_key_value_head(own: dict[str, Any]) -> bool:
+    """Whether a module whose own attributes are ``own`` is a multi-query attention (`multi_query_attentions`)."""
+    kv = next((own[a] for a in KV_HEAD_COUNTS if _count(own.get(a))), None)
+    heads = next((own[a] for a in HEAD_COUNTS if _count(own.get(a))), None)
+    if kv is None and _count(own.get("num_key_value_groups")):
+        config = own.get("config")
+        kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+    return kv == 1 and _count(heads) and heads > 1
+
+
+def _count(value: Any) -> bool:  # noqa: ANN401
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 class Graph:
     """The traced forward graph of one training step.
 
@@ -170,8 +199,10 @@ class Graph:
         saved_bytes: int,
         expansion: NodeSource,
         trace_seconds: float = 0.0,
+        multi_query: frozenset[str] = frozenset(),
     ) -> None:
         self.modules = modules  # FQN -> class name, for every module in the model
+        self.multi_query = multi_query  # attentions with one key/value head (`multi_query_attentions`)
         self._state = state
         self.inputs = inputs  # flattened tensor leaves of the example inputs
         self.repeats = repeats

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autopar.capture.graph import one_key_value_head
+
 # Attributes that number a layer within its stack rather than configure it.
 INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_number", "layer_index", "block_idx", "idx"})
 _PLAIN = (int, float, bool, str, type(None))
@@ -37,6 +39,7 @@ class ModuleScan:
     fqn_of: dict[int, str] = field(default_factory=dict)  # id(module) -> first FQN (pre-order, like named_modules)
     types: dict[str, str] = field(default_factory=dict)  # FQN -> class name
     units: dict[int, str] = field(default_factory=dict)  # id(unit module) -> fingerprint (hex)
+    multi_query: list[str] = field(default_factory=list)  # FQNs of attentions with one key/value head
 
 
 def scan(model: nn.Module, *, find_repeats: bool = True) -> ModuleScan:
@@ -44,6 +47,7 @@ def scan(model: nn.Module, *, find_repeats: bool = True) -> ModuleScan:
     interned: dict[tuple[Any, ...], int] = {}
     keys: list[tuple[Any, ...]] = []
     fingerprint_of: dict[int, int] = {}
+    one_kv: list[bool] = []  # per fingerprint: a multi-query attention (`graph.one_key_value_head`)
 
     fqn_of, types = result.fqn_of, result.types
     attr_keys: dict[type, tuple[int, tuple[str, ...]]] = {}
@@ -64,6 +68,9 @@ def scan(model: nn.Module, *, find_repeats: bool = True) -> ModuleScan:
         if fp is None:
             fp = interned[key] = len(keys)
             keys.append(key)
+            one_kv.append(one_key_value_head(module.__dict__))  # alike for modules alike (their counts are attrs)
+        if one_kv[fp]:
+            result.multi_query.append(prefix)
         fingerprint_of[id(module)] = fp
         return fp
 

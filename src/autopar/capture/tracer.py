@@ -190,6 +190,7 @@ class _Recorder(tp.TorchDispatchMode):
         self.model = model
         modules = scan(model, find_repeats=reuse)
         self.fqn_of, self.type_of, self.units = modules.fqn_of, modules.types, modules.units
+        self.multi_query = frozenset(modules.multi_query)
         self.fake_mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
         self.entries: list[_Draft | _Replay] = []
         self.producer: dict[int, tuple[Any, ...]] = {}
@@ -561,6 +562,7 @@ class _GraphBuilder:
             flops_backward=backward,
             saved_bytes=sum(saved.values()),
             expansion=_Expansion(self, saved),
+            multi_query=rec.multi_query,
         )
 
     def _saved_bytes(self) -> dict[int, int]:

@@ -51,6 +51,9 @@ Key = tuple[str, int, int]
 # output_layouts=Replicate() gives it: Megatron's LM head, which no row-parallel layer follows)
 Candidate = tuple[int | None | str, ...]
 GATHERED = "gathered"
+# or SCATTERED last where a whole leading op's output is handed on at once in the layout values arrive in between
+# layers (``arrival``): under sequence parallelism, this rank's sequence shard of a multi-query attention's output
+SCATTERED = "scattered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,8 @@ class IntraCost:
         self.signatures: list[int] = like.signatures if like is not None else self._signature_classes()
         self._cache: dict[tuple[int, Candidate], BlockCost | None] = {}
         self._downstream: dict[int, set[int]] = {}
-        self._routers: frozenset[int] | None = None
+        self._whole: frozenset[int] | None = None
+        self._scattered: frozenset[int] | None = None
 
     # ---- candidates ---------------------------------------------------------------------------------------
     def candidates(self, block: ParallelBlock) -> list[Candidate]:
@@ -173,13 +177,15 @@ class IntraCost:
         candidate and its fallback. On the mesh's last axis (tp): a contraction reading a column-parallel block's
         output is row-parallel (its contracted dim split), any other contraction column-parallel (its output
         features split), except an embedding, a convolution and a contraction whose weight another module owns (a
-        head tied to the embedding) or a router (`cost.layers.routers`), which stay whole. The other axes split
-        the batch. The fallback splits the
-        batch on every axis (a layer Megatron cannot split stays data-parallel)."""
-        from autopar.cost.layers import routers
+        head tied to the embedding), a router or a multi-query attention's (`cost.layers.kept_whole`), which stay
+        whole. The other axes split the batch. The fallback splits the batch on every axis (a layer Megatron cannot
+        split stays data-parallel)."""
+        from autopar.cost.layers import kept_whole, multi_query_outputs
 
-        if self._routers is None:
-            self._routers = routers(self.bg.graph)
+        if self._whole is None:
+            self._whole = kept_whole(self.bg.graph)
+            self._scattered = multi_query_outputs(self.bg.graph) if self.scatter_partials and self.arrival else \
+                frozenset()
         column: dict[int, bool] = {}
         last_row = -1  # the last row-parallel block's place
         found = []
@@ -193,7 +199,7 @@ class IntraCost:
             # the block's ops before its leading op made: a layer's pre-norm, which q, k and v all read)
             is_row = producer is not None and producer != block.id and column.get(producer, False) \
                 and source in self._after_leader(self.bg.blocks[producer])
-            whole = "embedding" in leader.op or "convolution" in leader.op or block.leader in self._routers or any(
+            whole = "embedding" in leader.op or "convolution" in leader.op or block.leader in self._whole or any(
                 s.state is not None and self._is_param(s.state) and self.param_owner.get(s.state) != block.id
                 for s in leader.sources)
             column[block.id] = not (is_row or whole)
@@ -201,7 +207,8 @@ class IntraCost:
                 last_row = len(found)
             last = None if whole else roles["row"] if is_row else roles["column"]
             batch = (roles["batch"],) * (len(self.sizes) - 1)
-            found.append(((*batch, last), (roles["batch"],) * len(self.sizes)))
+            scattered = (SCATTERED,) if block.leader in self._scattered else ()
+            found.append(((*batch, last, *scattered), (roles["batch"],) * len(self.sizes)))
         # a column-parallel block no row-parallel one follows gathers its output at once (the runtime's LM head)
         return [((*wanted, GATHERED), fallback) if column[block.id] and k > last_row else (wanted, fallback)
                 for k, (block, (wanted, fallback)) in enumerate(zip(blocks, found))]
@@ -220,9 +227,9 @@ class IntraCost:
     def describe(self, block: ParallelBlock, candidate: Candidate) -> str:
         """``"n"`` on a 1-D mesh, ``"m,n"`` on 2-D: the leading op's dim (by role) each axis splits."""
         dims = op_dims(self.nodes[block.leader]).dims
-        axes = candidate[:-1] if candidate and candidate[-1] == GATHERED else candidate
-        named = ",".join("R" if k is None else (dims[k].name or str(k)) for k in axes)
-        return named + ">R" if axes is not candidate else named
+        marker = {GATHERED: ">R", SCATTERED: ">S"}.get(candidate[-1], "") if candidate else ""
+        axes = candidate[:-1] if marker else candidate
+        return ",".join("R" if k is None else (dims[k].name or str(k)) for k in axes) + marker
 
     # ---- block cost ---------------------------------------------------------------------------------------
     def signature(self, block: ParallelBlock) -> int:
@@ -263,8 +270,9 @@ class IntraCost:
 
     def _evaluate(self, block: ParallelBlock, candidate: Candidate) -> BlockCost | None:
         cost = BlockCost()
-        gathered = bool(candidate) and candidate[-1] == GATHERED
-        axes = candidate[:-1] if gathered else candidate
+        marker = candidate[-1] if candidate and candidate[-1] in (GATHERED, SCATTERED) else None
+        gathered, scattered = marker == GATHERED, marker == SCATTERED and self.arrival is not None
+        axes = candidate[:-1] if marker else candidate
         position = {i: pos for pos, i in enumerate(block.nodes)}
         versions: dict[tuple[int, int], dict[Layout, None]] = {}  # layouts a value is available in, in the block
         named: dict[tuple[int, int], Key] = {}  # a value read from another block -> the key of its first read
@@ -308,6 +316,15 @@ class IntraCost:
                               ("out", position[i], 0))
                 versions[(i, 0)] = {whole: None}
                 cost.exits[("out", position[i], 0)] = whole
+            if i == block.leader and scattered:  # its output handed on in the layout between layers at once
+                # a (tokens, features) output: its tokens split as its input's, behind whose views the batch shows
+                read = next(((s.node, s.index) for s in node.sources if s.state is None and s.node >= 0), None)
+                flat = len(node.outputs[0].shape) == 2 and read is not None
+                target = self.arrival(self, read if flat else (i, 0))
+                self._convert(cost, versions[(i, 0)], node.outputs[0], target, target, position[i],
+                              ("out", position[i], 0))
+                versions[(i, 0)] = {target: None}
+                cost.exits[("out", position[i], 0)] = target
             priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if strategy.outputs:  # its backward: the gradients of its output and of its activation inputs

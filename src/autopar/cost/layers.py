@@ -119,6 +119,38 @@ def routers(graph: Graph) -> frozenset[int]:
     return frozenset(found)
 
 
+def kept_whole(graph: Graph) -> frozenset[int]:
+    """The parameter contractions tensor parallelism keeps whole, on every rank, beside tied weights and
+    convolutions: the routers (`routers`), and every contraction of an attention with one key/value head
+    (`Graph.multi_query`), whose heads no tp degree divides: its q, k, v and output projections all run whole, on
+    the whole sequence, so its weights' gradients need no sum."""
+    found = set(routers(graph))
+    if graph.multi_query:
+        from autopar.capture.graph import _within
+
+        for node in graph.nodes:
+            if _is_param_contraction(node) and any(_within(node.module, fqn) for fqn in graph.multi_query):
+                found.add(node.id)
+    return frozenset(found)
+
+
+def multi_query_outputs(graph: Graph) -> frozenset[int]:
+    """The last parameter contraction of each multi-query attention (`Graph.multi_query`), its output projection:
+    under sequence parallelism its whole output is handed on as this rank's sequence shard at once, as the runtime
+    does at the attention's output (`runtime.apply.whole_attentions`)."""
+    if not graph.multi_query:
+        return frozenset()
+    from autopar.capture.graph import _within
+
+    last: dict[str, int] = {}
+    for node in graph.nodes:
+        if _is_param_contraction(node):
+            for fqn in graph.multi_query:
+                if _within(node.module, fqn):
+                    last[fqn] = node.id
+    return frozenset(last.values())
+
+
 def expert_weight_dim(graph: Graph, node: Node, source, *, column: bool) -> int | None:  # noqa: ANN001
     """The dim of the 3-D expert weight ``source`` (one (in, out) or (out, in) matrix per expert, which the
     grouped contraction ``node`` reads as stored or through one transpose) that tensor parallelism splits: the
@@ -168,7 +200,7 @@ def analyse(graph: Graph) -> list[LayerCost]:
     # node id -> the column-parallel contractions whose sharded region its output lies in
     open_region: dict[int, frozenset[int]] = {}
     closed: set[int] = set()  # columns some row-parallel contraction consumed
-    whole = routers(graph)
+    whole = kept_whole(graph)
     for node in graph.nodes:
         layer = rows[graph.layer_of(node.module)]
         layer.nodes.append(node)
@@ -177,7 +209,7 @@ def analyse(graph: Graph) -> list[LayerCost]:
         in_region = bool(region)
         if _is_param_contraction(node) and (_reads_foreign_weight(node) or _is_convolution(node)
                                             or node.id in whole):
-            pass  # a tied weight, a convolution or a router: TP keeps it, and the contraction, whole
+            pass  # a tied weight, a convolution, a router or a multi-query attention's: TP keeps it whole
         elif _is_param_contraction(node):
             if in_region:  # row-parallel: consumes the shard, produces partial sums
                 layer.sharded.add(node.id)

@@ -760,6 +760,11 @@ def _tensor_parallel(
                 block = modules[fqn.rpartition(".")[0]]
                 _relayout_input(block, mesh, stream, Replicate(), local=True)
                 _relayout_output(block, mesh, Partial(), stream, local=True)
+    for name in whole_attentions(module, placements) if sp else ():
+        # a multi-query attention tp keeps whole runs on the whole sequence: it gathers its input, and hands on
+        # its rank's shard of its (replicated) output, whose gradient is gathered back in the backward
+        _relayout_input(modules[name], mesh, stream, Replicate(), local=True)
+        _relayout_output(modules[name], mesh, Replicate(), stream, local=True)
     for norm in split:
         _split_norm(modules[norm], mesh, scatter=sp)
     for fqn, placement in placements.items():  # after the styles' hooks: on the local tensor they hand on
@@ -862,6 +867,15 @@ def _conv1d_style(style: Any) -> Any:
     converted = _Conv1DStyle.__new__(_Conv1DStyle)
     converted.__dict__.update(style.__dict__)
     return converted
+
+
+def whole_attentions(module: nn.Module, placements: dict[str, str]) -> list[str]:
+    """The multi-query attentions of ``module`` (`capture.graph.multi_query_attentions`) of which tensor
+    parallelism splits no weight (``placements``, from `tensor_parallel_placements`): every rank runs them whole."""
+    from autopar.capture.graph import multi_query_attentions
+
+    return [name for name in sorted(multi_query_attentions(module))
+            if not any(fqn == name or fqn.startswith(f"{name}.") for fqn in placements)]
 
 
 def fused_pieces(parent: Any, child: str) -> tuple[int, ...] | None:
@@ -1412,11 +1426,14 @@ def _share_other_inputs(block: nn.Module, columns: list[nn.Module], mesh: Any) -
 
 
 def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool = False) -> None:
-    """After ``module`` runs, read its output as a local tensor laid out as ``source`` on ``mesh`` and hand it on
-    redistributed to ``target``, as a DTensor (a local tensor again with ``local``)."""
+    """After ``module`` runs, read its output (or the first of a tuple: an attention's, with its weights) as a
+    local tensor laid out as ``source`` on ``mesh`` and hand it on redistributed to ``target``, as a DTensor (a local
+    tensor again with ``local``)."""
     from torch.distributed.tensor import DTensor
 
     def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (hook(_module, _args, output[0]), *output[1:])
         if not isinstance(output, torch.Tensor):
             return output
         if not isinstance(output, DTensor):

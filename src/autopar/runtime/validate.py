@@ -45,12 +45,14 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture import CaptureError, Graph
+from autopar.capture.graph import multi_query_attentions
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
 from autopar.plan.batch import split_batch
 from autopar.runtime.apply import (
     check_matches, check_supported, checkpoint_segments, column_groups, fused_pieces, norms_before_columns,
     out_features_dim, parallelize, recompute, split_norms, tensor_parallel_placements, tp_partial_names, tp_role,
+    whole_attentions,
 )
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin
@@ -414,7 +416,11 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             # function), which checkpointing without early stop does too, collectives alike
             compiled = plan.kernels == "compiled"
             tp = plan.grid[1] if plan.is_pipeline else 1  # an intra-op plan's heads: DTensor's own propagation
-            shapes = _AttentionShapes(where, traced, tp) if traced and tp > 1 else contextlib.nullcontext()
+            # multi-query attentions the plan keeps whole run all their heads on every rank
+            kept = whole_attentions(model, {entry.fqn for entry in applied.modules
+                                            if any(isinstance(p.on(1), Shard) for p in entry.params)}) if tp > 1 else []
+            shapes = _AttentionShapes(where, traced, tp, whole=kept) if traced and tp > 1 else \
+                contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
             schedule = _quiet("torch.distributed.pipelining.schedules")
             # on a CPU process group DTensor gathers where an all-to-all would go, and says so once; the
@@ -546,9 +552,9 @@ class _AttentionShapes(TorchDispatchMode):
     whose matrices (not counting the batch of heads) the traced model never multiplies (see `rehearsal`). The
     backward is not checked: grad mode is off there, and its products are the forward's transposed."""
 
-    def __init__(self, where: list[str], traced: TracedShapes, tp: int) -> None:
+    def __init__(self, where: list[str], traced: TracedShapes, tp: int, *, whole: list[str] = ()) -> None:
         super().__init__()
-        self.where, self.tp = where, tp
+        self.where, self.tp, self.whole = where, tp, whole
         self.expected = {(heads // tp, seq, size) for heads, seq, size in traced.attention if heads % tp == 0}
         self.traced = traced
 
@@ -557,7 +563,9 @@ class _AttentionShapes(TorchDispatchMode):
         module = self.where[-1] if self.where else "<root>"
         if self.traced.attention and "scaled_dot_product" in name and not name.endswith("backward") and args:
             query = getattr(args[0], "_local_tensor", args[0])  # a DTensor's own shard
-            if isinstance(query, torch.Tensor) and query.dim() == 4 and tuple(query.shape[1:]) not in self.expected:
+            whole = any(module == name or module.startswith(f"{name}.") for name in self.whole)
+            expected = self.traced.attention if whole else self.expected
+            if isinstance(query, torch.Tensor) and query.dim() == 4 and tuple(query.shape[1:]) not in expected:
                 heads, seq, size = query.shape[1:]
                 whole = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.traced.attention))
                 share = ", ".join(f"{h} heads x {s} positions x {d}" for h, s, d in sorted(self.expected))
@@ -919,13 +927,21 @@ def _check_divisible(model: nn.Module, plan: Plan) -> None:
     if tp == 1:
         return
     params = dict(model.named_parameters(remove_duplicate=False))
+    split = set()
     for entry in plan.modules:
         for layout in entry.params:
             shape, placement = params[layout.name].shape, layout.on(1)
             if isinstance(placement, Shard) and shape[placement.dim] % tp:
                 raise ValueError(f"parameter {layout.name!r} is split on dim {placement.dim} ({shape[placement.dim]}) "
                                  f"over tp {tp}, which does not divide it")
+            if isinstance(placement, Shard):
+                split.add(entry.fqn)
+    # a multi-query attention the plan keeps whole (`cost.layers.kept_whole`) runs all its heads on every rank
+    whole = {name for name in multi_query_attentions(model)
+             if not any(fqn == name or fqn.startswith(f"{name}.") for fqn in split)}
     for name, module in model.named_modules():
+        if name in whole:
+            continue
         for attribute in ("heads", "kv_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
             count = getattr(module, attribute, None)
             if isinstance(count, int) and count % tp:
@@ -934,6 +950,8 @@ def _check_divisible(model: nn.Module, plan: Plan) -> None:
     config = getattr(model, "config", None)
     for attribute in ("num_attention_heads", "num_key_value_heads"):
         count = getattr(config, attribute, None)
+        if count == 1 and whole and whole == multi_query_attentions(model):
+            continue  # one key/value head for every attention, each kept whole
         if isinstance(count, int) and count % tp:
             raise ValueError(f"the model's config has {attribute} {count}, which tp {tp} does not divide: each tp "
                              "rank takes whole heads")
