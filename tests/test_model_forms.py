@@ -1148,8 +1148,9 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
     """BLOOM's, Persimmon's and Falcon's fused q/k/v runs group by group (each head's, or each key/value head's, q,
     k and v together): a tp rank's contiguous shard holds whole groups, so the plan-time rehearsal passes and the
     plan is written (the slow tier runs BLOOM and Falcon against one process). One key/value head cannot be split:
-    that attention is kept whole (`test_multi_query_attention_is_kept_whole_under_tp`). Phi-3's fused projections are laid out piece by piece per rank instead (each rank's q, k
-    and v, or gate and up, contiguous), and its attention given its own config with one rank's head counts."""
+    that attention is kept whole (`test_multi_query_attention_is_kept_whole_under_tp`). Phi-3's fused projections
+    are laid out piece by piece per rank instead (each rank's q, k and v, or gate and up, contiguous), and its
+    attention given its own config with one rank's head counts."""
     if model == "falcon":
         from transformers import FalconConfig
 
@@ -1190,7 +1191,8 @@ def test_multi_query_attention_is_kept_whole_under_tp(
     inside = {name: layout for entry in modules.values() for name, layout in entry["params"].items()
               if name.startswith(f"{attention}.")}
     assert inside and set(inside.values()) == {"[R, R]"}
-    assert any("S(" in layout for fqn, entry in modules.items() if ".mlp." in fqn for layout in entry["params"].values())
+    assert any("S(" in layout for fqn, entry in modules.items() if ".mlp." in fqn
+               for layout in entry["params"].values())
     source = ModelSource.of_workload(Workload.of(load_plan(out)))
     graph = source.traced_at(1)
     assert attention in graph.multi_query == multi_query_attentions(source.meta())
