@@ -256,15 +256,15 @@ def test_plan_auto_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_plan_the_runtime_would_refuse_is_refused_when_planned(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
-    """MPT cuts its fused q/k/v projection with ``split``, which a tp rank's shard of it cannot be cut by: `estimate
-    --out` writes no plan file and names the module, before any rank could start."""
+    """XGLM's attention forms heads from the model's whole width, which a tp rank's share of q, k and v does not
+    have: `estimate --out` writes no plan file and names the module, before any rank could start."""
     out = tmp_path / "plan.json"
     size = ["--layers", "2", "--hidden", "64", "--heads", "4"]
-    code, _, err = run_cli(capsys, "estimate", "hf:mpt", *size, "--gpus", "2", "--tp", "2", "--batch", "2",
+    code, _, err = run_cli(capsys, "estimate", "hf:xglm", *size, "--gpus", "2", "--tp", "2", "--batch", "2",
                            "--out", str(out))
     assert code == 2 and not out.exists()
-    assert "module 'transformer.blocks.0.attn.Wqkv' would be split by output features over tp 2" in err
-    code, _, _ = run_cli(capsys, "estimate", "hf:mpt", *size, "--gpus", "2", "--dp", "2", "--batch", "2",
+    assert "the plan fails in module 'model.layers.0.self_attn'" in err
+    code, _, _ = run_cli(capsys, "estimate", "hf:xglm", *size, "--gpus", "2", "--dp", "2", "--batch", "2",
                          "--out", str(out))
     assert code == 0 and out.exists()  # data parallelism of the same model runs
 

@@ -1142,6 +1142,7 @@ def test_a_reshape_by_the_whole_head_count_under_tp_is_refused_saying_why(
     ("falcon", {"multi_query": False, "alibi": True}, True),  # head by head, ALiBi
     ("falcon", {}, True),  # multi-query attention: one key/value head, kept whole
     ("hf:phi3", {}, True),  # q, k and v cut by slices at its config's widths, gate and up by chunk(2)
+    ("hf:mpt", {}, True),  # q, k and v cut by chunk(3), ALiBi biases of every head
 ])
 def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, config: dict, written: bool) -> None:
@@ -1150,7 +1151,9 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
     plan is written (the slow tier runs BLOOM and Falcon against one process). One key/value head cannot be split:
     that attention is kept whole (`test_multi_query_attention_is_kept_whole_under_tp`). Phi-3's fused projections
     are laid out piece by piece per rank instead (each rank's q, k and v, or gate and up, contiguous), and its
-    attention given its own config with one rank's head counts."""
+    attention given its own config with one rank's head counts; MPT's ``Wqkv`` so too (cut by ``chunk(3)``), its
+    attention given its head count per rank and its own heads' ALiBi biases (the slow tier runs it in 2 stages x
+    tp 2)."""
     if model == "falcon":
         from transformers import FalconConfig
 

@@ -309,7 +309,7 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("hf:phi", HF_GPT2, 2, 1, 1, "1f1b", None),  # LLaMA-style under Phi's names, a dropout after the embedding
         ("hf:gpt_neox", HF_GPT2, 2, 2, 1, "1f1b", None),  # and GPT-NeoX's, its head untied
         ("hf:gptj", HF_GPT2, 2, 2, 1, "gpipe", None),  # and GPT-2's (GPT-J, CodeGen), attention and MLP in parallel
-        ("hf:mpt", HF_GPT2, 2, 1, 1, "gpipe", None),  # ALiBi biases over the config's longest sequence
+        ("hf:mpt", HF_GPT2, 2, 2, 1, "gpipe", None),  # ALiBi biases over the config's longest sequence, per rank
         # OPT-style with positions added to a scaled embedding (XGLM's sinusoidal, BioGPT's learned), the head
         # output_projection
         ("hf:biogpt", HF_GPT2, 2, 2, 1, "gpipe", None),

@@ -738,6 +738,8 @@ def _tensor_parallel(
             if fused_qkv(parent, child) is not None:
                 _per_rank_heads(parent, tp)
                 fused_blocks.add(parent_name)
+                if _named(parent, "MptAttention"):
+                    _alibi_per_rank(parent, mesh)
     for block, names in columns.items():  # separate q, k and v: a head count the block's code reshapes by
         if block not in fused_blocks and len(names) > 1:
             _per_rank_head_counts(modules[block], tp)
@@ -897,12 +899,17 @@ def fused_qkv(parent: Any, child: str) -> tuple[int, int, int] | None:
     """(heads, key/value heads, head dim) where ``parent``'s child ``child`` is a fused [q; k; v] projection the
     runtime lays out per rank (`_pieces_order`) and ``parent`` is an attention whose head counts it can make
     per-rank (`_per_rank_heads`): the zoo's ``Attention.qkv``, GPT-2's self-attention ``c_attn`` (cut into q, k and
-    v with ``.split(split_size)``) and Phi-3's ``qkv_proj`` (cut by slices at widths from its config); None
-    otherwise."""
+    v with ``.split(split_size)``), MPT's ``Wqkv`` (with ``.chunk(3)``) and Phi-3's ``qkv_proj`` (cut by slices at
+    widths from its config); None otherwise."""
     from autopar.zoo.layers import Attention
 
     if isinstance(parent, Attention) and child == "qkv":
         return parent.heads, parent.kv_heads, parent.head_dim
+    if child == "Wqkv" and _named(parent, "MptAttention"):  # cut into q, k and v with .chunk(3)
+        heads, size, proj = getattr(parent, "n_heads", None), getattr(parent, "head_dim", None), parent.Wqkv
+        if _count(heads) and _count(size) and isinstance(proj, nn.Linear) and proj.out_features == 3 * heads * size:
+            return heads, heads, size
+        return None
     if child == "qkv_proj" and _named(parent, "Phi3Attention"):
         heads = getattr(getattr(parent, "config", None), "num_attention_heads", None)
         kv, size = getattr(parent, "num_key_value_heads", None), getattr(parent, "head_dim", None)
@@ -969,6 +976,8 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
         config.num_key_value_heads //= tp
         attention.config = config
         attention.num_key_value_heads //= tp
+    elif _named(attention, "MptAttention"):
+        attention.n_heads //= tp
     else:
         attention.split_size //= tp
         attention.num_heads //= tp
@@ -976,16 +985,19 @@ def _per_rank_heads(attention: nn.Module, tp: int) -> None:
 
 
 def _alibi_per_rank(attention: nn.Module, mesh: Any) -> None:
-    """Give ``attention`` (BLOOM's, or an ALiBi Falcon's) the ALiBi biases of its own heads: the model builds them
-    for every head, as (batch x heads, 1, keys) or (batch, heads, 1, keys), and Falcon also adds them into a
-    (batch, heads, queries, keys) attention mask; this rank attends over the ``num_heads`` (already one rank's)
-    at its place in the tp group."""
+    """Give ``attention`` (BLOOM's, an ALiBi Falcon's, or MPT's) the ALiBi biases of its own heads: the model builds
+    them for every head, as (batch x heads, 1, keys) or (batch, heads, 1, keys), or MPT's ``position_bias`` as
+    (heads, 1, keys), and Falcon also adds them into a (batch, heads, queries, keys) attention mask; this rank
+    attends over the ``num_heads`` (MPT's ``n_heads``, already one rank's) at its place in the tp group."""
     rank = mesh.get_local_rank()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        heads = module.num_heads
+        heads = module.n_heads if _named(module, "MptAttention") else module.num_heads
         whole, mine = heads * mesh.size(), slice(rank * heads, (rank + 1) * heads)
         changed = dict(kwargs)
+        bias = kwargs.get("position_bias")
+        if isinstance(bias, torch.Tensor) and bias.dim() == 3 and bias.shape[0] == whole > 1:
+            changed["position_bias"] = bias[mine]
         alibi, mask = kwargs.get("alibi"), kwargs.get("attention_mask")
         for name, value in (("alibi", alibi), ("attention_mask", mask)):
             if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == whole > 1:
