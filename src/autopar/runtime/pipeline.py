@@ -520,6 +520,8 @@ def _small_copy(model: nn.Module, *, seq: int) -> nn.Module:
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 128, "layers": small}
     if read(config, "kv_heads") in (0, read(config, "heads")):
         sizes["kv_heads"] = 4  # no grouped-query attention (or no field for it: Falcon's MQA flag): keep it so
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):
+        del sizes["head_dim"]  # multi-head latent attention (DeepSeek-V3): its head_dim is its rotary width
     for option, value in sizes.items():
         for field in field_names(config, option):
             setattr(config, field, value)
