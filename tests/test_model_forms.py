@@ -833,8 +833,8 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     from its config's longest sequence; XGLM and BioGPT add positions to a scaled embedding (BioGPT's head is
     ``output_projection``). GPT-Neo is GPT-2-style, but its layers return a tuple, which failed on the small copy.
     DeepSeek-V3 is LLaMA-style, but its small copy failed: its config's ``head_dim`` is the rotary width of its
-    latent attention (``qk_rope_head_dim``), which the small copy now keeps. Each is checked on a small copy of the model when planned (the slow tier runs GPT-J, MPT and BioGPT against one
-    process)."""
+    latent attention (``qk_rope_head_dim``), which the small copy now keeps. Each is checked on a small copy of the
+    model when planned (the slow tier runs GPT-J, MPT and BioGPT against one process)."""
     from autopar.runtime.pipeline import chain_kind
 
     assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind
