@@ -166,15 +166,16 @@ def multi_query_attentions(model: Any) -> frozenset[str]:  # noqa: ANN401
 
 def one_key_value_head(own: dict[str, Any]) -> bool:
     """Whether a module whose own attributes are ``own`` is a multi-query attention (`multi_query_attentions`)."""
-    kv = next((own[a] for a in KV_HEAD_COUNTS if _count(own.get(a))), None)
-    heads = next((own[a] for a in HEAD_COUNTS if _count(own.get(a))), None)
-    if kv is None and _count(own.get("num_key_value_groups")):
+    kv = next((own[a] for a in KV_HEAD_COUNTS if positive_count(own.get(a))), None)
+    heads = next((own[a] for a in HEAD_COUNTS if positive_count(own.get(a))), None)
+    if kv is None and positive_count(own.get("num_key_value_groups")):
         config = own.get("config")
         kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
-    return kv == 1 and _count(heads) and heads > 1
+    return kv == 1 and positive_count(heads) and heads > 1
 
 
-def _count(value: Any) -> bool:  # noqa: ANN401
+def positive_count(value: Any) -> bool:  # noqa: ANN401
+    """Whether ``value`` is a count: an int above 0, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -247,6 +248,17 @@ class Graph:
             f"Graph({self.num_nodes} nodes, {self.num_params:,} params, {len(self.repeats)} repeat groups, "
             f"{self.flops_forward:.3g} fwd FLOPs)"
         )
+
+    def multi_query_of(self, module: str) -> str | None:
+        """The multi-query attention (`multi_query`) holding ``module`` (or being it), None if none does: its name
+        and each of its ancestors looked up, not every attention compared."""
+        if not self.multi_query:
+            return None
+        while module:
+            if module in self.multi_query:
+                return module
+            module = module.rpartition(".")[0]
+        return None
 
     # ---- totals -------------------------------------------------------------------------------------------
     @property

@@ -126,11 +126,8 @@ def kept_whole(graph: Graph) -> frozenset[int]:
     the whole sequence, so its weights' gradients need no sum."""
     found = set(routers(graph))
     if graph.multi_query:
-        from autopar.capture.graph import _within
-
-        for node in graph.nodes:
-            if _is_param_contraction(node) and any(_within(node.module, fqn) for fqn in graph.multi_query):
-                found.add(node.id)
+        found.update(node.id for node in graph.nodes
+                     if _is_param_contraction(node) and graph.multi_query_of(node.module) is not None)
     return frozenset(found)
 
 
@@ -140,14 +137,11 @@ def multi_query_outputs(graph: Graph) -> frozenset[int]:
     does at the attention's output (`runtime.apply.whole_attentions`)."""
     if not graph.multi_query:
         return frozenset()
-    from autopar.capture.graph import _within
-
     last: dict[str, int] = {}
     for node in graph.nodes:
-        if _is_param_contraction(node):
-            for fqn in graph.multi_query:
-                if _within(node.module, fqn):
-                    last[fqn] = node.id
+        attention = graph.multi_query_of(node.module) if _is_param_contraction(node) else None
+        if attention is not None:
+            last[attention] = node.id
     return frozenset(last.values())
 
 

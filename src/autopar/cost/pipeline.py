@@ -374,8 +374,6 @@ class PipelineModel:
     @cached_property
     def _split_width_places(self) -> dict[int, str]:
         """Each width of `split_widths` and the first module that has it, in one pass over the repeated layers."""
-        from autopar.capture.graph import _within
-
         places: dict[int, str] = {}
         for layer in self.layers:
             if not layer.repeated:
@@ -384,7 +382,7 @@ class PipelineModel:
                 if node.id in layer.columns and node.outputs:
                     places.setdefault(node.outputs[0].shape[-1],
                                       f"module {node.module!r} ({node.module_type}, its output features)")
-                whole = any(_within(node.module, fqn) for fqn in self.graph.multi_query)  # kept whole
+                whole = self.graph.multi_query_of(node.module) is not None  # kept whole: its heads are not split
                 if "scaled_dot_product" in node.op and node.inputs and not whole:  # query and key/value heads (GQA)
                     for t in node.inputs[:3]:
                         if len(t.shape) == 4:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.capture.graph import positive_count as _count
 from autopar.plan import Plan
 from autopar.plan.batch import LocalBatch
 from autopar.sharding import short
@@ -871,13 +872,14 @@ def _conv1d_style(style: Any) -> Any:
     return converted
 
 
-def whole_attentions(module: nn.Module, placements: dict[str, str]) -> list[str]:
+def whole_attentions(module: nn.Module, split: Iterable[str]) -> list[str]:
     """The multi-query attentions of ``module`` (`capture.graph.multi_query_attentions`) of which tensor
-    parallelism splits no weight (``placements``, from `tensor_parallel_placements`): every rank runs them whole."""
-    from autopar.capture.graph import multi_query_attentions
+    parallelism splits no weight (``split``: the modules it splits, as `tensor_parallel_placements` names them):
+    every rank runs them whole."""
+    from autopar.capture.graph import _within, multi_query_attentions
 
-    return [name for name in sorted(multi_query_attentions(module))
-            if not any(fqn == name or fqn.startswith(f"{name}.") for fqn in placements)]
+    split = list(split)
+    return [name for name in sorted(multi_query_attentions(module)) if not any(_within(fqn, name) for fqn in split)]
 
 
 def fused_pieces(parent: Any, child: str) -> tuple[int, ...] | None:
@@ -953,10 +955,6 @@ def _named(module: Any, name: str) -> bool:
     """Whether ``module`` is an instance of a class called ``name`` (or of a subclass of one): Hugging Face's
     attention classes, matched without importing their packages."""
     return any(cls.__name__ == name for cls in type(module).__mro__)
-
-
-def _count(value: Any) -> bool:  # noqa: ANN401
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _per_rank_heads(attention: nn.Module, tp: int) -> None:

@@ -417,8 +417,7 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             compiled = plan.kernels == "compiled"
             tp = plan.grid[1] if plan.is_pipeline else 1  # an intra-op plan's heads: DTensor's own propagation
             # multi-query attentions the plan keeps whole run all their heads on every rank
-            kept = whole_attentions(model, {entry.fqn for entry in applied.modules
-                                            if any(isinstance(p.on(1), Shard) for p in entry.params)}) if tp > 1 else []
+            kept = whole_attentions(model, _split_over_tp(applied)) if tp > 1 else []
             shapes = _AttentionShapes(where, traced, tp, whole=kept) if traced and tp > 1 else \
                 contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
@@ -920,6 +919,11 @@ def _cut_along_last(start, consumers: dict[int, list], features: int):  # noqa: 
     return None
 
 
+def _split_over_tp(plan: Plan) -> set[str]:
+    """The modules of pipeline ``plan`` with a parameter split over tp (its grid's second axis)."""
+    return {entry.fqn for entry in plan.modules if any(isinstance(p.on(1), Shard) for p in entry.params)}
+
+
 def _check_divisible(model: nn.Module, plan: Plan) -> None:
     """Tensor-parallel splits must be even (each tp rank computes its part of the layer); FSDP's dp shards may be
     uneven, since FSDP2 pads them."""
@@ -927,18 +931,14 @@ def _check_divisible(model: nn.Module, plan: Plan) -> None:
     if tp == 1:
         return
     params = dict(model.named_parameters(remove_duplicate=False))
-    split = set()
     for entry in plan.modules:
         for layout in entry.params:
             shape, placement = params[layout.name].shape, layout.on(1)
             if isinstance(placement, Shard) and shape[placement.dim] % tp:
                 raise ValueError(f"parameter {layout.name!r} is split on dim {placement.dim} ({shape[placement.dim]}) "
                                  f"over tp {tp}, which does not divide it")
-            if isinstance(placement, Shard):
-                split.add(entry.fqn)
     # a multi-query attention the plan keeps whole (`cost.layers.kept_whole`) runs all its heads on every rank
-    whole = {name for name in multi_query_attentions(model)
-             if not any(fqn == name or fqn.startswith(f"{name}.") for fqn in split)}
+    whole = set(whole_attentions(model, _split_over_tp(plan)))
     for name, module in model.named_modules():
         if name in whole:
             continue
