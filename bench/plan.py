@@ -1,4 +1,5 @@
-"""Intra-op planning speed: llama-7b on 8 devices (1-D and 2x4 meshes), and how planning time grows with depth.
+"""Intra-op planning speed: llama-7b on 8 devices (1-D, 2x4 and 2x2x2 meshes), and how planning time grows with
+depth.
 
 Run: python bench/plan.py. Each case runs in three fresh Python processes (the median is shown), as
 `autopar plan --search ilp` does: capture (one trace per micro-batch size tried), ParallelBlocks and segments,
@@ -61,7 +62,7 @@ def measure(name: str, gpus: int, batch: int, mesh: str, layers: int = 0, hidden
 
 def main() -> None:
     print("llama-7b, global batch 512, a100-80g-sxm (target: under 10 s including capture)")
-    for mesh in ("8", "2x4"):
+    for mesh in ("8", "2x4", "2x2x2"):
         r = measure("llama-7b", 8, 512, mesh)
         print(
             f"  mesh {mesh:4s} plan {r['plan_s']:5.2f} s (capture {r['capture_s']:.2f} s in {r['traces']} traces), "

@@ -336,11 +336,10 @@ def test_ctrl_c_stops_a_running_intra_op_search_promptly(tmp_path) -> None:
          "--mesh", "2x2x2", "--batch", "256", "--search", "ilp", "--budget-s", "600", "--out", str(out_file), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    time.sleep(20)  # imports, tracing, the baselines: mid-search on this machine
-    start = time.perf_counter()
+    time.sleep(20)  # imports, tracing, the baselines: mid-search on this machine (the whole search takes 90 s)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert time.perf_counter() - start < 20
+    # then the plan in hand is checked on a fake process group of 8, as every plan is: 7-12 s on this mesh
+    out, err = proc.communicate(timeout=90)
     if proc.returncode == 130:  # before any plan of any kind, or after the search had ended and written its plan
         assert err == "autopar: interrupted\n"
         assert not out_file.exists() or load_plan(out_file).kind  # never half a file
@@ -348,6 +347,9 @@ def test_ctrl_c_stops_a_running_intra_op_search_promptly(tmp_path) -> None:
     assert proc.returncode == 0, err
     data = strict_json(out)
     assert data["interrupted"] is True and out_file.exists()
+    # the search itself stopped at its next step: it began after the imports and the trace, well within the 20 s
+    # before Ctrl-C, and a step (an attempt's edge matrices, polled per row; one solve) takes seconds
+    assert data["search_seconds"] < 20 + 10
 
 
 def test_a_config_transformers_cannot_build_is_refused_in_one_line(capsys) -> None:

@@ -35,6 +35,32 @@ def test_plain_data_parallel_when_the_model_fits() -> None:
     assert ilp.estimate.iteration_seconds == pytest.approx(dp.estimate.iteration_seconds)
 
 
+def test_ctrl_c_while_the_programme_prices_its_conversions_keeps_the_baselines(monkeypatch) -> None:
+    """Ctrl-C mid-way through the first attempt's edge matrices (seconds each on a 3-D mesh) stops the search at
+    once, with each baseline found before it; the baselines price no conversion matrix of their own."""
+    import autopar.search.intra as intra
+
+    zoo = load("llama-7b", batch=1, layers=2, hidden=256, heads=4, kv_heads=4, ffn=512, seq=64)
+    cluster = load_cluster("a100-80g-sxm").with_devices(4)
+    pressed, rows = [], []
+    original = intra._edge_matrix
+
+    def edge_matrix(space, block, key, producer, should_stop=None):  # noqa: ANN001, ANN202
+        pressed.append(True)  # Ctrl-C as the programme starts on its conversions
+        try:
+            return original(space, block, key, producer, should_stop)
+        finally:
+            rows.append(block.id)
+
+    monkeypatch.setattr(intra, "_edge_matrix", edge_matrix)
+    found = plan_intra(lambda size: trace(zoo.module, example_kwargs=zoo.inputs_at(size)), cluster, (2, 2),
+                       global_batch=16, time_limit=600, should_stop=lambda: bool(pressed),
+                       kinds=("dp", "fsdp", "megatron", "ilp"))  # as `autopar plan` orders them
+    assert set(found) == {"ilp", "dp", "fsdp", "megatron"}
+    assert found["ilp"] is None and found["dp"] is not None and found["fsdp"] is not None
+    assert len(rows) == 1  # stopped in the first matrix, before its first row
+
+
 def test_memory_bound_plan_fits_and_beats_fsdp_and_megatron() -> None:
     found = _plan("gpt3-2.7b", gpus=8, batch=16, memory_gib=24)
     ilp = found["ilp"]

@@ -135,12 +135,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
     fits = chosen.estimate.memory.fits
     work = workload(args, zoo)
     plan = chosen.to_plan(name).with_workload(work)  # built once: reported, written and checked
+    progress = _progress(show, start)
+    if fits:  # seconds on a 3-D mesh, after Ctrl-C too: a second one stops it (exit 130)
+        progress(f"checking that the plan runs: applying it on a fake process group of {plan.devices} ranks")
     reason = refusal(plan) if fits else None
     faster = None
     if reason and not args.allow_unrunnable:  # the fastest plan that runs, and this one named
         options = [p for p in found.values() if p is not None and p is not chosen]
-        if chosen.zero > 2 and args.search == "ilp":  # the programme again, within what the runtime runs
-            again, _ = _anytime_intra(args, zoo, cluster, shape, _progress(show, start), kinds=("ilp",),
+        # the programme again, within what the runtime runs (not after Ctrl-C: the plans found so far)
+        if chosen.zero > 2 and args.search == "ilp" and not interrupted:
+            again, _ = _anytime_intra(args, zoo, cluster, shape, progress, kinds=("ilp",),
                                       zero_stages=(0, 1, 2), ops=ops)
             options += [p for p in again.values() if p is not None]
         dp = found.get("dp")
@@ -154,11 +158,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                                              priced, recompute=again))
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
+            progress(f"the plan cannot run: checking the next fastest ({other.kind}, ZeRO {other.zero})")
             if refusal(offered) is None:
                 faster = {**entry(plan), "not_runnable": reason,
                           "vs_plan": chosen.estimate.iteration_seconds / other.estimate.iteration_seconds}
                 chosen, plan, reason = other, offered, None
                 break
+    if show:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
     baselines = {kind: (entry(p.to_plan(name)) if p is not None else None)
                  for kind, p in found.items() if p is not chosen}
     data = _result(args, zoo, cluster, params=chosen.space.graph.num_params, plan=plan,

@@ -69,6 +69,8 @@ class Space:
     candidates: list[list[Candidate]]  # variable -> candidates
     count: list[int]  # variable -> number of blocks tied to it
     classes: list[BlockClass]
+    # (block id, key, producer id) -> `_edge_matrix`: the same for every ZeRO stage and micro-batch count tried
+    edges: dict[tuple[int, Key, int], np.ndarray] = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:
@@ -184,7 +186,16 @@ def _states(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, 
     return weights, grads, optim
 
 
-def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> Terms:
+class _Stopped(Exception):
+    """The search was asked to stop (Ctrl-C) while it worked out an attempt's terms."""
+
+
+def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str,
+                should_stop: Callable[[], bool] | None = None, with_edges: bool = True) -> Terms:
+    """The ILP's terms for ``space`` at one ZeRO stage and micro-batch count. ``should_stop``: polled while the
+    edge matrices are worked out (on a 3-D mesh, seconds each), raising `_Stopped` once it is true. Without
+    ``with_edges``, the terms have none: a baseline's plan, priced by `estimate_choice`, needs only its memory
+    terms, and the baselines come first so that Ctrl-C finds one in hand."""
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     costs = [np.zeros(len(c)) for c in space.candidates]
     memory = [np.zeros(len(c)) for c in space.candidates]
@@ -210,24 +221,32 @@ def build_terms(space: Space, *, zero: int, micro_batches: int, dtype: str) -> T
             transient[cls.var][i] = max(transient[cls.var][i], bc.temporary)
         costs[cls.var] += cls.count * c_row
         memory[cls.var] += cls.count * m_row
-        for key, producer in cls.inputs:
+        for key, producer in cls.inputs if with_edges else ():
             pair = (space.var_of[producer.id], cls.var)
-            matrix = (cls.count * m) * _edge_matrix(space, cls.block, key, producer)
+            matrix = (cls.count * m) * _edge_matrix(space, cls.block, key, producer, should_stop)
             edge_sum[pair] = edge_sum[pair] + matrix if pair in edge_sum else matrix
     edges = [Edge(u, v, matrix) for (u, v), matrix in edge_sum.items()]
     return Terms(costs, memory, transient, states, edges, ic.cluster.device.reserved)
 
 
-def _edge_matrix(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock) -> np.ndarray:
-    """Seconds per micro-batch to move one value, [producer candidate, consumer candidate]."""
+def _edge_matrix(space: Space, block: ParallelBlock, key: Key, producer: ParallelBlock,
+                 should_stop: Callable[[], bool] | None = None) -> np.ndarray:
+    """Seconds per micro-batch to move one value, [producer candidate, consumer candidate]; worked out once per
+    space (the search prices each space at several ZeRO stages, and a 3-D mesh's matrices took most of its time)."""
+    cached = space.edges.get((block.id, key, producer.id))
+    if cached is not None:
+        return cached
     p_cands = space.candidates[space.var_of[producer.id]]
     cands = space.candidates[space.var_of[block.id]]
     matrix = np.full((len(p_cands), len(cands)), math.inf)
     for j, pc in enumerate(p_cands):
+        if should_stop is not None and should_stop():
+            raise _Stopped
         for i, cc in enumerate(cands):
             transfer = space.cost.transfer(block, key, producer, pc, cc)
             if transfer is not None:
                 matrix[j, i] = transfer.seconds
+    space.edges[(block.id, key, producer.id)] = matrix
     return matrix
 
 
@@ -608,53 +627,56 @@ def _plan_intra(
                                       ops=ops, traced_batch=size)
         return spaces[key]
 
-    for kind in kinds:
-        tried: dict[int, IntraPlan | None] = {}
+    try:
+        for kind in kinds:
+            tried: dict[int, IntraPlan | None] = {}
 
-        def attempt(i: int, kind: str = kind, tried: dict = tried) -> IntraPlan | None:
-            m = counts[i]
-            if m not in tried:
-                tried[m] = _best_of_kind(space_at(m, kind), kind, m, global_batch // m, global_batch, dtype, deadline,
-                                         zero_stages)
-                candidates = [p for p in tried.values() if p is not None]
-                best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far
-            return tried[m]
+            def attempt(i: int, kind: str = kind, tried: dict = tried) -> IntraPlan | None:
+                m = counts[i]
+                if m not in tried:
+                    tried[m] = _best_of_kind(space_at(m, kind), kind, m, global_batch // m, global_batch, dtype,
+                                             deadline, zero_stages, should_stop=budget.should_stop)
+                    candidates = [p for p in tried.values() if p is not None]
+                    best[kind] = min(candidates, key=_rank) if candidates else None  # the best so far
+                return tried[m]
 
-        lo, hi, first_fit = 0, len(counts) - 1, None
-        if kind == "ilp" and budget.left():
-            # the whole batch at once first: the fastest where it fits, recomputing layers, say, where fewer
-            # micro-batches would fit otherwise (the baselines keep every activation: their memory falls with more)
-            found = attempt(0)
-            if found is None:
-                hi = -1
-            elif found.estimate.memory.fits:
-                first_fit, hi = 0, -1
-            else:
-                lo = 1
-        while lo <= hi and budget.left():
-            mid = (lo + hi) // 2
-            found = attempt(mid)
-            if found is None:
-                hi = mid - 1
-            elif found.estimate.memory.fits:
-                first_fit, hi = mid, mid - 1
-            elif found.floor > found.estimate.memory.budget:
-                break  # the model states alone exceed the device: no micro-batch count can fit
-            else:
-                lo = mid + 1
-        if first_fit is not None:
-            i = first_fit
-            while i + 1 < len(counts) and budget.left():
-                following = attempt(i + 1)
-                # more micro-batches, while they get faster; and past a plan that recomputes layers to fit, until
-                # one keeps every activation (smaller micro-batches may fit without replaying anything)
-                if following is None or (_rank(following) >= _rank(tried[counts[i]])
-                                         and not tried[counts[i]].recompute):
-                    break
-                i += 1
-        candidates = [p for p in tried.values() if p is not None]
-        best[kind] = min(candidates, key=_rank) if candidates else None
-    return best
+            lo, hi, first_fit = 0, len(counts) - 1, None
+            if kind == "ilp" and budget.left():
+                # the whole batch at once first: the fastest where it fits, recomputing layers, say, where fewer
+                # micro-batches would fit otherwise (the baselines keep every activation: their memory falls with more)
+                found = attempt(0)
+                if found is None:
+                    hi = -1
+                elif found.estimate.memory.fits:
+                    first_fit, hi = 0, -1
+                else:
+                    lo = 1
+            while lo <= hi and budget.left():
+                mid = (lo + hi) // 2
+                found = attempt(mid)
+                if found is None:
+                    hi = mid - 1
+                elif found.estimate.memory.fits:
+                    first_fit, hi = mid, mid - 1
+                elif found.floor > found.estimate.memory.budget:
+                    break  # the model states alone exceed the device: no micro-batch count can fit
+                else:
+                    lo = mid + 1
+            if first_fit is not None:
+                i = first_fit
+                while i + 1 < len(counts) and budget.left():
+                    following = attempt(i + 1)
+                    # more micro-batches, while they get faster; and past a plan that recomputes layers to fit, until
+                    # one keeps every activation (smaller micro-batches may fit without replaying anything)
+                    if following is None or (_rank(following) >= _rank(tried[counts[i]])
+                                             and not tried[counts[i]].recompute):
+                        break
+                    i += 1
+            candidates = [p for p in tried.values() if p is not None]
+            best[kind] = min(candidates, key=_rank) if candidates else None
+    except _Stopped:  # Ctrl-C while an attempt's terms were worked out: each kind's best plan so far
+        pass
+    return {kind: best.get(kind) for kind in kinds}
 
 
 def _rank(plan: IntraPlan) -> tuple:
@@ -665,15 +687,20 @@ def _rank(plan: IntraPlan) -> tuple:
 
 def _best_of_kind(
     space: Space, kind: str, m: int, size: int, global_batch: int, dtype: str, deadline: float,
-    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    zero_stages: tuple[int, ...] = ZERO_STAGES, *, should_stop: Callable[[], bool] | None = None,
 ) -> IntraPlan | None:
+    """The best plan of ``kind`` at ``m`` micro-batches, over its ZeRO stages. ``should_stop`` (Ctrl-C) ends it
+    at the next stage with the best found so far, or mid-terms with `_Stopped` where none is."""
     stages = (3,) if kind == "fsdp" else (0,) if kind in ("dp", "megatron") else ZERO_STAGES
     if kind == "ilp":  # the baselines keep their own stage: they are what the plan is compared with
         stages = tuple(z for z in stages if z in zero_stages)
     best: IntraPlan | None = None
     lowest = math.inf
     for zero in stages:
-        terms = build_terms(space, zero=zero, micro_batches=m, dtype=dtype)
+        if best is not None and should_stop is not None and should_stop():
+            break  # Ctrl-C: this count's best stage so far (later stages reuse the space's edge matrices)
+        terms = build_terms(space, zero=zero, micro_batches=m, dtype=dtype, should_stop=should_stop,
+                            with_edges=kind == "ilp")
         budget = space.cost.cluster.device.memory - terms.constant_memory
         solution = None
         if kind == "ilp":
