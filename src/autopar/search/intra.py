@@ -289,6 +289,16 @@ def estimate_choice(
 ) -> Estimate:
     """The Estimate (CLI.md) of one assignment: compute and communication are not overlapped (no pipeline).
     ``recompute``: layers recomputed in full (`replay`)."""
+    return pricer(space, choice, zero=zero, micro_batches=micro_batches, global_batch=global_batch,
+                  dtype=dtype)(recompute)
+
+
+def pricer(
+    space: Space, choice: tuple[int, ...], *, zero: int, micro_batches: int, global_batch: int, dtype: str,
+    layers: Collection[str] = (),
+) -> Callable[[Collection[str]], Estimate]:
+    """`estimate_choice` of one assignment as a function of the layers it recomputes, what does not depend on them
+    priced once; ``layers``: the layers it will be asked about (`Replays`), or any where empty."""
     ic, sizes, m = space.cost, space.mesh.sizes, micro_batches
     compute = comm = saved = temporary = 0.0
     weights = grads = optim = 0.0
@@ -318,49 +328,61 @@ def estimate_choice(
     for transfer, _ in moved.values():
         comm += m * transfer.seconds
         calls += [c.times(m) for c in transfer.collectives]
-    if recompute:
-        again = replay(space, choice, recompute, moved=moved)
-        compute += m * again.compute
-        comm += m * again.comm
-        calls += [c.times(m) for c in again.calls]
-        saved = again.activations
-    device = ic.cluster.device
-    iteration = compute + comm
-    model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
-    per_device = model_flops / iteration / ic.cluster.num_devices
-    # the peak is the largest of the first backward's start (every activation saved, the loss's backward holding
-    # its gradients; parameter gradients only where earlier micro-batches left them) and the moments of the
-    # gradient synchronisation and the optimizer step (`_step_moments`)
-    held = grads if m > 1 else 0.0
-    moments = [(held, saved, temporary), *_step_moments(synced, zero=zero, dtype=dtype, sizes=sizes, grads=grads)]
-    pending = [u for u in synced if u.reduce_axes] if zero == 3 else []
-    if pending:
-        # a weight kept in slices is whole while its module's backward runs, beside its whole gradient (the head's,
-        # as the backward starts: the activations still saved, its temporaries too); a weight read outside its
-        # own module (a position table sliced in the model's forward) is whole from the backward's start to its
-        # gradient, since the runtime gathers such weights again as the backward reaches the model's output
-        p = Precision.of(dtype)
-        early = {id(u) for u, _ in read_outside}
-        moments.append((held + max(u.local * p.gradient for u in pending), saved,
-                        temporary + sum(n * u.local * p.weight for u, n in read_outside)
-                        + max((u.local * p.weight for u in pending if id(u) not in early), default=0.0)))
-    held, saved, other = max(moments, key=lambda moment: sum(moment))
-    buffers = sum(s.tensor.nbytes for s in space.graph.state.values() if s.is_buffer)  # whole on every device
-    memory = MemoryBreakdown(parameters=weights, gradients=held, optimizer=optim, activations=saved,
-                             other=other + buffers, reserve=device.reserved, budget=device.memory)
-    return Estimate(
-        iteration_seconds=iteration,
-        compute_seconds=compute,
-        exposed_comm_seconds=comm,
-        bubble_seconds=0.0,
-        throughput_samples_per_second=global_batch / iteration,
-        tflops_per_device=per_device / 1e12,
-        mfu=per_device / device.peak(dtype),
-        memory=memory,
-        collectives=collective_uses(calls, labels=dict(zip(space.mesh.names, _axis_labels(space, choice)))),
-        micro_batches=m,
-        cluster=ic.cluster.name,
-    )
+    tables: list[Replays] = []  # the layers' table, made on the first set asked about
+    before = (compute, comm, calls, saved)
+
+    def priced(recompute: Collection[str]) -> Estimate:
+        compute, comm, calls, saved = before
+        if recompute:
+            if not layers:
+                again = replay(space, choice, recompute, moved=moved)
+            else:
+                if not tables:
+                    tables.append(Replays(space, choice, layers, moved=moved))
+                again = tables[0].of(recompute)
+            compute += m * again.compute
+            comm += m * again.comm
+            calls = [*calls, *(c.times(m) for c in again.calls)]
+            saved = again.activations
+        device = ic.cluster.device
+        iteration = compute + comm
+        model_flops = (space.graph.flops_forward + space.graph.flops_backward) * m
+        per_device = model_flops / iteration / ic.cluster.num_devices
+        # the peak is the largest of the first backward's start (every activation saved, the loss's backward holding
+        # its gradients; parameter gradients only where earlier micro-batches left them) and the moments of the
+        # gradient synchronisation and the optimizer step (`_step_moments`)
+        held = grads if m > 1 else 0.0
+        moments = [(held, saved, temporary), *_step_moments(synced, zero=zero, dtype=dtype, sizes=sizes, grads=grads)]
+        pending = [u for u in synced if u.reduce_axes] if zero == 3 else []
+        if pending:
+            # a weight kept in slices is whole while its module's backward runs, beside its whole gradient (the head's,
+            # as the backward starts: the activations still saved, its temporaries too); a weight read outside its
+            # own module (a position table sliced in the model's forward) is whole from the backward's start to its
+            # gradient, since the runtime gathers such weights again as the backward reaches the model's output
+            p = Precision.of(dtype)
+            early = {id(u) for u, _ in read_outside}
+            moments.append((held + max(u.local * p.gradient for u in pending), saved,
+                            temporary + sum(n * u.local * p.weight for u, n in read_outside)
+                            + max((u.local * p.weight for u in pending if id(u) not in early), default=0.0)))
+        held, saved, other = max(moments, key=lambda moment: sum(moment))
+        buffers = sum(s.tensor.nbytes for s in space.graph.state.values() if s.is_buffer)  # whole on every device
+        memory = MemoryBreakdown(parameters=weights, gradients=held, optimizer=optim, activations=saved,
+                                 other=other + buffers, reserve=device.reserved, budget=device.memory)
+        return Estimate(
+            iteration_seconds=iteration,
+            compute_seconds=compute,
+            exposed_comm_seconds=comm,
+            bubble_seconds=0.0,
+            throughput_samples_per_second=global_batch / iteration,
+            tflops_per_device=per_device / 1e12,
+            mfu=per_device / device.peak(dtype),
+            memory=memory,
+            collectives=collective_uses(calls, labels=dict(zip(space.mesh.names, _axis_labels(space, choice)))),
+            micro_batches=m,
+            cluster=ic.cluster.name,
+        )
+
+    return priced
 
 
 def _step_moments(params: list[ParamUse], *, zero: int, dtype: str, sizes: tuple[int, ...],
@@ -443,78 +465,134 @@ def replay(space: Space, choice: tuple[int, ...], layers: Collection[str], *,
     Activations peak either at the end of the forward (what every other layer saved, and each recomputed layer's
     inputs) or while a recomputed layer's backward runs: by then the backward has freed what everything after it
     saved, and the layer's own activations are made again (what ran before it still holds its share)."""
-    ic, graph = space.cost, space.graph
-    wanted = frozenset(layers)
-    owner_of: dict[str, str | None] = {}
+    return Replays(space, choice, layers, moved=moved).of(layers)
 
-    def layer_of(module: str) -> str | None:
-        found = owner_of.get(module, ...)
-        if found is ...:
-            name, found = module, None
-            while name:
-                if name in wanted:
-                    found = name
-                    break
-                name = name.rpartition(".")[0]
-            owner_of[module] = found
-        return found
 
-    out = Replay()
-    saved: dict[str, float] = {}  # recomputed layer -> what it saves when it runs
-    kept: dict[str, float] = {}  # recomputed layer -> its inputs, held from its forward to its backward
-    first: dict[str, int] = {}  # recomputed layer -> its first node
-    others: list[tuple[int, float]] = []  # (node, bytes saved) outside the recomputed layers
-    inputs: set[tuple[str, int, int]] = set()
-    costs = [ic.block_cost(b, space.candidates[space.var_of[b.id]][choice[space.var_of[b.id]]])
-             for b in space.blocks.blocks]
+def _any_nested(names: Sequence[str]) -> bool:
+    """Whether one of the module ``names`` holds another (the root, "", holds no replayed node: see `Replays`)."""
+    present = set(names)
+    for name in names:
+        while name:
+            name = name.rpartition(".")[0]
+            if name and name in present:
+                return True
+    return False
 
-    def again(transfer_calls: Sequence[CommCall], seconds: float) -> None:
-        out.comm += seconds
-        out.calls.extend(replace(c, phase=Phase.BACKWARD) for c in transfer_calls if c.phase is Phase.FORWARD)
 
-    for block, bc in zip(space.blocks.blocks, costs):
-        assert bc is not None
-        if block.layer in wanted:
-            out.compute += bc.compute_forward
-        for (position, _, _, _, calls), seconds in zip(bc.conversions, bc.conversion_forward):
-            if layer_of(graph.node(block.nodes[position]).module) is not None:
-                again(calls, seconds)
-        for position, i in enumerate(block.nodes):
-            node = graph.node(i)
-            strategy = bc.strategies.get(position)
-            held = node.saved_bytes * (1.0 if strategy is None else ic.saved_fraction(node, strategy))
-            layer = layer_of(node.module)
-            if layer is None:
-                others.append((i, held))
-                continue
-            saved[layer] = saved.get(layer, 0.0) + held
-            first[layer] = min(first.get(layer, i), i)
-            for src in node.sources:  # what the layer reads from before it: kept as its input
-                if src.state is not None or src.node < 0 or not space.blocks.activation[src.node]:
+class Replays:
+    """`replay` of any of ``layers`` at once, each node of the model walked once: `fit_by_recomputing` prices a
+    dozen sets of a 320-layer model's layers, and walking every node for each took most of a plan's time.
+
+    Per layer: its blocks' forward compute, the collectives of the conversions replayed with it, what it saves and
+    what it keeps of its inputs, and its first node; per node, in the order nodes run: what it saves and its layer.
+    Layers none of which holds another (repeated layers) answer for any subset; otherwise (a layer inside another
+    is replayed with the outer one only when that is recomputed too) only for ``layers`` themselves, and other
+    subsets are worked out afresh."""
+
+    def __init__(self, space: Space, choice: tuple[int, ...], layers: Collection[str], *,
+                 moved: dict[tuple, tuple[Transfer, list[int]]] | None = None) -> None:
+        ic, graph = space.cost, space.graph
+        self.space, self.choice, self.moved = space, choice, moved
+        self.names = list(dict.fromkeys(layers))
+        self.index = {name: k for k, name in enumerate(self.names)}
+        self.nested = _any_nested(self.names)
+        index, owner_of = self.index, {}
+
+        def owner(module: str) -> int:  # the innermost of the layers that holds ``module``, or -1
+            found = owner_of.get(module)
+            if found is None:
+                name, found = module, -1
+                while name:  # (the root, "", holds no replayed node: a model is not recomputed whole)
+                    if name in index:
+                        found = index[name]
+                        break
+                    name = name.rpartition(".")[0]
+                owner_of[module] = found
+            return found
+
+        n = len(self.names)
+        self.compute, self.comm = np.zeros(n), np.zeros(n)
+        self.calls: list[list[CommCall]] = [[] for _ in range(n)]
+        self.saved, self.kept = np.zeros(n), np.zeros(n)
+        self.first = np.full(n, -1, dtype=np.int64)  # -1: the layer runs no node
+        nodes: list[int] = []
+        held: list[float] = []
+        owners: list[int] = []
+        inputs: set[tuple[int, int, int]] = set()
+        costs = [ic.block_cost(b, space.candidates[space.var_of[b.id]][choice[space.var_of[b.id]]])
+                 for b in space.blocks.blocks]
+
+        def again(k: int, transfer_calls: Sequence[CommCall], seconds: float) -> None:
+            self.comm[k] += seconds
+            self.calls[k].extend(replace(c, phase=Phase.BACKWARD) for c in transfer_calls if c.phase is Phase.FORWARD)
+
+        for block, bc in zip(space.blocks.blocks, costs):
+            assert bc is not None
+            if block.layer in index:
+                self.compute[index[block.layer]] += bc.compute_forward
+            for (position, _, _, _, calls), seconds in zip(bc.conversions, bc.conversion_forward):
+                k = owner(graph.node(block.nodes[position]).module)
+                if k >= 0:
+                    again(k, calls, seconds)
+            for position, i in enumerate(block.nodes):
+                node = graph.node(i)
+                strategy = bc.strategies.get(position)
+                saves = node.saved_bytes * (1.0 if strategy is None else ic.saved_fraction(node, strategy))
+                k = owner(node.module)
+                nodes.append(i)
+                held.append(saves)
+                owners.append(k)
+                if k < 0:
                     continue
-                made = graph.node(src.node)
-                if layer_of(made.module) == layer or (layer, src.node, src.index) in inputs:
-                    continue
-                inputs.add((layer, src.node, src.index))
-                by = space.blocks.owner[src.node]
-                making = costs[by].strategies.get(space.blocks.blocks[by].nodes.index(src.node))
-                ways = ic.ways(making.outputs[src.index]) if making is not None and making.outputs else 1
-                kept[layer] = kept.get(layer, 0.0) + made.outputs[src.index].nbytes / ways
-    for transfer, readers in (moved if moved is not None else _conversions(space, choice)).values():
-        for layer in dict.fromkeys(layer_of(graph.node(i).module) for i in readers):
-            if layer is not None:  # converted again in each replay that reads it
-                again(transfer.collectives, transfer.forward)
-    peak = sum(held for _, held in others) + sum(kept.values())  # the forward's end
-    others.sort()
-    before = np.cumsum([0.0] + [held for _, held in others])
-    starts = [i for i, _ in others]
-    for layer in sorted(first, key=first.get):
-        # what ran before the layer (the recomputed layers among it keep their inputs only), and the layer again
-        earlier = float(before[np.searchsorted(starts, first[layer])])
-        inputs_held = sum(kept.get(other, 0.0) for other in first if first[other] <= first[layer])
-        peak = max(peak, earlier + inputs_held + saved[layer])
-    out.activations = peak
-    return out
+                self.saved[k] += saves
+                self.first[k] = i if self.first[k] < 0 else min(self.first[k], i)
+                for src in node.sources:  # what the layer reads from before it: kept as its input
+                    if src.state is not None or src.node < 0 or not space.blocks.activation[src.node]:
+                        continue
+                    made = graph.node(src.node)
+                    if owner(made.module) == k or (k, src.node, src.index) in inputs:
+                        continue
+                    inputs.add((k, src.node, src.index))
+                    by = space.blocks.owner[src.node]
+                    making = costs[by].strategies.get(space.blocks.blocks[by].nodes.index(src.node))
+                    ways = ic.ways(making.outputs[src.index]) if making is not None and making.outputs else 1
+                    self.kept[k] += made.outputs[src.index].nbytes / ways
+        for transfer, readers in (moved if moved is not None else _conversions(space, choice)).values():
+            for k in dict.fromkeys(owner(graph.node(i).module) for i in readers):
+                if k >= 0:  # converted again in each replay that reads it
+                    again(k, transfer.collectives, transfer.forward)
+        order = np.argsort(np.asarray(nodes, dtype=np.int64), kind="stable")
+        self.nodes = np.asarray(nodes, dtype=np.int64)[order]
+        self.held = np.asarray(held, dtype=float)[order]
+        self.owners = np.asarray(owners, dtype=np.int64)[order]
+
+    def of(self, wanted: Collection[str]) -> Replay:
+        """The `Replay` of recomputing ``wanted``, some of this table's layers."""
+        chosen = np.zeros(len(self.names), dtype=bool)
+        for name in wanted:
+            k = self.index.get(name)
+            if k is None:
+                raise KeyError(f"layer {name!r} is not among the layers this table was made for")
+            chosen[k] = True
+        if self.nested and not chosen.all():
+            return Replays(self.space, self.choice, wanted, moved=self.moved).of(wanted)
+        picked = np.flatnonzero(chosen)
+        out = Replay(compute=float(self.compute[picked].sum()), comm=float(self.comm[picked].sum()),
+                     calls=[c for k in picked for c in self.calls[k]])
+        # what runs outside the recomputed layers saves its share as usual
+        replayed = self.owners >= 0
+        replayed[replayed] = chosen[self.owners[replayed]]
+        outside = np.where(replayed, 0.0, self.held)
+        peak = float(outside.sum() + self.kept[picked].sum())  # the forward's end
+        before = np.concatenate(([0.0], np.cumsum(outside)))
+        inputs_held = 0.0
+        for k in sorted((k for k in picked if self.first[k] >= 0), key=lambda k: self.first[k]):
+            # what ran before the layer (the recomputed layers among it keep their inputs only), and the layer again
+            earlier = float(before[np.searchsorted(self.nodes, self.first[k])])
+            inputs_held += self.kept[k]
+            peak = max(peak, earlier + inputs_held + self.saved[k])
+        out.activations = peak
+        return out
 
 
 # ---- baselines ------------------------------------------------------------------------------------------------
@@ -750,10 +828,10 @@ def fit_by_recomputing(space: Space, choice: tuple[int, ...], zero: int, m: int,
     recomputed (each keeps only its input; one layer's activations are made again at a time), so the count is
     found by bisection."""
     layers = repeated_layers(space)
+    price = pricer(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype, layers=layers)
 
     def priced(k: int) -> Estimate:
-        return estimate_choice(space, choice, zero=zero, micro_batches=m, global_batch=global_batch, dtype=dtype,
-                               recompute=layers[:k])
+        return price(layers[:k])
 
     found = ((), priced(0))
     if found[1].memory.fits or not layers:
