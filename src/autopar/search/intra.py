@@ -71,6 +71,10 @@ class Space:
     classes: list[BlockClass]
     # (block id, key, producer id) -> `_edge_matrix`: the same for every ZeRO stage and micro-batch count tried
     edges: dict[tuple[int, Key, int], np.ndarray] = field(default_factory=dict)
+    # assignment -> `_conversions`, and (assignment, layers) -> `Replays`: the same at every ZeRO stage and
+    # micro-batch count an assignment is priced at (`fit_by_recomputing` prices a few each)
+    moves: dict[tuple[int, ...], dict] = field(default_factory=dict)
+    replays: dict[tuple, Replays] = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:
@@ -328,7 +332,6 @@ def pricer(
     for transfer, _ in moved.values():
         comm += m * transfer.seconds
         calls += [c.times(m) for c in transfer.collectives]
-    tables: list[Replays] = []  # the layers' table, made on the first set asked about
     before = (compute, comm, calls, saved)
 
     def priced(recompute: Collection[str]) -> Estimate:
@@ -336,10 +339,11 @@ def pricer(
         if recompute:
             if not layers:
                 again = replay(space, choice, recompute, moved=moved)
-            else:
-                if not tables:
-                    tables.append(Replays(space, choice, layers, moved=moved))
-                again = tables[0].of(recompute)
+            else:  # the layers' table, made on the first set asked about
+                key = (choice, tuple(layers))
+                if key not in space.replays:
+                    space.replays[key] = Replays(space, choice, layers, moved=moved)
+                again = space.replays[key].of(recompute)
             compute += m * again.compute
             comm += m * again.comm
             calls = [*calls, *(c.times(m) for c in again.calls)]
@@ -424,7 +428,11 @@ def conversions(space: Space, choice: tuple[int, ...]) -> list[Transfer]:
 
 
 def _conversions(space: Space, choice: tuple[int, ...]) -> dict[tuple, tuple[Transfer, list[int]]]:
-    """`conversions`, each with the nodes that read the converted value (in the order the blocks run)."""
+    """`conversions`, each with the nodes that read the converted value (in the order the blocks run); worked out
+    once per assignment (`Space.moves`), and not to be changed."""
+    cached = space.moves.get(choice)
+    if cached is not None:
+        return cached
     ic = space.cost
     done: dict[tuple, tuple[Transfer, list[int]]] = {}
     for block in space.blocks.blocks:
@@ -440,6 +448,7 @@ def _conversions(space: Space, choice: tuple[int, ...]) -> dict[tuple, tuple[Tra
             if what not in done:
                 done[what] = (ic.transfer(block, key, producer, space.candidates[pv][choice[pv]], cand), [])
             done[what][1].append(block.nodes[key[1]])
+    space.moves[choice] = done
     return done
 
 
