@@ -600,7 +600,7 @@ class Replays:
             earlier = float(before[np.searchsorted(self.nodes, self.first[k])])
             inputs_held += self.kept[k]
             peak = max(peak, earlier + inputs_held + self.saved[k])
-        out.activations = peak
+        out.activations = float(peak)
         return out
 
 
@@ -661,8 +661,8 @@ def plan_intra(
     fitting plan returns its least-memory attempt (its Estimate says it does not fit). Each micro-batch size is
     traced once and shared by all kinds.
 
-    Anytime: ``should_stop`` ends the search between attempts, like the time limit, with each kind's best plan
-    so far."""
+    Anytime: ``should_stop`` ends the search between attempts, like the time limit, or while an attempt's
+    conversion matrices are worked out (seconds each on a 3-D mesh), with each kind's best plan so far."""
     budget = _Budget(time.perf_counter() + time_limit, should_stop)
     with gc_paused():
         return _plan_intra(trace_at, cluster, mesh_shape, global_batch, dtype, kinds, budget, progress,
