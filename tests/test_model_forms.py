@@ -1171,6 +1171,7 @@ def test_tp_plans_of_fused_qkv_laid_out_by_head_are_written(
     ("hf:gpt_bigcode", "transformer.h.0.attn", True),  # q, k and v fused, cut by split
     ("hf:falcon", "transformer.h.0.self_attention", False),  # attention and MLP in parallel
     ("llama-7b", "layers.0.attn", True),  # the zoo's, with --kv-heads 1
+    ("hf:deepseek_v3", "model.layers.0.self_attn", True),  # latent attention: its latent cut by split_with_sizes
 ])
 def test_multi_query_attention_is_kept_whole_under_tp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, attention: str, sp: bool) -> None:
@@ -1178,7 +1179,10 @@ def test_multi_query_attention_is_kept_whole_under_tp(
     divides it. Those plans used to be refused ("has 1 kv_heads, which tp 2 does not divide"). The attention is
     now kept whole on every rank, its weights' gradients need no sum, and the MLP is split: the plan is rehearsed
     and written. Under SP the attention gathers the sequence and its output projection hands on this rank's shard
-    at once, which the cost model prices as the runtime runs it (the slow tier runs both against one process)."""
+    at once, which the cost model prices as the runtime runs it (the slow tier runs both against one process).
+    DeepSeek's latent attention is kept whole too: its keys and values are projected down to one latent shared by
+    all heads, which the model cuts with ``split_with_sizes`` (and q through a low-rank pair of projections), so
+    splitting its first projections by output features would misplace the cuts; those plans used to be refused."""
     from autopar.capture.graph import multi_query_attentions
     from autopar.cost.layers import analyse, kept_whole
     from autopar.plan import load_plan

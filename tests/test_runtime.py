@@ -348,6 +348,22 @@ def test_multi_query_attention_kept_whole_under_tp_matches_one_process(tmp_path,
 
 
 @pytest.mark.slow
+def test_latent_attention_kept_whole_under_tp_and_sp_matches_one_process(tmp_path) -> None:
+    """DeepSeek-V3's latent attention runs whole on every tp rank, as a multi-query one does, its MLP split. Under
+    SP it gathers the sequence, so the norms inside it (of q's and of the keys' and values' latents) see the whole
+    sequence and their weights' gradients need no sum: they once got SP's sequence-shard style, and q's norm's
+    gradient was off by 1.6e-05 at the first step."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=128, vocab_size=128, q_lora_rank=32, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16).to_json_file(tmp_path / "config.json")
+    path = _pipeline_plan(tmp_path, f"hf:{tmp_path / 'config.json'}", {}, tp=2, dp=1, sp=True)
+    data = _run(path, 2)
+    assert {row["kind"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"reduce_scatter"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("pp", "sp"), [(2, False), (2, True), (1, True)])
 def test_opt_plans_with_tp_match_one_process(tmp_path, pp, sp) -> None:
     """OPT's chain (learned positions offset by 2, its head tied to the embedding) in 2 stages, or one, over tp 2,

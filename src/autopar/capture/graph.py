@@ -158,14 +158,20 @@ def multi_query_attentions(model: Any) -> frozenset[str]:  # noqa: ANN401
     heads (multi-query attention: Falcon's default, GPTBigCode's, the zoo's ``kv_heads=1``), read from the module's
     head counts or, for Hugging Face attentions that keep only ``num_key_value_groups``, its config's. No tp degree
     divides one key/value head, so tensor parallelism keeps these attentions whole (`cost.layers.kept_whole`), on
-    every rank, instead of splitting their heads. Counts are read from each module's own attributes (its
-    ``__dict__``: a lookup that misses costs an exception on an ``nn.Module``, 0.24 s over a 1,000-layer model);
-    the tracer finds them in its one pass over the modules (`capture.reuse.scan`)."""
+    every rank, instead of splitting their heads; latent attentions are kept whole too (`one_key_value_head`).
+    Counts are read from each module's own attributes (its ``__dict__``: a lookup that misses costs an exception on
+    an ``nn.Module``, 0.24 s over a 1,000-layer model); the tracer finds them in its one pass over the modules
+    (`capture.reuse.scan`)."""
     return frozenset(name for name, module in model.named_modules() if one_key_value_head(vars(module)))
 
 
 def one_key_value_head(own: dict[str, Any]) -> bool:
-    """Whether a module whose own attributes are ``own`` is a multi-query attention (`multi_query_attentions`)."""
+    """Whether a module whose own attributes are ``own`` is a multi-query attention (`multi_query_attentions`), or
+    a latent attention (DeepSeek-V2's and V3's, and the types that reuse it, with a ``kv_lora_rank``): its keys and
+    values are projected down to one latent that every head shares, and the model cuts that latent from the
+    rotary key with ``split_with_sizes``, so tp keeps it whole as it keeps one key/value head."""
+    if positive_count(own.get("kv_lora_rank")):
+        return True
     kv = next((own[a] for a in KV_HEAD_COUNTS if positive_count(own.get(a))), None)
     heads = next((own[a] for a in HEAD_COUNTS if positive_count(own.get(a))), None)
     if kv is None and positive_count(own.get("num_key_value_groups")):

@@ -285,7 +285,8 @@ def _sequence_shards(graph: Graph, ordered: list[LayerCost], first: LayerCost) -
             if _is_param_contraction(node) and not layer.repeated and sharded:
                 if node.id in layer.columns or (node.id not in layer.sharded and _reads_foreign_weight(node)):
                     sharded = False
-            elif (layer.repeated or sharded) and not node.is_view and not _is_param_contraction(node):
+            elif ((layer.repeated or sharded) and not node.is_view and not _is_param_contraction(node)
+                  and graph.multi_query_of(node.module) is None):  # an attention kept whole sees the whole sequence
                 read.update(s.state for s in node.sources
                             if s.state and s.state in graph.state and not graph.state[s.state].is_buffer)
         read -= layer.tp_partial  # applied to the heads tp splits, not to sequence shards: summed as such

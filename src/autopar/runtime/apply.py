@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.capture.graph import _within, multi_query_attentions
 from autopar.capture.graph import positive_count as _count
 from autopar.plan import Plan
 from autopar.plan.batch import LocalBatch
@@ -750,9 +751,11 @@ def _tensor_parallel(
         if len(names) > 1 and not sp:
             _share_other_inputs(modules[block], [modules[name] for name in names], mesh)
     gathered: list[str] = []
-    if sp:  # norms inside a block see its heads, not sequence shards
-        gathered = _sequence_parallel(module, mesh, styles, inside={name.rpartition(".")[0] for name in heads}
-                                      | set(split))
+    whole = whole_attentions(module, placements) if sp else []
+    if sp:  # norms inside a block see its heads, and those inside an attention kept whole the whole sequence
+        inside = {name.rpartition(".")[0] for name in heads} | set(split)
+        inside.update(fqn for fqn, _ in module.named_modules() if any(_within(fqn, name) for name in whole))
+        gathered = _sequence_parallel(module, mesh, styles, inside=inside)
     parallelize_module(module, mesh, styles)
     for fqn, placement in placements.items():
         if placement == "E":
@@ -763,7 +766,7 @@ def _tensor_parallel(
                 block = modules[fqn.rpartition(".")[0]]
                 _relayout_input(block, mesh, stream, Replicate(), local=True)
                 _relayout_output(block, mesh, Partial(), stream, local=True)
-    for name in whole_attentions(module, placements) if sp else ():
+    for name in whole:
         # a multi-query attention tp keeps whole runs on the whole sequence: it gathers its input, and hands on
         # its rank's shard of its (replicated) output, whose gradient is gathered back in the backward
         _relayout_input(modules[name], mesh, stream, Replicate(), local=True)
@@ -876,8 +879,6 @@ def whole_attentions(module: nn.Module, split: Iterable[str]) -> list[str]:
     """The multi-query attentions of ``module`` (`capture.graph.multi_query_attentions`) of which tensor
     parallelism splits no weight (``split``: the modules it splits, as `tensor_parallel_placements` names them):
     every rank runs them whole."""
-    from autopar.capture.graph import _within, multi_query_attentions
-
     split = list(split)
     return [name for name in sorted(multi_query_attentions(module)) if not any(_within(fqn, name) for fqn in split)]
 
