@@ -823,7 +823,7 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
 
 @pytest.mark.parametrize(("model", "kind"), [("gptj", "gptj"), ("codegen", "gptj"), ("persimmon", "persimmon"),
                                            ("mpt", "mpt"), ("xglm", "xglm"), ("biogpt", "biogpt"),
-                                           ("gpt_neo", "gpt2"), ("deepseek_v3", "hf")])
+                                           ("gpt_neo", "gpt2"), ("deepseek_v3", "hf"), ("ctrl", "ctrl")])
 def test_more_hugging_face_chains_are_cut_at_their_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, kind: str) -> None:
     """GPT-J's, CodeGen's, Persimmon's, MPT's, XGLM's and BioGPT's forwards cannot be traced symbolically (torch.fx:
@@ -833,8 +833,9 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     from its config's longest sequence; XGLM and BioGPT add positions to a scaled embedding (BioGPT's head is
     ``output_projection``). GPT-Neo is GPT-2-style, but its layers return a tuple, which failed on the small copy.
     DeepSeek-V3 is LLaMA-style, but its small copy failed: its config's ``head_dim`` is the rotary width of its
-    latent attention (``qk_rope_head_dim``), which the small copy now keeps. Each is checked on a small copy of the
-    model when planned (the slow tier runs GPT-J, MPT and BioGPT against one process)."""
+    latent attention (``qk_rope_head_dim``), which the small copy now keeps. CTRL scales its token embedding and adds
+    a sinusoidal table it keeps as a buffer. Each is checked on a small copy of the model when planned (the slow tier
+    runs GPT-J, MPT, BioGPT and CTRL against one process)."""
     from autopar.runtime.pipeline import chain_kind
 
     assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind

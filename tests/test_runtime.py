@@ -364,6 +364,27 @@ def test_latent_attention_kept_whole_under_tp_and_sp_matches_one_process(tmp_pat
 
 
 @pytest.mark.slow
+def test_ctrl_in_two_stages_over_tp_matches_one_process(tmp_path) -> None:
+    """CTRL's chain (a scaled embedding plus a sinusoidal table kept as a buffer, the head tied to the embedding) in
+    2 stages x tp 2. Its attention takes its input three times (as v, k and q): the one replicated input the runtime
+    makes is handed on for all three, so its gradient is reduced once, as priced (it was reduced three times, and
+    the plan refused when planned). With GELU: CTRL's ReLU has units at a kink at these sizes, where fp32 sums in
+    another order part a step's gradients from one process's whatever the plan, as OPT's do."""
+    (tmp_path / "ctrl_gelu.py").write_text(
+        "import torch\nfrom torch import nn\nfrom transformers import CTRLConfig, CTRLLMHeadModel\n\n\n"
+        "def build(batch):\n"
+        "    model = CTRLLMHeadModel(CTRLConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, dff=128,\n"
+        "                                       n_positions=64))\n"
+        "    for layer in model.transformer.h:\n"
+        "        layer.ffn[1] = nn.GELU()\n"
+        "    ids = torch.randint(0, 128, (batch, 32))\n"
+        "    return model, {'input_ids': ids, 'labels': ids}\n")
+    path = _pipeline_plan(tmp_path, f"{tmp_path / 'ctrl_gelu.py'}:build", {}, tp=2, dp=1, pp=2, schedule="gpipe")
+    data = _run(path, 4)
+    assert {row["axis"] for rank in data["check_comm"]["ranks"] for row in rank["rows"]} >= {"pp", "tp"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("pp", "sp"), [(2, False), (2, True), (1, True)])
 def test_opt_plans_with_tp_match_one_process(tmp_path, pp, sp) -> None:
     """OPT's chain (learned positions offset by 2, its head tied to the embedding) in 2 stages, or one, over tp 2,

@@ -1391,7 +1391,9 @@ def _summed(x: torch.Tensor, group: Any, rows: int | None) -> torch.Tensor:  # n
 
 def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, local: bool) -> None:
     """Before ``module`` runs, read its first input (positional, or the first keyword tensor) as a local tensor laid
-    out as ``source`` on ``mesh`` and redistribute it to ``target`` (a local tensor again with ``local``)."""
+    out as ``source`` on ``mesh`` and redistribute it to ``target`` (a local tensor again with ``local``). The same
+    tensor passed again (CTRL's attention takes its input as v, k and q) is handed on as that one result, so its
+    gradient is reduced once."""
     from torch.distributed.tensor import DTensor
 
     def convert(x: Any) -> Any:
@@ -1404,9 +1406,12 @@ def _relayout_input(module: nn.Module, mesh: Any, source: Any, target: Any, *, l
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (convert(args[0]), *args[1:]), kwargs
+            first, converted = args[0], convert(args[0])
+            return tuple(converted if a is first else a for a in args), {
+                k: converted if v is first else v for k, v in kwargs.items()}
         key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        return args, {**kwargs, key: convert(kwargs[key])}
+        first, converted = kwargs[key], convert(kwargs[key])
+        return args, {k: converted if v is first else v for k, v in kwargs.items()}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -111,6 +111,8 @@ HF_CHAINS = {
     "xglm": Chain("model", "layers", first=("embed_tokens", "embed_positions"), last=("layer_norm",)),
     "biogpt": Chain("biogpt", "layers", first=("embed_tokens", "embed_positions"), last=("layer_norm",),
                     head="output_projection"),
+    # CTRL: the token embedding scaled, plus the sinusoidal table the model keeps as a buffer (made from the config)
+    "ctrl": Chain("transformer", "h", first=("w", "dropout"), last=("layernorm",)),
     # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
     "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
     "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
@@ -190,6 +192,8 @@ class StageModule(nn.Module):
             return self._forward_mpt(x)
         if self.kind in ("xglm", "biogpt"):
             return self._forward_positions(x)
+        if self.kind == "ctrl":
+            return self._forward_ctrl(x)
         if self.kind in ENCODERS:
             return self._forward_encoder(x)
         if self.first:
@@ -316,6 +320,25 @@ class StageModule(nn.Module):
             x = _hidden(layer(x, attention_mask=mask, **extra))
         if self.last:
             return self._logits(getattr(self, chain.head)(inner.layer_norm(x)))
+        return x
+
+    def _forward_ctrl(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of a CTRL forward: the token embedding scaled by the square root of its width plus
+        the sinusoidal positions (the table the model makes from its config and keeps as a buffer), dropped out,
+        the layers under the causal mask, the final norm and the head tied to the embedding."""
+        from transformers.models.ctrl.modeling_ctrl import positional_encoding
+
+        inner, config = self.transformer, self.config
+        positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
+        if self.first:
+            table = positional_encoding(config.n_positions, config.n_embd, torch.float).to(x.device)
+            x = inner.w(x) * float(config.n_embd) ** 0.5
+            x = inner.dropout(x + table.to(x.dtype)[positions])
+        mask = _attention_mask(config, "full_attention", self._whole(x), positions)
+        for layer in inner.h.values():
+            x = _hidden(layer(x, attention_mask=mask))
+        if self.last:
+            return self._logits(self.lm_head(inner.layernorm(x)))
         return x
 
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
