@@ -4,6 +4,7 @@ no rank left running and no temporary folder left behind. The slow tests drive t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -340,6 +341,32 @@ def test_a_bad_rank_start_method_is_named(monkeypatch) -> None:
     monkeypatch.setenv("AUTOPAR_RANK_START", "fork")
     with pytest.raises(ValueError, match="AUTOPAR_RANK_START must be forkserver or spawn, got 'fork'"):
         run_ranks(_say, 2)
+
+
+def test_ranks_of_a_hugging_face_model_start_from_a_server_that_imported_transformers(tmp_path, monkeypatch) -> None:
+    """A rank that builds a Hugging Face model imports transformers (2 s here, 4 ranks on 2 cores: 4 s before the
+    first step); the fork server imports it once instead, where the plan's model is one. A zoo model's ranks do not
+    wait for it: the server's imports come before the first rank can start."""
+    import argparse
+    import multiprocessing
+
+    from autopar.cli.run import _hugging_face
+    from autopar.cluster import ranks
+
+    chosen = []
+    monkeypatch.setattr(multiprocessing.context.ForkServerContext, "set_forkserver_preload",
+                        lambda _self, modules: chosen.append(list(modules)), raising=False)
+    monkeypatch.delitem(sys.modules, "transformers", raising=False)  # as in a fresh `autopar run`
+    ranks._context(hugging_face=True)
+    ranks._context()
+    assert "transformers.modeling_utils" in chosen[0] and "transformers.modeling_utils" not in chosen[1]
+    assert chosen[1] == ranks._PRELOAD
+    for model, expected in (("hf:qwen3", True), ("llama-7b", False), ("examples/model.py:build", False)):
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps({"plan": {"workload": {"model": model}}}))
+        assert _hugging_face(argparse.Namespace(plan=str(path), model=None)) is expected
+    assert _hugging_face(argparse.Namespace(plan=str(tmp_path / "missing.json"), model=None)) is False
+    assert _hugging_face(argparse.Namespace(plan=str(tmp_path / "missing.json"), model="hf:gpt2")) is True
 
 
 def test_the_first_failure_is_named_when_ranks_end_together() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,19 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+def _hugging_face(args: argparse.Namespace) -> bool:
+    """Whether the model the ranks will build is a Hugging Face one (``hf:...``), as --model or the plan file's
+    workload names it, read before the plan is loaded and checked: the ranks' fork server then imports
+    transformers too, once, while the plan is checked. Anything unreadable: False (the plan's loading says why)."""
+    model = getattr(args, "model", None)
+    if model is None:
+        try:
+            model = json.loads(Path(args.plan).read_text())["plan"]["workload"]["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+    return isinstance(model, str) and model.startswith("hf:")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.nproc < 1 or args.steps < 1:
         raise ValueError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
@@ -59,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     clip = args.clip_grad_norm
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"--clip-grad-norm must be a positive number, got {clip}")
-    prestart()  # what the ranks import, imported beside the plan's checks
+    prestart(hugging_face=_hugging_face(args))  # what the ranks import, imported beside the plan's checks
     plan = load_runnable(args.plan, args=args)
     work = Workload.of(plan) if args.check else None
     if work is not None:  # refused before any rank starts where the comparison could not hold

@@ -8,9 +8,10 @@ is logged at INFO. Ranks start with SIGINT ignored, so Ctrl-C in a terminal reac
 exception in the launcher (KeyboardInterrupt included) stops the ranks (SIGTERM, then SIGKILL after a grace period),
 and on Linux a rank dies with its launcher.
 
-Ranks start from a fork server (`multiprocessing`'s forkserver) that has imported torch and autopar's runtime once,
-so a rank begins its work at once rather than after seconds of imports; the server starts when a launcher first
-needs it (`prestart` starts it early, beside the launcher's own checks) and lives as long as the launcher. A rank
+Ranks start from a fork server (`multiprocessing`'s forkserver) that has imported torch and autopar's runtime once
+(and transformers, where the ranks build a Hugging Face model), so a rank begins its work at once rather than after
+seconds of imports; the server starts when a launcher first needs it (`prestart` starts it early, beside the
+launcher's own checks) and lives as long as the launcher. A rank
 takes the launcher's standard output and error and its environment as they are when the rank starts, as a spawned
 process would. ``AUTOPAR_RANK_START=spawn`` spawns every rank afresh instead. torch is imported inside the
 functions that use it: a rank ties its life to the launcher's before anything else.
@@ -146,6 +147,9 @@ def _rendezvous(host: str, world: int) -> Iterator[Rendezvous]:
 # what every rank imports before its work: the fork server imports it once (an import that fails is left to ranks)
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
             "autopar.runtime.launch", "autopar.profiling.segments", "autopar.cluster.detect"]
+# and what ranks building a Hugging Face model import: 2 s a rank here, but as long again before the first rank of a
+# model that needs none of it can start, so preloaded only where the model is one (`prestart`)
+_HUGGING_FACE = ["transformers.modeling_utils"]
 
 
 def _start_method() -> str:
@@ -156,18 +160,20 @@ def _start_method() -> str:
     return chosen if chosen in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _context() -> Any:
+def _context(*, hugging_face: bool = False) -> Any:
     context = multiprocessing.get_context(_start_method())
     if context.get_start_method() == "forkserver":
-        context.set_forkserver_preload(_PRELOAD)
+        extra = _HUGGING_FACE if hugging_face or "transformers" in sys.modules else []
+        context.set_forkserver_preload(_PRELOAD + extra)
     return context
 
 
-def prestart() -> None:
+def prestart(*, hugging_face: bool = False) -> None:
     """Start the fork server ranks start from, if it is not running: its imports then overlap with what the
-    launcher does before it starts ranks (checking the plan). SIGINT is ignored in it and so in the ranks it
-    starts: Ctrl-C in a terminal reaches the launcher alone."""
-    if _context().get_start_method() != "forkserver":
+    launcher does before it starts ranks (checking the plan). It imports transformers too where ranks will build
+    a Hugging Face model (``hugging_face``, or transformers imported here already). SIGINT is ignored in it and so
+    in the ranks it starts: Ctrl-C in a terminal reaches the launcher alone."""
+    if _context(hugging_face=hugging_face).get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 

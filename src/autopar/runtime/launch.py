@@ -65,7 +65,8 @@ def run_plan(
 
     A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
     them too, and the temporary folder of the ranks' results is removed in every case."""
-    prestart()  # the ranks' imports, beside the checks
+    # the ranks' imports, beside the checks
+    prestart(hugging_face=plan.workload is not None and plan.workload.model.startswith("hf:"))
     if not checked:
         check_runnable(plan)
     devices = plan.devices
