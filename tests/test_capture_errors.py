@@ -53,6 +53,23 @@ def test_python_error_names_module() -> None:
         autopar.trace(Net(Broken()), (torch.zeros(3, 4),))
 
 
+def test_shapes_that_do_not_fit_are_named_as_the_model_s_own_error_in_one_line(capfd) -> None:
+    """An op refusing the shapes the model gives it (sizes from a config that do not fit together) would fail on
+    real tensors too: the error says so rather than blaming fake tensors, and torch's own log of the fake kernel's
+    traceback (30 lines before the error) is held back."""
+
+    class Misfit(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.ones(5)
+
+    with pytest.raises(CaptureError) as err:
+        autopar.trace(Net(Misfit()), (torch.zeros(3, 4),))
+    message = str(err.value)
+    assert "'inner' (Misfit)" in message and "aten.mul.Tensor fails on the shapes" in message
+    assert "a real forward would fail the same way" in message and "no symbolic" not in message
+    assert "failed while attempting" not in capfd.readouterr().err
+
+
 def test_failed_trace_leaves_model_usable() -> None:
     model = Net(Router())
     with pytest.raises(CaptureError):

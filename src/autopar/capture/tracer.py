@@ -21,10 +21,10 @@ How it works:
 from __future__ import annotations
 
 import bisect
-
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,30 @@ class CaptureError(RuntimeError):
     """The model could not be traced symbolically; the message names the module and, when known, the aten op."""
 
 
+def _fake_only(exc: BaseException) -> bool:
+    """Whether ``exc`` is fake tensors' own limit (an op with no fake kernel, a shape that depends on values), not
+    the op refusing its inputs' shapes as the real op would."""
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    limits = (fake_tensor.DynamicOutputShapeException, fake_tensor.DataDependentOutputException,
+              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
+              GuardOnDataDependentSymNode, NotImplementedError)
+    return isinstance(exc, limits)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels() -> Iterator[None]:
+    """torch logs the whole traceback of a fake kernel that raises ("failed while attempting to run meta for ...")
+    before raising it; the tracer names the module and the op in one line itself (`CaptureError`)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
 def trace(
     model: nn.Module,
     example_inputs: Sequence[Any] = (),
@@ -60,7 +84,8 @@ def trace(
     """
     start = time.perf_counter()
     recorder = _Recorder(model, reuse=reuse)
-    graph = recorder.run(tuple(example_inputs), dict(example_kwargs or {}))
+    with _quiet_fake_kernels():
+        graph = recorder.run(tuple(example_inputs), dict(example_kwargs or {}))
     graph.trace_seconds = time.perf_counter() - start
     log.info("traced %s: %d nodes in %.2f s", type(model).__name__, graph.num_nodes, graph.trace_seconds)
     return graph
@@ -359,9 +384,14 @@ class _Recorder(tp.TorchDispatchMode):
                 out = func(*args, **kwargs)
         except Exception as exc:
             module = self.module_stack[-1]
+            where = f"cannot trace module '{module or '<root>'}' ({self.type_of.get(module, '?')}): aten op {func}"
+            if not _fake_only(exc):  # the op refuses these shapes, as it would on real tensors
+                raise CaptureError(
+                    f"{where} fails on the shapes the model gives it ({type(exc).__name__}: {exc}); a real forward "
+                    "would fail the same way: check that the model's sizes fit together (its config, or the "
+                    "--hidden, --heads, --ffn and similar overrides)") from exc
             raise CaptureError(
-                f"cannot trace module '{module or '<root>'}' ({self.type_of.get(module, '?')}): aten op {func} "
-                f"has no symbolic (fake-tensor) implementation for these inputs: {type(exc).__name__}: {exc}. "
+                f"{where} has no symbolic (fake-tensor) implementation for these inputs: {type(exc).__name__}: {exc}. "
                 "Data-dependent shapes (nonzero, masked_select, .item() in control flow) cannot be planned; "
                 "rewrite the module with static shapes."
             ) from exc
