@@ -823,7 +823,8 @@ def test_pipeline_stages_are_refused_where_they_would_train_a_different_model(
 
 @pytest.mark.parametrize(("model", "kind"), [("gptj", "gptj"), ("codegen", "gptj"), ("persimmon", "persimmon"),
                                            ("mpt", "mpt"), ("xglm", "xglm"), ("biogpt", "biogpt"),
-                                           ("gpt_neo", "gpt2"), ("deepseek_v3", "hf"), ("ctrl", "ctrl")])
+                                           ("gpt_neo", "gpt2"), ("deepseek_v3", "hf"), ("ctrl", "ctrl"),
+                                           ("recurrent_gemma", "recurrent_gemma")])
 def test_more_hugging_face_chains_are_cut_at_their_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, kind: str) -> None:
     """GPT-J's, CodeGen's, Persimmon's, MPT's, XGLM's and BioGPT's forwards cannot be traced symbolically (torch.fx:
@@ -834,7 +835,8 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     ``output_projection``). GPT-Neo is GPT-2-style, but its layers return a tuple, which failed on the small copy.
     DeepSeek-V3 is LLaMA-style, but its small copy failed: its config's ``head_dim`` is the rotary width of its
     latent attention (``qk_rope_head_dim``), which the small copy now keeps. CTRL scales its token embedding and adds
-    a sinusoidal table it keeps as a buffer. Each is checked on a small copy of the model when planned (the slow tier
+    a sinusoidal table it keeps as a buffer; RecurrentGemma scales its embedding by a bf16 buffer, calls its layers
+    with positions and a sliding-window mask positionally and soft-caps its logits. Each is checked on a small copy of the model when planned (the slow tier
     runs GPT-J, MPT, BioGPT and CTRL against one process)."""
     from autopar.runtime.pipeline import chain_kind
 
@@ -843,6 +845,21 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     code, _, err = run_cli(capsys, "estimate", f"hf:{model}", *_flags(SMALL), "--seq", "32", "--cluster", "cpu",
                            "--gpus", "2", "--pp", "2", "--mbs", "2", "--batch", "4", "--out", str(out))
     assert code == 0 and out.exists(), err
+
+
+def test_recurrent_gemma_stages_give_its_local_attention_its_window() -> None:
+    """A window of 8 positions at sequence 32, the third layer a local attention between recurrent ones: two stages
+    give the same logits as the whole model (`check_stage_forward` compares them on this copy)."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    from autopar.runtime.pipeline import chain_kind, check_stage_forward
+
+    config = RecurrentGemmaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                                  attention_window_size=8, intermediate_size=128, lru_width=64)
+    assert config.layers_block_type[2] == "sliding_attention"
+    model = RecurrentGemmaForCausalLM(config)
+    assert chain_kind(model) == "recurrent_gemma"
+    check_stage_forward(model, seq=32)
 
 
 @pytest.mark.parametrize(("options", "runs"), [

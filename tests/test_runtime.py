@@ -315,6 +315,7 @@ def test_checkpointed_segments_match_one_process_and_the_predicted_collectives(
         ("hf:biogpt", HF_GPT2, 2, 2, 1, "gpipe", None),
         ("hf:falcon", HF_GPT2, 2, 1, 2, "gpipe", None),  # LLaMA-style under GPT-2's names, multi-query, PP x DP
         ("hf:bloom", HF_GPT2, 2, 1, 1, "1f1b", None),  # ALiBi biases made per stage, a norm after the embedding
+        ("hf:recurrent_gemma", HF_GPT2, 2, 1, 1, "1f1b", None),  # recurrent blocks, the embedding scaled by a buffer
         # masked LMs: the layers under ``roberta.encoder.layer``, the loss unshifted, the head's decoder tied to the
         # embedding across stages and its bias to the head's own (within the last stage: not summed)
         ("hf:roberta", HF_GPT2, 2, 2, 1, "1f1b", None),

@@ -113,6 +113,8 @@ HF_CHAINS = {
                     head="output_projection"),
     # CTRL: the token embedding scaled, plus the sinusoidal table the model keeps as a buffer (made from the config)
     "ctrl": Chain("transformer", "h", first=("w", "dropout"), last=("layernorm",)),
+    # RecurrentGemma: recurrent and local-attention blocks called positionally, the embedding scaled by a buffer
+    "recurrent_gemma": Chain("model", "layers", first=("embed_tokens",), last=("final_norm",)),
     # masked LMs: post-norm encoders, no mask (every position sees every other), the loss unshifted
     "roberta": Chain("roberta", "encoder.layer", first=("embeddings",), last=(), shifted=False),
     "bert": Chain("bert", "encoder.layer", first=("embeddings",), last=(), head="cls", shifted=False),
@@ -194,6 +196,8 @@ class StageModule(nn.Module):
             return self._forward_positions(x)
         if self.kind == "ctrl":
             return self._forward_ctrl(x)
+        if self.kind == "recurrent_gemma":
+            return self._forward_recurrent_gemma(x)
         if self.kind in ENCODERS:
             return self._forward_encoder(x)
         if self.first:
@@ -340,6 +344,23 @@ class StageModule(nn.Module):
         if self.last:
             return self._logits(self.lm_head(inner.layernorm(x)))
         return x
+
+    def _forward_recurrent_gemma(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's share of a RecurrentGemma forward: the embedding scaled by the model's normalizer (the square
+        root of its width, a bf16 buffer the model makes from its config), the layers (recurrent or local attention) given the positions and the sliding-window mask positionally, as
+        the model calls them, the final norm, and the head's logits soft-capped."""
+        inner, config = self.model, self.config
+        positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
+        if self.first:
+            x = inner.embed_tokens(x)
+            x = x * torch.tensor(config.hidden_size**0.5, dtype=torch.bfloat16).to(x.device, x.dtype)
+        mask = _attention_mask(config, "sliding_attention", self._whole(x), positions)
+        for layer in inner.layers.values():
+            x = _hidden(layer(x, positions, mask, False, None))
+        if not self.last:
+            return x
+        cap = config.logits_soft_cap
+        return torch.tanh(self._logits(self.lm_head(inner.final_norm(x))) / cap) * cap
 
     def _forward_gpt2(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's share of a GPT-2-style forward: token and position embeddings summed and dropped out, the
