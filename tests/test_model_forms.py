@@ -836,8 +836,9 @@ def test_more_hugging_face_chains_are_cut_at_their_layers(
     DeepSeek-V3 is LLaMA-style, but its small copy failed: its config's ``head_dim`` is the rotary width of its
     latent attention (``qk_rope_head_dim``), which the small copy now keeps. CTRL scales its token embedding and adds
     a sinusoidal table it keeps as a buffer; RecurrentGemma scales its embedding by a bf16 buffer, calls its layers
-    with positions and a sliding-window mask positionally and soft-caps its logits. Each is checked on a small copy of the model when planned (the slow tier
-    runs GPT-J, MPT, BioGPT and CTRL against one process)."""
+    with positions and a sliding-window mask positionally and soft-caps its logits. Each is checked on a small copy
+    of the model when planned (the slow tier runs GPT-J, MPT, BioGPT, CTRL and RecurrentGemma against one
+    process)."""
     from autopar.runtime.pipeline import chain_kind
 
     assert chain_kind(load(f"hf:{model}", batch=1, seq=8, **SMALL).module) == kind

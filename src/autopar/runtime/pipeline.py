@@ -347,8 +347,9 @@ class StageModule(nn.Module):
 
     def _forward_recurrent_gemma(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's share of a RecurrentGemma forward: the embedding scaled by the model's normalizer (the square
-        root of its width, a bf16 buffer the model makes from its config), the layers (recurrent or local attention) given the positions and the sliding-window mask positionally, as
-        the model calls them, the final norm, and the head's logits soft-capped."""
+        root of its width, a bf16 buffer the model makes from its config), the layers (recurrent or local attention)
+        given the positions and the sliding-window mask positionally, as the model calls them, the final norm, and
+        the head's logits soft-capped."""
         inner, config = self.model, self.config
         positions = torch.arange(self._length(x), device=x.device).unsqueeze(0)
         if self.first:
