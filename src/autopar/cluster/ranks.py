@@ -11,10 +11,10 @@ and on Linux a rank dies with its launcher.
 Ranks start from a fork server (`multiprocessing`'s forkserver) that has imported torch and autopar's runtime once
 (and transformers, where the ranks build a Hugging Face model), so a rank begins its work at once rather than after
 seconds of imports; the server starts when a launcher first needs it (`prestart` starts it early, beside the
-launcher's own checks) and lives as long as the launcher. A rank
-takes the launcher's standard output and error and its environment as they are when the rank starts, as a spawned
-process would. ``AUTOPAR_RANK_START=spawn`` spawns every rank afresh instead. torch is imported inside the
-functions that use it: a rank ties its life to the launcher's before anything else.
+launcher's own checks) and lives as long as the launcher. A rank takes the launcher's standard output and error and
+its environment as they are when the rank starts, as a spawned process would. ``AUTOPAR_RANK_START=spawn`` spawns
+every rank afresh instead. torch is imported inside the functions that use it: a rank ties its life to the
+launcher's before anything else.
 """
 
 from __future__ import annotations
