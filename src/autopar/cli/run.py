@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from autopar.cli.common import add_rebuild_arguments, load_runnable
 from autopar.cli.render import binary_bytes, table
 from autopar.cluster.ranks import prestart
+from autopar.files import PLAN_FILE_LIMIT, read_text
 from autopar.runtime import Workload, reference, run_plan
 from autopar.runtime.comm import check_ranks
 from autopar.runtime.train import LEARNING_RATE
@@ -54,12 +54,15 @@ def register(subparsers: Any) -> None:
 def _hugging_face(args: argparse.Namespace) -> bool:
     """Whether the model the ranks will build is a Hugging Face one (``hf:...``), as --model or the plan file's
     workload names it, read before the plan is loaded and checked: the ranks' fork server then imports
-    transformers too, once, while the plan is checked. Anything unreadable: False (the plan's loading says why)."""
+    transformers too, once, while the plan is checked. Read as the plan's loading reads it (`files.read_text`: a
+    pipe or a device is refused before it is opened, never waited on); anything unreadable: False (the plan's
+    loading then says why)."""
     model = getattr(args, "model", None)
     if model is None:
         try:
-            model = json.loads(Path(args.plan).read_text())["plan"]["workload"]["model"]
-        except (OSError, ValueError, KeyError, TypeError):
+            text = read_text(args.plan, what="plan file", limit=PLAN_FILE_LIMIT)
+            model = json.loads(text)["plan"]["workload"]["model"]
+        except (ValueError, KeyError, TypeError):
             return False
     return isinstance(model, str) and model.startswith("hf:")
 
