@@ -4,7 +4,6 @@ no rank left running and no temporary folder left behind. The slow tests drive t
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -343,15 +342,15 @@ def test_a_bad_rank_start_method_is_named(monkeypatch) -> None:
         run_ranks(_say, 2)
 
 
-def test_ranks_of_a_hugging_face_model_start_from_a_server_that_imported_transformers(tmp_path, monkeypatch) -> None:
+def test_ranks_of_a_hugging_face_model_start_from_a_server_that_imported_transformers(monkeypatch) -> None:
     """A rank that builds a Hugging Face model imports transformers (2 s here, 4 ranks on 2 cores: 4 s before the
     first step); the fork server imports it once instead, where the plan's model is one. A zoo model's ranks do not
     wait for it: the server's imports come before the first rank can start."""
-    import argparse
     import multiprocessing
+    from types import SimpleNamespace
 
-    from autopar.cli.run import _hugging_face
     from autopar.cluster import ranks
+    from autopar.runtime import launch
 
     chosen = []
     monkeypatch.setattr(multiprocessing.context.ForkServerContext, "set_forkserver_preload",
@@ -361,12 +360,13 @@ def test_ranks_of_a_hugging_face_model_start_from_a_server_that_imported_transfo
     ranks._context()
     assert "transformers.modeling_utils" in chosen[0] and "transformers.modeling_utils" not in chosen[1]
     assert chosen[1] == ranks._PRELOAD
+    asked = []
+    monkeypatch.setattr(launch, "prestart", lambda *, hugging_face: asked.append(hugging_face))
     for model, expected in (("hf:qwen3", True), ("llama-7b", False), ("examples/model.py:build", False)):
-        path = tmp_path / "plan.json"
-        path.write_text(json.dumps({"plan": {"workload": {"model": model}}}))
-        assert _hugging_face(argparse.Namespace(plan=str(path), model=None)) is expected
-    assert _hugging_face(argparse.Namespace(plan=str(tmp_path / "missing.json"), model=None)) is False
-    assert _hugging_face(argparse.Namespace(plan=str(tmp_path / "missing.json"), model="hf:gpt2")) is True
+        launch.prestart_for(SimpleNamespace(workload=SimpleNamespace(model=model)))
+        assert asked.pop() is expected
+    launch.prestart_for(SimpleNamespace(workload=None))  # a plan made from Python, before --model names its model
+    assert asked.pop() is False
 
 
 def test_the_first_failure_is_named_when_ranks_end_together() -> None:

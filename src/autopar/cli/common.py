@@ -234,17 +234,21 @@ def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> Tra
     return TracedModel(zoo=zoo, graph=graph, dtype=args.dtype, note=note)
 
 
-def load_runnable(path: str, *, rehearse: bool = True, args: argparse.Namespace | None = None) -> Plan:
+def load_runnable(path: str, *, rehearse: bool = True, args: argparse.Namespace | None = None,
+                  before_check: Callable[[Plan], None] | None = None) -> Plan:
     """A plan file that `run` and `dryrun` can apply: read, validated, and checked against its model (and, with
     ``rehearse``, applied on a fake process group) before any rank starts; every error names the file.
     ``args``: the command's --model and model overrides, the model of a plan that names none
-    (`rebuild_workload`)."""
+    (`rebuild_workload`). ``before_check`` is called with the plan once it is read, before the check (`run`
+    starts its ranks' fork server there, its imports beside the check)."""
     from autopar.runtime import check_runnable
 
     plan = load_plan(path)
     workload = rebuild_workload(args, path, plan) if args is not None else None
     if workload is not None:
         plan = plan.with_workload(workload)
+    if before_check is not None:
+        before_check(plan)
     with naming(path):
         check_runnable(plan, rehearse=rehearse)
     return plan

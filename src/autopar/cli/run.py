@@ -11,9 +11,8 @@ import torch
 
 from autopar.cli.common import add_rebuild_arguments, load_runnable
 from autopar.cli.render import binary_bytes, table
-from autopar.cluster.ranks import prestart
-from autopar.files import PLAN_FILE_LIMIT, read_text
 from autopar.runtime import Workload, reference, run_plan
+from autopar.runtime.launch import prestart_for
 from autopar.runtime.comm import check_ranks
 from autopar.runtime.train import LEARNING_RATE
 
@@ -51,22 +50,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def _hugging_face(args: argparse.Namespace) -> bool:
-    """Whether the model the ranks will build is a Hugging Face one (``hf:...``), as --model or the plan file's
-    workload names it, read before the plan is loaded and checked: the ranks' fork server then imports
-    transformers too, once, while the plan is checked. Read as the plan's loading reads it (`files.read_text`: a
-    pipe or a device is refused before it is opened, never waited on); anything unreadable: False (the plan's
-    loading then says why)."""
-    model = getattr(args, "model", None)
-    if model is None:
-        try:
-            text = read_text(args.plan, what="plan file", limit=PLAN_FILE_LIMIT)
-            model = json.loads(text)["plan"]["workload"]["model"]
-        except (ValueError, KeyError, TypeError):
-            return False
-    return isinstance(model, str) and model.startswith("hf:")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any] | str:
     if args.nproc < 1 or args.steps < 1:
         raise ValueError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
@@ -76,8 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str:
     clip = args.clip_grad_norm
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"--clip-grad-norm must be a positive number, got {clip}")
-    prestart(hugging_face=_hugging_face(args))  # what the ranks import, imported beside the plan's checks
-    plan = load_runnable(args.plan, args=args)
+    # the ranks' fork server starts once the plan is read, its imports beside the plan's checks
+    plan = load_runnable(args.plan, args=args, before_check=prestart_for)
     work = Workload.of(plan) if args.check else None
     if work is not None:  # refused before any rank starts where the comparison could not hold
         draws = reference(work, steps=1, clip=clip).random_draws

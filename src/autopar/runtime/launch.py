@@ -55,6 +55,12 @@ def _apart(name: str, step: int, first: torch.Tensor, other: torch.Tensor, rank:
             "start alike and get the same gradient and step")
 
 
+def prestart_for(plan: Plan) -> None:
+    """Start the fork server ``plan``'s ranks start from (`prestart`), importing transformers too where the plan's
+    model is a Hugging Face one (``hf:...``)."""
+    prestart(hugging_face=plan.workload is not None and plan.workload.model.startswith("hf:"))
+
+
 def run_plan(
     plan: Plan, *, nproc: int, steps: int, check: bool = False, check_comm: bool = False, checked: bool = False,
     clip: float | None = None,
@@ -65,8 +71,7 @@ def run_plan(
 
     A rank that dies or raises stops every rank and raises `RankError` naming it; an interrupt (or SIGTERM) stops
     them too, and the temporary folder of the ranks' results is removed in every case."""
-    # the ranks' imports, beside the checks
-    prestart(hugging_face=plan.workload is not None and plan.workload.model.startswith("hf:"))
+    prestart_for(plan)  # the ranks' imports, beside the checks
     if not checked:
         check_runnable(plan)
     devices = plan.devices
