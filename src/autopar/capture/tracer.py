@@ -58,15 +58,22 @@ def _fake_only(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_fake_kernels() -> Iterator[None]:
-    """torch logs the whole traceback of a fake kernel that raises ("failed while attempting to run meta for ...")
-    before raising it; the tracer names the module and the op in one line itself (`CaptureError`)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    disabled, logger.disabled = logger.disabled, True
+def quiet_log(name: str) -> Iterator[None]:
+    """Inside, the logger ``name`` logs only what is critical: errors the caller reports in its own words."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.disabled = disabled
+        logger.setLevel(level)
+
+
+def fake_errors_quiet() -> contextlib.AbstractContextManager[None]:
+    """Inside, PyTorch's fake-tensor mode does not log the whole traceback of an op it cannot run ("failed while
+    attempting to run meta for ...") before raising it: `trace` names the module and the op in one line itself
+    (`CaptureError`), and a rehearsal on fake tensors reports its own failure."""
+    return quiet_log("torch._subclasses.fake_tensor")
 
 
 def trace(
@@ -84,7 +91,7 @@ def trace(
     """
     start = time.perf_counter()
     recorder = _Recorder(model, reuse=reuse)
-    with _quiet_fake_kernels():
+    with fake_errors_quiet():
         graph = recorder.run(tuple(example_inputs), dict(example_kwargs or {}))
     graph.trace_seconds = time.perf_counter() - start
     log.info("traced %s: %d nodes in %.2f s", type(model).__name__, graph.num_nodes, graph.trace_seconds)

@@ -210,15 +210,12 @@ def load_and_trace(args: argparse.Namespace, *, batch: int | None = None) -> Tra
     """MODEL built at --dtype and traced at ``batch`` samples (default --batch). Where the trace fails at bf16 or
     fp16 (a kernel whose fake-tensor implementation takes fp32 only: FNet's FFT) the model is built and traced again
     in fp32, and ``note`` says so (logged as a warning too): its bytes are then fp32's, an over-estimate."""
-    from autopar.runtime.validate import fake_errors_quiet
-
     overrides = {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES.items()}
     batch = args.batch if batch is None else batch
     zoo = load(args.model, batch=batch, seq=args.seq, dtype=DTYPES[args.dtype], **overrides)
     check_workload(args, seq=zoo.seq)
     try:
-        with contextlib.nullcontext() if args.dtype == "fp32" else fake_errors_quiet():
-            return TracedModel(zoo=zoo, graph=trace(zoo.module, example_kwargs=zoo.inputs), dtype=args.dtype)
+        return TracedModel(zoo=zoo, graph=trace(zoo.module, example_kwargs=zoo.inputs), dtype=args.dtype)
     except CaptureError as exc:
         if args.dtype == "fp32":
             raise

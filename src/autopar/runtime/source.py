@@ -86,11 +86,9 @@ def trace_chain(module: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Graph:
     such kernel known, the tracer already shapes in bf16 itself: `capture.tracer._shapes_in_bf16`; this retry is
     for any other.) Raises ValueError when neither traces."""
     from autopar.capture import CaptureError
-    from autopar.runtime.validate import fake_errors_quiet
 
     try:
-        with fake_errors_quiet():
-            return trace(module, example_kwargs=dict(inputs))
+        return trace(module, example_kwargs=dict(inputs))
     except CaptureError as exc:
         try:
             return trace(copy.deepcopy(module).to(torch.bfloat16), example_kwargs={

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +44,7 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture import CaptureError, Graph
+from autopar.capture.tracer import fake_errors_quiet, quiet_log
 from autopar.capture.graph import multi_query_attentions
 from autopar.cost.layers import computed_from_state
 from autopar.plan import Plan
@@ -324,24 +324,6 @@ def _seq(source: ModelSource) -> int:
     return int(ids.shape[1]) if ids is not None and ids.dim() == 2 else 0
 
 
-def fake_errors_quiet() -> Any:
-    """Inside, PyTorch's fake-tensor mode does not log the traceback of an op it cannot run (the caller handles the
-    error: a first try in one dtype, then another)."""
-    return _quiet("torch._subclasses.fake_tensor")
-
-
-@contextlib.contextmanager
-def _quiet(name: str) -> Any:
-    """Inside, the logger ``name`` logs only what is critical: errors the caller reports in its own words."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def check_compiler() -> None:
     """Raise NotImplementedError if ``torch.compile`` does not work here (inductor needs a C++ compiler on CPU,
     Triton on GPU): a small function is compiled and run on the device the ranks use, so that a plan with compiled
@@ -421,12 +403,12 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             shapes = _AttentionShapes(where, traced, tp, whole=kept) if traced and tp > 1 else \
                 contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
-            schedule = _quiet("torch.distributed.pipelining.schedules")
+            schedule = quiet_log("torch.distributed.pipelining.schedules")
             # on a CPU process group DTensor gathers where an all-to-all would go, and says so once; the
             # prediction the rehearsal is compared with counts it so (`comm.intra_prediction`)
-            fallback = _quiet("torch.distributed.tensor._collective_utils")
+            fallback = quiet_log("torch.distributed.tensor._collective_utils")
             # and that a pending mean over two axes is reduced axis by axis (a loss), which the prediction counts
-            sequential = _quiet("torch.distributed.tensor._redistribute")
+            sequential = quiet_log("torch.distributed.tensor._redistribute")
             with counter if count else contextlib.nullcontext(), set_checkpoint_early_stop(not compiled), shapes, \
                     schedule, fallback, sequential, _strided_shards_on_real_indices():
                 batch = _cast(source.batch(plan.micro_batch_size * plan.micro_batches), dtype)
