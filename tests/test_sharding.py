@@ -77,6 +77,28 @@ def test_two_axis_conversion_gathers_in_the_order_dtensor_does() -> None:
     assert [(c.axis, c.bytes) for c in both.collectives] == [("x1", whole / 2), ("x0", whole)]
 
 
+def test_a_strided_split_moves_in_the_steps_dtensor_takes() -> None:
+    """A sequence split of (batch x sequence) tokens (strided) made a plain split of the tokens on both axes (an
+    LM head's rows): DTensor's redistribute gathers the inner axis first, since the outer axis's split is not the
+    one the target has, then moves the outer axis and slices the inner one. Priced in those steps, each on what is
+    local then (the greedy order of plain splits does not apply to it), and its gradient back the same way."""
+    from autopar.cluster.calls import Phase
+    from autopar.sharding.layout import StridedShard
+
+    cluster = load_cluster("a100-80g-sxm").with_devices(4)
+    costs = LayoutCosts(build_mesh(cluster, {"x0": 2, "x1": 2}), cluster)
+    shape, whole = (1024, 128), 1024 * 128 * 4
+    strided = (StridedShard(0, split_factor=16), S0)
+    moved = costs.convert(shape, 4, strided, (S0, S0), (S0, S0))
+    steps = [(c.kind, c.axis, c.bytes, c.phase) for c in moved.collectives]
+    assert steps == [(Collective.ALL_GATHER, "x1", whole / 2, Phase.FORWARD),
+                     (Collective.ALL_TO_ALL, "x0", whole / 2, Phase.FORWARD),
+                     (Collective.ALL_GATHER, "x1", whole / 2, Phase.BACKWARD),
+                     (Collective.ALL_TO_ALL, "x0", whole / 2, Phase.BACKWARD)]
+    assert [(axis, str(a), str(b)) for axis, a, b in _dtensor.redistribute_steps((2, 2), shape, strided, (S0, S0))] \
+        == [(1, "S(0)", "R"), (0, "_S(0, 16)", "S(0)"), (1, "R", "S(0)")]
+
+
 @pytest.fixture()
 def fake_process_group():
     yield

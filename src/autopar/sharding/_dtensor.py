@@ -1,9 +1,14 @@
-"""Adapter to DTensor's own sharding propagation (private API; the only place this package touches it).
+"""Adapter to DTensor's own sharding propagation and redistribute planner (private API; the only place this
+package touches it).
 
 DTensor knows, for each aten op it supports, which input placements an op accepts as they are and what it then
 produces. `propagate` asks it for one op and one set of input layouts on a fake process group (no ranks, no
 memory), so autopar's dimension maps can be checked against PyTorch's rules. Queries cost 0.1-5 ms and are cached
 by (op, shapes, arguments, layouts, mesh). The default process group must be unset or a fake one of the mesh's size.
+
+`redistribute_steps` asks DTensor's redistribute planner which single-axis moves it makes from one layout to
+another (no process group needed), so that the cost model prices a conversion as the runtime makes it where
+autopar's own rule of DTensor's order does not reach (`sharding.layout.LayoutCosts`).
 """
 
 from __future__ import annotations
@@ -117,3 +122,50 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+class _MeshShape:
+    """The little of a `DeviceMesh` DTensor's redistribute planner reads: its shape, and this rank's coordinate
+    (rank 0's; the steps differ by rank only for splits that do not divide evenly, which layouts never are). No
+    process group is needed, so the planner can price conversions in any process, ranks' included."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.shape, self.ndim, self.mesh_dim_names = tuple(sizes), len(sizes), None
+        self.device_type = "cpu"
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return math.prod(self.shape) if mesh_dim is None else self.shape[mesh_dim]
+
+    def _sym_get_coordinate(self, mesh_dim: int) -> int:  # noqa: ARG002
+        return 0
+
+    def get_coordinate(self) -> list[int]:
+        return [0] * self.ndim
+
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MeshShape) and other.shape == self.shape
+
+
+@lru_cache(maxsize=1 << 12)
+def redistribute_steps(sizes: tuple[int, ...], shape: tuple[int, ...], source: Layout,
+                       target: Layout) -> tuple[tuple[int, Any, Any], ...] | None:
+    """The single-axis moves (mesh axis, placement before, placement after) DTensor's own redistribute takes from
+    ``source`` to ``target`` for a tensor of ``shape`` on a mesh of ``sizes``, in order; None where its planner
+    does not answer (a private API: a torch without it)."""
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+        mesh = _MeshShape(sizes)
+        meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), torch.float32)
+        infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, tuple(source), meta),
+                                                DTensorSpec(mesh, tuple(target), meta))
+    except Exception:  # noqa: BLE001 - any failure of a private API means "no answer", never a wrong one
+        return None
+    return tuple((info.mesh_dim, *info.src_dst_placements) for info in infos)

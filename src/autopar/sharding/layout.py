@@ -150,6 +150,8 @@ class LayoutCosts:
             return INF, ()
         if len(self.sizes) > 1:
             found = self._greedy(shape, itemsize, source, target, phase)
+            if found is None:
+                found = self._as_dtensor(shape, itemsize, source, target, phase)
             if found is not None:
                 return found
         best = {source: 0.0}
@@ -230,6 +232,31 @@ class LayoutCosts:
             if current[axis] != target[axis] and not move(axis, target[axis]):
                 return None
         return total, tuple(moves)
+
+    def _as_dtensor(self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout,
+                    phase: Phase) -> tuple[float, tuple[CommCall, ...]] | None:
+        """The conversion in the steps DTensor's own redistribute planner takes (`_dtensor.redistribute_steps`),
+        where `_greedy` declines (a strided split, which DTensor moves in other steps than its greedy ones: a sequence
+        split of tokens made a batch split gathers the axes inside it first); None where the planner gives no
+        answer or a step `_step` does not price."""
+        from autopar.sharding._dtensor import redistribute_steps
+
+        steps = redistribute_steps(self.sizes, shape, source, target)
+        if steps is None:
+            return None
+        current = list(source)
+        total, moves = 0.0, []
+        for axis, have, goal in steps:
+            local = local_shape(shape, tuple(current), self.sizes)
+            step = self._step(have, goal, itemsize * math.prod(local), axis) if local is not None else None
+            if step is None:
+                return None
+            seconds, kind, size = step
+            total += seconds
+            if kind is not None:
+                moves.append(CommCall(kind=kind, axis=self.mesh.names[axis], bytes=size, phase=phase))
+            current[axis] = goal
+        return (total, tuple(moves)) if tuple(current) == tuple(target) else None
 
     def _step(self, have: Placement, goal: Placement, nbytes: float,
               axis: int) -> tuple[float, Collective | None, float] | None:
