@@ -14,6 +14,11 @@ MODELS = {
     "gpt": ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256}),
     "llama": ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "ffn": 128}),
     "hf-llama": ("hf:llama-tiny", {}),  # Hugging Face's LlamaForCausalLM: q, k and v apart, its own rotary
+    # Hugging Face models from config whose forms the tiny zoo models lack: a position table looked up with
+    # positions `arange` makes (GPT-2), or a buffer (BERT, with token types), or passed by keyword (OPT); norms
+    # that scale by ``1 + weight`` (Gemma); a parallel attention and MLP (Phi); q and k norms (Qwen3)
+    **{f"hf-{kind}": (f"hf:{kind}", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256})
+       for kind in ("gpt2", "bert", "opt", "gemma", "phi", "qwen3")},
 }
 SEQ = 32
 

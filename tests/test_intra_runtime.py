@@ -44,11 +44,67 @@ def _train_as_one_process(family: str, count: int, seed: int, **draws: Any) -> N
             assert got["drift"] == 0.0, (splits, rank, got)  # replicated weights stay identical, bit for bit
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "hf-llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "hf-llama", "hf-gpt2"])
 def test_random_intra_op_assignments_train_as_one_process(family: str) -> None:
     """Megatron's layout, pure data parallelism and 2 random assignments (layouts and micro-batches) per model:
-    the zoo's GPT and LLaMA (fused QKV) and Hugging Face's LlamaForCausalLM (q, k, v apart, its own rotary)."""
+    the zoo's GPT and LLaMA (fused QKV), Hugging Face's LlamaForCausalLM (q, k, v apart, its own rotary) and
+    GPT2LMHeadModel (Conv1D, a position table looked up with positions the model makes)."""
     _train_as_one_process(family, 4, seed=11)
+
+
+FORMS = ["hf-bert", "hf-opt", "hf-gemma", "hf-phi", "hf-qwen3"]
+
+
+@pytest.mark.parametrize("family", FORMS)
+def test_random_intra_op_assignments_of_hugging_face_models_pass_the_plan_time_check(family: str) -> None:
+    """Megatron's layout, pure data parallelism and a random assignment of models whose forms the tiny zoo lacks
+    (position and token-type tables looked up with buffers or keyword arguments, norms scaling by ``1 + weight``,
+    q and k norms, a parallel attention and MLP): each issues, rehearsed on a fake process group of 4 ranks,
+    exactly the collectives its estimate counts."""
+    plans, refused = _rehearsed(intra_ranks.assignments(family, 3, seed=11))
+    assert len(plans) == 3, refused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FORMS)
+def test_random_intra_op_assignments_of_hugging_face_models_train_as_one_process(family: str) -> None:
+    """The same plans train on 4 gloo ranks as one process does."""
+    _train_as_one_process(family, 3, seed=11)
+
+
+def test_a_position_table_lookup_joins_the_batch_and_may_run_whole() -> None:
+    """GPT-2 adds a position table's lookup (of positions `arange` makes, with no batch) to the token embeddings:
+    the sum joins the tokens' block, so it takes the batch's layout rather than the table's, and the lookup may
+    run whole on every device (as data parallelism runs it), so that every baseline has a layout of it."""
+    from autopar.search.intra import baseline_choice
+
+    _, _, space = intra_ranks._space("hf-gpt2", (2, 2), batch=8, traced=8)
+    graph, ic = space.graph, space.cost
+    blocks = {graph.node(b.leader).module: b for b in space.blocks.blocks}
+    tokens, positions = blocks["transformer.wte"], blocks["transformer.wpe"]
+    both = next(n for n in graph.nodes if n.op == "aten.add.Tensor" and {s.node for s in n.sources} >= {
+        tokens.leader, positions.leader})
+    assert both.id in tokens.nodes and both.id not in positions.nodes
+    v = space.var_of[positions.id]
+    assert "R,R" in [ic.describe(positions, c) for c in space.candidates[v]]
+    assert all(baseline_choice(space, kind) is not None for kind in ("dp", "fsdp", "megatron"))
+
+
+def test_the_plan_of_gpt2_on_a_2x2_mesh_is_the_programmes_own_and_runs(capsys) -> None:
+    """`autopar plan hf:gpt2 --search ilp` on a 2 x 2 mesh had no baseline (the position lookup had no layout
+    data parallelism could give it) and offered a plan `autopar run` refused (its lookup split by rows, whose
+    pending sum and gradient the estimate left out): it now offers the programme's own plan, which passes the
+    checks `autopar run` makes."""
+    import json
+
+    from autopar.cli.main import main
+
+    argv = ["plan", "hf:gpt2", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq", "64", "--gpus", "4",
+            "--mesh", "2x2", "--batch", "16", "--search", "ilp", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["kind"] == "ilp" and data["not_runnable"] is None and data["faster_unrunnable"] is None
+    assert all(data["baselines"][kind] is not None for kind in ("dp", "fsdp", "megatron"))
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ execution order:
 - a leading op opens a new block;
 - another op joins the latest block among those that produced its activation inputs: the attention core joins
   the QKV projection's block, a residual add joins the block of the branch it closes, a LayerNorm joins the block
-  before it (so a GPT layer is four blocks: QKV + attention core, output projection, FC1, FC2);
+  before it (so a GPT layer is four blocks: QKV + attention core, output projection, FC1, FC2); where some of
+  those inputs depend on the model's inputs and others do not (a position table's lookup of positions made by
+  ``arange``), the latest block among the former;
 - ops that read only parameters, buffers or model inputs (a weight transpose, a rotary table slice, a label
   reshape) form *input branches*: they join the block of their first consumer and take their layout from it.
 
@@ -87,7 +89,11 @@ def build_blocks(graph: Graph, *, layers: frozenset[str] = frozenset()) -> Block
                 owner[early] = owner[node.id]
             leaders.append(node.id)
             continue
-        producers = [owner[s.node] for s in node.sources if s.node >= 0 and s.state is None and owner[s.node] >= 0]
+        # the blocks that made its inputs; of those, the ones whose values depend on the model's inputs where any
+        # does (a position table's lookup added to the token embeddings joins the tokens' block: the sum has the
+        # batch's layout, not the table's)
+        made = [s.node for s in node.sources if s.node >= 0 and s.state is None and owner[s.node] >= 0]
+        producers = [owner[i] for i in ([i for i in made if activation[i]] or made)]
         if row in layers and producers:
             own = [p for p in producers if graph.layer_of(nodes[leaders[p]].module) == row]
             if not own:  # it starts its layer: it waits for the layer's first leading op

@@ -141,7 +141,9 @@ class IntraCost:
 
     # ---- candidates ---------------------------------------------------------------------------------------
     def candidates(self, block: ParallelBlock) -> list[Candidate]:
-        """Splits of the leading op's dims over the mesh axes that divide evenly (CFP's candidate partitions)."""
+        """Splits of the leading op's dims over the mesh axes that divide evenly (CFP's candidate partitions). A
+        leading op that reads no batch (a position table's lookup of the positions ``arange`` makes) may also run
+        whole on every device, as data parallelism runs it: its work does not grow with the batch."""
         leader = self.nodes[block.leader]
         dims = op_dims(leader)
         splittable = [k for k, d in enumerate(dims.dims) if d.split is not Split.FIXED]
@@ -151,7 +153,10 @@ class IntraCost:
         valid = [c for c in found if apply(dims, c, leader.inputs, leader.outputs, self.sizes) is not None]
         split = [c for c in valid if all(k is not None for k in c)]
         if split:  # and whole on one axis (Megatron keeps embeddings and tied heads whole over tp)
-            return split + [c for c in valid if sum(k is None for k in c) == 1]
+            whole = [c for c in valid if sum(k is None for k in c) == 1]
+            if self.roles(block)["batch"] is None and len(self.sizes) > 1 and (None,) * len(self.sizes) in valid:
+                whole.append((None,) * len(self.sizes))
+            return split + whole
         best = max((sum(k is not None for k in c) for c in valid), default=0)
         return [c for c in valid if sum(k is not None for k in c) == best] or [(None,) * len(self.sizes)]
 
@@ -296,9 +301,19 @@ class IntraCost:
                 if src.state is not None:
                     self._param_input(cost, block, ("param", position[i], j), src.state, node, j, need, grad)
                     continue
-                if src.node < 0 or src.node in self.branch or not self.bg.activation[src.node]:
+                if src.node >= 0 and src.node in self.branch and self.dtensor:
+                    # a weight the model transforms before use (Gemma's norm multiplies by ``1 + weight.float()``):
+                    # its gradient is the one this read gets, pending where that is
+                    found = self._branch_param(src.node)
+                    if found is not None and found[0] in position:
+                        leaf, k, fqn = found
+                        self._param_input(cost, block, ("param", position[leaf], k), fqn, node, j, need, grad)
+                    continue
+                if src.node < 0 or src.node in self.branch or (not self.bg.activation[src.node] and not self.dtensor):
                     continue  # model inputs and values made from them or from parameters alone (any block's input
-                    # branches) are produced in any layout
+                    # branches) are produced in any layout; but under DTensor a value a block's leading op made
+                    # from parameters alone (GPT-2's position lookup) is in that op's layout, which DTensor converts
+                    # like any other, its gradient too
                 value = (src.node, src.index)
                 if self.bg.owner[src.node] != block.id and value not in versions:
                     cost.entries[("in", position[i], j)] = (need, grad)
@@ -310,6 +325,14 @@ class IntraCost:
             for o, layout in enumerate(strategy.outputs):
                 versions[(i, o)] = {layout: None}
                 cost.exits[("out", position[i], o)] = layout
+            if i == block.leader and self.dtensor and _masked_lookup(node, strategy):
+                # a lookup in a table split by rows: DTensor can only sum its masked pending sum whole, which the
+                # runtime does at once (`runtime.intra._reduce_masked_lookups`); its gradient arrives whole
+                whole = tuple(REPLICATE if isinstance(p, Partial) else p for p in strategy.outputs[0])
+                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i],
+                              ("out", position[i], 0))
+                versions[(i, 0)] = {whole: None}
+                cost.exits[("out", position[i], 0)] = whole
             if i == block.leader and gathered:  # its output whole at once; its gradient a slice of a whole one
                 whole = (REPLICATE,) * len(self.sizes)
                 self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i],
@@ -331,6 +354,8 @@ class IntraCost:
                 cost.temporary = max(cost.temporary, op_transient(
                     node, outputs=[self.ways(layout) for layout in strategy.outputs],
                     inputs=[self.ways(layout) for layout in strategy.gradients]))
+        if self.dtensor:
+            self._hand_on_converted(block, cost)
         tally = [0.0, 0.0]
         cost.compute_forward, cost.compute_backward = sequence_seconds(
             priced, self.cluster.device, kernels=self.kernels, ops=self.ops, traced_batch=self.traced_batch,
@@ -344,6 +369,35 @@ class IntraCost:
             tally[0], tally[1] = tally[0] + forward, tally[1] + backward
         cost.measured = tally[0] + tally[1]
         return cost
+
+    def _branch_param(self, node_id: int) -> tuple[int, int, str] | None:
+        """The parameter an input-branch value is computed from alone, through ops of that one tensor (a cast, a
+        scalar added, a view), as (the op that reads it, the input it reads it at, its FQN); None for any other
+        value."""
+        while True:
+            node = self.nodes[node_id]
+            tensors = [(k, s) for k, s in enumerate(node.sources) if s.state is not None or s.node >= 0]
+            if len(tensors) != 1:
+                return None
+            k, source = tensors[0]
+            if source.state is not None:
+                return (node_id, k, source.state) if self._is_param(source.state) else None
+            if source.node not in self.branch:
+                return None
+            node_id = source.node
+
+    def _hand_on_converted(self, block: ParallelBlock, cost: BlockCost) -> None:
+        """Where the block converts its leading module's output (the value the module's last op in the block
+        makes) to one layout, the runtime converts it as the module hands it on (`runtime.intra._hook_inputs`), so
+        other blocks read it in that layout: its exit (the layout `search.intra` records as the module's output)."""
+        module = self.nodes[block.leader].module
+        positions = [p for p, i in enumerate(block.nodes) if self.nodes[i].module == module]
+        if not positions:
+            return
+        key = ("out", max(positions), 0)
+        needs = {tuple(need) for _, value, need, _, calls in cost.conversions if value == key and calls}
+        if len(needs) == 1 and key in cost.exits:
+            cost.exits[key] = needs.pop()
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001
                  position: int, value: Key) -> None:
@@ -616,3 +670,9 @@ def sync_seconds(
 def zero_ways(param: ParamUse, sizes: tuple[int, ...]) -> int:
     return math.prod(sizes[a] for a in param.reduce_axes)
 
+
+def _masked_lookup(node: Node, strategy: Strategy) -> bool:
+    """Whether ``node`` is an embedding lookup whose output ``strategy`` leaves a pending sum (its table split by
+    rows)."""
+    return node.op.startswith("aten.embedding.") and bool(strategy.outputs) and any(
+        isinstance(p, Partial) for p in strategy.outputs[0])

@@ -387,6 +387,12 @@ class IntraParallelModel(ParallelModel):
             return
         named = [(name, p) for name, p in self.module.named_parameters() if p.grad is not None]
         params = [p for _, p in named]
+        for p in params:  # a gradient made whole where its weight is split (a lookup's rows) is cut first, for free
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor):
+                cut = [q if isinstance(g, Replicate) and q.is_shard() else g
+                       for g, q in zip(p.grad.placements, p.placements)]
+                if cut != list(p.grad.placements):
+                    p.grad = p.grad.redistribute(p.device_mesh, cut)
         for axis in range(self.mesh.ndim):
             pending = [p for p in params
                        if isinstance(p.grad, DTensor) and isinstance(p.grad.placements[axis], Partial)]
@@ -1039,7 +1045,11 @@ def _hook_inputs(model: nn.Module, plan: Plan, mesh: Any) -> dict[int, tuple]:
             continue
         module = modules[entry.fqn]
         flattened = isinstance(module, nn.Linear)
-        if entry.input is not None:
+        if entry.input is not None and isinstance(module, nn.Embedding):
+            # the indices a lookup reads may arrive as another argument than its first (OPT's position table takes
+            # the attention mask first and its positions by keyword): every index tensor it is given is converted
+            module.register_forward_pre_hook(_indices_converter(tuple(entry.input), mesh), with_kwargs=True)
+        elif entry.input is not None:
             module.register_forward_pre_hook(_converter(tuple(entry.input), mesh, flattened=flattened, cache=cache))
         if entry.output is not None:
             module.register_forward_hook(_output_converter(tuple(entry.output), mesh))
@@ -1132,6 +1142,28 @@ def _converter(target: tuple, mesh: Any, *, flattened: bool, cache: dict[int, tu
     return hook
 
 
+def _indices_converter(target: tuple, mesh: Any) -> Any:  # noqa: ANN401
+    """A forward pre-hook (with keywords) putting every integer tensor a lookup module is given in ``target``,
+    where it has that layout's dims: a plain one (indices the model makes itself, from ``torch.ones``, say) is
+    whole on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def convert(x: Any) -> Any:  # noqa: ANN401
+        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.dtype == torch.bool or x.dim() == 0:
+            return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        placements = _lift(target, x.shape, mesh.shape, flattened=False, shard=Shard)
+        if placements is None or tuple(x.placements) == placements:
+            return x
+        return _stamped(x.redistribute(mesh, placements))
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+    return hook
+
+
 def _output_converter(target: tuple, mesh: Any) -> Any:
     from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -1139,11 +1171,31 @@ def _output_converter(target: tuple, mesh: Any) -> Any:
         if not isinstance(output, DTensor):
             return None
         placements = _lift(target, output.shape, mesh.shape, flattened=False, shard=Shard)
-        if placements is None or tuple(output.placements) == placements:
+        if placements is None:
+            return None
+        if tuple(output.placements) == placements:
+            # handed on as made; its gradient comes back in that layout too, sums pending over a split that a
+            # reader broadcast (a position lookup added to every sample) reduced here, as the plan prices them (a
+            # hook, not an op: the model may add to its output in place, as Falcon's MLP does)
+            if output.requires_grad:
+                output.register_hook(_settled_gradient(output))
             return None
         if any(isinstance(p, Partial) and not isinstance(q, Partial) for p, q in zip(placements, output.placements)):
             return None  # a pending sum is made by an op, not by a conversion: left to DTensor
         return _stamped(output.redistribute(mesh, placements))
+
+    return hook
+
+
+def _settled_gradient(x: Any) -> Any:  # noqa: ANN401
+    """A gradient hook for ``x``: its gradient put in ``x``'s layout, pending sums reduced (as `_Settle`)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = x.device_mesh
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+
+    def hook(grad: Any) -> Any:  # noqa: ANN401
+        return grad.redistribute(mesh, placements) if tuple(grad.placements) != placements else None
 
     return hook
 

@@ -996,7 +996,8 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
         bc = ic.block_cost(block, cand)
         leader = space.graph.node(block.leader)
         strategy = bc.strategies[block.nodes.index(block.leader)]
-        act = next((j for j, s in enumerate(leader.sources) if s.state is None), 0)
+        # the input it reads that is no parameter (a lookup's indices may be a buffer: BERT's position ids)
+        act = next((j for j, s in enumerate(leader.sources) if s.state is None or not ic._is_param(s.state)), 0)
         blocks.append(Block(id=block.id, layer=block.layer, module=leader.module, split=ic.describe(block, cand)))
         params.setdefault(leader.module, {})
         edges[leader.module] = (tuple(strategy.inputs[act]), _handed_on(space, block, bc, leader.module,
