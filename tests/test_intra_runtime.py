@@ -218,16 +218,22 @@ def test_an_intra_op_plan_of_an_moe_model_is_refused_where_dtensor_cannot_run_it
     """DTensor works out each op's output on fake tensors on the ranks too, and the fake kernel of MoE's grouped
     matmul takes bf16 only on CPU: the ranks' fp32 step fails in the experts. The plan-time rehearsal, in fp32 as
     the ranks train, finds that and names the module (a rehearsal in bf16 passed and then counted half the bytes
-    of the priced fp32 step); `plan` says so in `not_runnable`, and `run` refuses the plan before any rank starts."""
+    of the priced fp32 step). No plan of the intra-op space runs it, so `plan` offers none (exit 2, naming the
+    module); with --allow-unrunnable it writes the fastest, saying so in `not_runnable`, and `run` refuses that plan
+    before any rank starts."""
     import json
 
     from autopar.cli.main import main
 
     pytest.importorskip("transformers")
     path = tmp_path / "ilp.json"
-    assert main(["plan", "hf:mixtral", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-                 "--search", "ilp", "--gpus", "2", "--cluster", "cpu", "--seq", "32", "--batch", "8", "--out",
-                 str(path), "--json"]) == 0
+    argv = ["plan", "hf:mixtral", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+            "--search", "ilp", "--gpus", "2", "--cluster", "cpu", "--seq", "32", "--batch", "8", "--out", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "can run on hf:mixtral" in err and "module 'model.layers.0.mlp.experts'" in err, err
+    assert not path.exists()
+    assert main([*argv, "--allow-unrunnable", "--json"]) == 0
     reason = json.loads(capsys.readouterr().out)["not_runnable"]
     assert reason and "module 'model.layers.0.mlp.experts'" in reason and "BF16" in reason, reason
     assert main(["run", str(path), "--nproc", "2", "--steps", "1"]) == 2

@@ -156,14 +156,22 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
                 if priced.memory.fits:
                     options.append(IntraPlan("dp", dp.space, dp.choice, zero, dp.micro_batches, dp.micro_batch_size,
                                              priced, recompute=again))
+        tried = 1
         for other in sorted((p for p in options if p.estimate.memory.fits), key=_rank_intra):
             offered = other.to_plan(name).with_workload(work)
             progress(f"the plan cannot run: checking the next fastest ({other.kind}, ZeRO {other.zero})")
+            tried += 1
             if refusal(offered) is None:
                 faster = {**entry(plan), "not_runnable": reason,
                           "vs_plan": chosen.estimate.iteration_seconds / other.estimate.iteration_seconds}
                 chosen, plan, reason = other, offered, None
                 break
+        if reason:  # no plan that fails on the ranks is offered: the fastest one's reason, and how to see it anyway
+            if show:
+                print("\r\033[K", end="", file=sys.stderr, flush=True)
+            raise ValueError(f"none of the {tried} fitting plans found on mesh {'x'.join(map(str, shape))} can run "
+                             f"on {name}; the fastest ({chosen.kind}): {reason} (--allow-unrunnable writes it "
+                             "with that reason)")
     if show:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     baselines = {kind: (entry(p.to_plan(name)) if p is not None else None)
