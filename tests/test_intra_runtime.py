@@ -66,9 +66,10 @@ def test_random_intra_op_assignments_of_hugging_face_models_pass_the_plan_time_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FORMS)
+@pytest.mark.parametrize("family", ["hf-bert", "hf-gemma", "hf-qwen3"])
 def test_random_intra_op_assignments_of_hugging_face_models_train_as_one_process(family: str) -> None:
-    """The same plans train on 4 gloo ranks as one process does."""
+    """The same plans train on 4 gloo ranks as one process does (three of the forms; `autopar plan --search ilp`
+    and `autopar run --check --check-comm` of each form's own plan are in the README's figures)."""
     _train_as_one_process(family, 3, seed=11)
 
 
