@@ -448,6 +448,10 @@ class IntraCost:
     def _dims(self, node: Node) -> OpDims:
         """``node``'s dims (`analysis.dims.op_dims`), as DTensor splits them where ``dtensor``."""
         dims = op_dims(node)
+        if self.dtensor and "scaled_dot_product" in node.op:
+            # DTensor's rule for the fused attention splits batch and heads only (`runtime.intra.attention_rules`;
+            # query rows split alone would need the causal mask moved with them): its query rows run whole
+            return replace(dims, dims=tuple(replace(d, split=Split.FIXED) if d.name == "seq" else d for d in dims.dims))
         if self.dtensor and is_piece(node) and node.inputs:  # `dims._slice` splits these freely
             axis = split_axis(node)
             return replace(dims, dims=tuple(replace(d, split=Split.FIXED) if d.inputs and d.inputs[0] == axis else d
