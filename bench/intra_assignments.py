@@ -1,5 +1,6 @@
-"""Random intra-op assignments of a tiny GPT and a tiny grouped-query LLaMA, trained on 4 gloo ranks beside one
-process: does every plan the rehearsal accepts train what one process trains?
+"""Random intra-op assignments of a tiny GPT and a tiny grouped-query LLaMA (and of Hugging Face models from config:
+`--family hf-gpt2 hf-bert hf-opt hf-gemma hf-phi hf-qwen3`), trained on 4 gloo ranks beside one process: does every
+plan the rehearsal accepts train what one process trains?
 
 Run: python bench/intra_assignments.py [--count 50] [--seed 1] [--steps 3] [--family gpt llama hf-llama]
 [--zero 0 1 2 3] [--recompute].

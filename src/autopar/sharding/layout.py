@@ -199,25 +199,8 @@ class LayoutCosts:
         one `_step` prices (the cheapest path is searched instead)."""
         if any(isinstance(p, _StridedShard) for p in (*source, *target)):
             return None
-        current = list(source)
-        moves: list[CommCall] = []
-        total = 0.0
-
-        def move(axis: int, goal: Placement) -> bool:
-            nonlocal total
-            local = local_shape(shape, tuple(current), self.sizes)
-            if local is None:
-                return False
-            step = self._step(current[axis], goal, itemsize * math.prod(local), axis)
-            if step is None:
-                return False
-            seconds, kind, size = step
-            total += seconds
-            if kind is not None:
-                moves.append(CommCall(kind=kind, axis=self.mesh.names[axis], bytes=size, phase=phase))
-            current[axis] = goal
-            return True
-
+        walk = _Walk(self, shape, itemsize, source, phase)
+        current, move = walk.current, walk.move
         if any(is_shard(p) for p in source):
             for axis in reversed(range(len(current))):
                 goal = target[axis]
@@ -231,7 +214,7 @@ class LayoutCosts:
         for axis in range(len(current)):
             if current[axis] != target[axis] and not move(axis, target[axis]):
                 return None
-        return total, tuple(moves)
+        return walk.total, tuple(walk.moves)
 
     def _as_dtensor(self, shape: tuple[int, ...], itemsize: int, source: Layout, target: Layout,
                     phase: Phase) -> tuple[float, tuple[CommCall, ...]] | None:
@@ -244,19 +227,10 @@ class LayoutCosts:
         steps = redistribute_steps(self.sizes, shape, source, target)
         if steps is None:
             return None
-        current = list(source)
-        total, moves = 0.0, []
-        for axis, have, goal in steps:
-            local = local_shape(shape, tuple(current), self.sizes)
-            step = self._step(have, goal, itemsize * math.prod(local), axis) if local is not None else None
-            if step is None:
-                return None
-            seconds, kind, size = step
-            total += seconds
-            if kind is not None:
-                moves.append(CommCall(kind=kind, axis=self.mesh.names[axis], bytes=size, phase=phase))
-            current[axis] = goal
-        return (total, tuple(moves)) if tuple(current) == tuple(target) else None
+        walk = _Walk(self, shape, itemsize, source, phase)
+        if not all(walk.current[axis] == have and walk.move(axis, goal) for axis, have, goal in steps):
+            return None
+        return (walk.total, tuple(walk.moves)) if tuple(walk.current) == tuple(target) else None
 
     def _step(self, have: Placement, goal: Placement, nbytes: float,
               axis: int) -> tuple[float, Collective | None, float] | None:
@@ -274,3 +248,30 @@ class LayoutCosts:
         if have == REPLICATE:
             return 0.0, None, 0.0
         return self._move(Collective.ALL_TO_ALL, nbytes, axis), Collective.ALL_TO_ALL, nbytes
+
+
+class _Walk:
+    """A conversion made one single-axis move at a time from ``source``: the layout reached, the seconds and the
+    collectives so far, each move priced on what is local at that step (`LayoutCosts._step`)."""
+
+    def __init__(self, costs: LayoutCosts, shape: tuple[int, ...], itemsize: int, source: Layout,
+                 phase: Phase) -> None:
+        self.costs, self.shape, self.itemsize, self.phase = costs, shape, itemsize, phase
+        self.current = list(source)
+        self.total = 0.0
+        self.moves: list[CommCall] = []
+
+    def move(self, axis: int, goal: Placement) -> bool:
+        """Move ``axis`` to ``goal``; False where that move is illegal or the layout has no local shape."""
+        costs = self.costs
+        local = local_shape(self.shape, tuple(self.current), costs.sizes)
+        step = costs._step(self.current[axis], goal, self.itemsize * math.prod(local), axis) if local is not None else None
+        if step is None:
+            return False
+        seconds, kind, size = step
+        self.total += seconds
+        if kind is not None:
+            self.moves.append(CommCall(kind=kind, axis=costs.mesh.names[axis], bytes=size, phase=self.phase))
+        self.current[axis] = goal
+        return True
+
