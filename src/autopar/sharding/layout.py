@@ -265,7 +265,9 @@ class _Walk:
         """Move ``axis`` to ``goal``; False where that move is illegal or the layout has no local shape."""
         costs = self.costs
         local = local_shape(self.shape, tuple(self.current), costs.sizes)
-        step = costs._step(self.current[axis], goal, self.itemsize * math.prod(local), axis) if local is not None else None
+        if local is None:
+            return False
+        step = costs._step(self.current[axis], goal, self.itemsize * math.prod(local), axis)
         if step is None:
             return False
         seconds, kind, size = step
