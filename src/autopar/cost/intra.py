@@ -329,25 +329,14 @@ class IntraCost:
                 # a lookup in a table split by rows: DTensor can only sum its masked pending sum whole, which the
                 # runtime does at once (`runtime.intra._reduce_masked_lookups`); its gradient arrives whole
                 whole = tuple(REPLICATE if isinstance(p, Partial) else p for p in strategy.outputs[0])
-                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i],
-                              ("out", position[i], 0))
-                versions[(i, 0)] = {whole: None}
-                cost.exits[("out", position[i], 0)] = whole
+                self._hand_on_at_once(cost, versions, node, position[i], whole)
             if i == block.leader and gathered:  # its output whole at once; its gradient a slice of a whole one
-                whole = (REPLICATE,) * len(self.sizes)
-                self._convert(cost, versions[(i, 0)], node.outputs[0], whole, whole, position[i],
-                              ("out", position[i], 0))
-                versions[(i, 0)] = {whole: None}
-                cost.exits[("out", position[i], 0)] = whole
+                self._hand_on_at_once(cost, versions, node, position[i], (REPLICATE,) * len(self.sizes))
             if i == block.leader and scattered:  # its output handed on in the layout between layers at once
                 # a (tokens, features) output: its tokens split as its input's, behind whose views the batch shows
                 read = next(((s.node, s.index) for s in node.sources if s.state is None and s.node >= 0), None)
                 flat = len(node.outputs[0].shape) == 2 and read is not None
-                target = self.arrival(self, read if flat else (i, 0))
-                self._convert(cost, versions[(i, 0)], node.outputs[0], target, target, position[i],
-                              ("out", position[i], 0))
-                versions[(i, 0)] = {target: None}
-                cost.exits[("out", position[i], 0)] = target
+                self._hand_on_at_once(cost, versions, node, position[i], self.arrival(self, read if flat else (i, 0)))
             priced.append((node, strategy.shard))
             cost.saved += node.saved_bytes * self._saved_fraction(node, strategy, dims.contraction)
             if strategy.outputs:  # its backward: the gradients of its output and of its activation inputs
@@ -370,6 +359,14 @@ class IntraCost:
         cost.measured = tally[0] + tally[1]
         return cost
 
+    def _hand_on_at_once(self, cost: BlockCost, versions: dict[tuple[int, int], dict[Layout, None]], node: Node,
+                         pos: int, target: Layout) -> None:
+        """The leading op ``node`` (at ``pos`` in its block) hands its output on in ``target`` at once, its gradient
+        arriving in it too: the conversion priced there, the only layout the block and the blocks after it read."""
+        self._convert(cost, versions[(node.id, 0)], node.outputs[0], target, target, pos, ("out", pos, 0))
+        versions[(node.id, 0)] = {target: None}
+        cost.exits[("out", pos, 0)] = target
+
     def _branch_param(self, node_id: int) -> tuple[int, int, str] | None:
         """The parameter an input-branch value is computed from alone, through ops of that one tensor (a cast, a
         scalar added, a view), as (the op that reads it, the input it reads it at, its FQN); None for any other
@@ -386,18 +383,25 @@ class IntraCost:
                 return None
             node_id = source.node
 
-    def _hand_on_converted(self, block: ParallelBlock, cost: BlockCost) -> None:
-        """Where the block converts its leading module's output (the value the module's last op in the block
-        makes) to one layout, the runtime converts it as the module hands it on (`runtime.intra._hook_inputs`), so
-        other blocks read it in that layout: its exit (the layout `search.intra` records as the module's output)."""
+    def handed_on(self, block: ParallelBlock, cost: BlockCost) -> tuple[int, Layout | None] | None:
+        """The position in ``block`` of the last op of its leading module (whose output the module hands on), and
+        the one layout the block converts that output to (None where it converts it to none, or to several); None
+        where the module has no op in the block."""
         module = self.nodes[block.leader].module
         positions = [p for p, i in enumerate(block.nodes) if self.nodes[i].module == module]
         if not positions:
-            return
-        key = ("out", max(positions), 0)
-        needs = {tuple(need) for _, value, need, _, calls in cost.conversions if value == key and calls}
-        if len(needs) == 1 and key in cost.exits:
-            cost.exits[key] = needs.pop()
+            return None
+        last = max(positions)
+        needs = {tuple(need) for _, value, need, _, calls in cost.conversions if value == ("out", last, 0) and calls}
+        return last, (needs.pop() if len(needs) == 1 else None)
+
+    def _hand_on_converted(self, block: ParallelBlock, cost: BlockCost) -> None:
+        """Where the block converts its leading module's output to one layout (`handed_on`), the runtime converts
+        it as the module hands it on (`runtime.intra._hook_inputs`), so other blocks read it in that layout: its
+        exit (the layout `search.intra` records as the module's output)."""
+        found = self.handed_on(block, cost)
+        if found is not None and found[1] is not None and ("out", found[0], 0) in cost.exits:
+            cost.exits[("out", found[0], 0)] = found[1]
 
     def _convert(self, cost: BlockCost, have: dict[Layout, None], info, need: Layout, grad: Layout,  # noqa: ANN001
                  position: int, value: Key) -> None:

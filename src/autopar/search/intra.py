@@ -959,19 +959,18 @@ def axis_names(plan: IntraPlan) -> tuple[str, ...]:
     return _axis_labels(plan.space, plan.choice)
 
 
-def _handed_on(space: Space, block: ParallelBlock, cost: Any, module: str, computed: tuple) -> tuple:
+def _handed_on(space: Space, block: ParallelBlock, cost: Any, computed: tuple) -> tuple:
     """The layout the leading op's module hands its output on in, in the dims of that output (the value the
     module's last op in the block makes: a linear layer's output unflattened): where the block converts it to one
     layout before anything else reads it (a row-parallel projection's pending sum reduce-scattered onto the
     sequence), that layout; else the layout its last op makes it in (``computed``, the leading op's, where the
     module ends in another block)."""
-    positions = [p for p, n in enumerate(block.nodes) if space.graph.node(n).module == module]
-    if not positions:
+    found = space.cost.handed_on(block, cost)
+    if found is None:
         return computed
-    last = max(positions)
-    needs = {tuple(need) for _, key, need, _, calls in cost.conversions if key == ("out", last, 0) and calls}
-    if len(needs) == 1:
-        return needs.pop()
+    last, converted = found
+    if converted is not None:
+        return converted
     made = cost.strategies.get(last)
     return tuple(made.outputs[0]) if made is not None and made.outputs else computed
 
@@ -1000,7 +999,7 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
         act = next((j for j, s in enumerate(leader.sources) if s.state is None or not ic._is_param(s.state)), 0)
         blocks.append(Block(id=block.id, layer=block.layer, module=leader.module, split=ic.describe(block, cand)))
         params.setdefault(leader.module, {})
-        edges[leader.module] = (tuple(strategy.inputs[act]), _handed_on(space, block, bc, leader.module,
+        edges[leader.module] = (tuple(strategy.inputs[act]), _handed_on(space, block, bc,
                                                                         tuple(strategy.outputs[0])))
         for p in bc.params:
             fqn = ic.locate(block, p.key)
