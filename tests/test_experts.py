@@ -1,5 +1,6 @@
-"""Mixtures of experts under tensor parallelism: Hugging Face's experts (one matrix per expert, run by a grouped
-matmul) split by features, their routers kept whole, as Megatron-LM runs them, and priced so."""
+"""Mixtures of experts: Hugging Face's experts (one matrix per expert, run by a grouped matmul) split by features
+under tensor parallelism, their routers kept whole, as Megatron-LM runs them, or by expert over the data-parallel
+ranks (expert parallelism, all-to-alls moving the tokens), and priced so."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from autopar.zoo import load
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--seq", "32", "--cluster", "cpu",
          "--batch", "8", "--mbs", "2"]
-KV = {"mixtral": ["--kv-heads", "2"], "qwen2_moe": []}
+KV = {"mixtral": ["--kv-heads", "2"], "qwen2_moe": [], "qwen3_moe": []}
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -121,5 +122,103 @@ def test_experts_split_by_features_train_as_one_process(
                         "--out", str(out))
     assert code == 0, err
     code, text, err = _cli(capsys, "run", str(out), "--nproc", str(ranks), "--steps", "3", "--check", "--check-comm")
+    assert code == 0, err
+    assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text
+
+
+EP = [*SMALL, "--gpus", "2", "--dp", "2"]
+
+
+def _estimate(capsys: pytest.CaptureFixture[str], name: str, *options: str) -> dict:
+    code, out, err = _cli(capsys, "estimate", f"hf:{name}", *EP, *KV[name], *options, "--json")
+    assert code == 0, err
+    return json.loads(out)["estimate"]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_plans_split_experts_by_expert_and_price_their_all_to_alls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """Under --ep 2 every expert's parameters are split by expert over dp (the router, and a shared expert, whole
+    and averaged over dp); each rank holds half the experts' parameters, gradients and optimizer states, the
+    experts' gradients leave the dp all-reduce, and each micro-batch of each layer issues the all-to-alls the
+    runtime issues: 3 in the forward (counts, tokens, results), 2 in the backward."""
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *EP, *KV[name], "--ep", "2", "--out", str(out))
+    assert code == 0, err
+    data = json.loads(out.read_text())["plan"]
+    assert data["ep"] == 2
+    experts = "model.layers.0.mlp.experts"
+    assert data["modules"][experts]["params"] == {f"{experts}.gate_up_proj": "[S(0), R]",
+                                                  f"{experts}.down_proj": "[S(0), R]"}
+    assert data["modules"]["model.layers.0.mlp.gate"]["params"] == {"model.layers.0.mlp.gate.weight": "[R, R]"}
+    zoo = load(f"hf:{name}", batch=1, seq=32, layers=2, hidden=64, heads=4, ffn=128,
+               **({"kv_heads": 2} if name == "mixtral" else {}))
+    params = dict(zoo.module.named_parameters())
+    count = params[f"{experts}.gate_up_proj"].shape[0]
+    split = 2 * sum(params[f"{experts}.{w}"].numel() for w in ("gate_up_proj", "down_proj"))  # both layers
+    whole, by_expert = _estimate(capsys, name), _estimate(capsys, name, "--ep", "2")
+    bf16 = 2
+    assert whole["memory"]["parameters"] - by_expert["memory"]["parameters"] == split // 2 * bf16
+    assert whole["memory"]["gradients"] - by_expert["memory"]["gradients"] == split // 2 * bf16
+
+    def synced(estimate: dict) -> int:
+        return sum(c["bytes"] * c["count"] for c in estimate["collectives"] if c["kind"] == "all_reduce")
+
+    assert synced(whole) - synced(by_expert) == split * bf16  # no expert's gradient all-reduced
+    calls = {c["bytes"]: c["count"] for c in by_expert["collectives"] if c["kind"] == "all_to_all"}
+    micro_batches, layers, top_k = 2, 2, 2 if name == "mixtral" else 4
+    tokens = 32 * 8 // (micro_batches * 2)  # a micro-batch's tokens on one rank
+    assert calls == {8 * count: layers * micro_batches, tokens * top_k * 64 * bf16: 4 * layers * micro_batches}
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--dp", "4", "--gpus", "4"], "it needs --dp 2, --tp 1, --pp 1 and --zero 0 (got --dp 4"),
+    (["--zero", "1"], "it needs --dp 2, --tp 1, --pp 1 and --zero 0 (got --dp 2, --tp 1, --pp 1, --zero 1)"),
+])
+def test_expert_parallelism_outside_what_runs_is_refused(
+        capsys: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
+    code, _, err = _cli(capsys, "estimate", "hf:mixtral", *EP, *KV["mixtral"], "--ep", "2", *options)
+    assert code == 2 and message in err
+
+
+def test_expert_parallelism_of_a_model_without_experts_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(capsys, "estimate", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4",
+                        "--vocab", "128", "--seq", "32", "--cluster", "cpu", "--batch", "8", "--gpus", "2", "--dp", "2",
+                        "--ep", "2")
+    assert code == 2 and "ep 2 (expert parallelism) splits a mixture's experts, and the model has none" in err
+
+
+def test_expert_parallel_plans_train_as_one_process_and_rehearse_in_bf16(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral's 8 experts, 4 on each of 2 ranks: losses, gradients and updates as one process, every rank's
+    all-to-all calls as predicted and their bytes, which routing spreads unevenly, summed over the ranks as
+    predicted; `dryrun` rehearses it in bf16 (the fake grouped matmul takes no fp32) with tokens spread evenly."""
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", "hf:mixtral", *EP, *KV["mixtral"], "--ep", "2", "--out", str(out))
+    assert code == 0, err
+    code, text, err = _cli(capsys, "dryrun", str(out), "--json")
+    assert code == 0, err
+    result = json.loads(text)
+    assert result["ok"] and result["dtype"] == "bf16"
+    assert {(r["kind"], r["counted"]) for r in result["rows"]} == {("all_reduce", 1), ("all_to_all", 20)}
+    code, text, err = _cli(capsys, "run", str(out), "--nproc", "2", "--steps", "3", "--check", "--check-comm")
+    assert code == 0, err
+    assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "options", "ranks"), [
+    ("qwen2_moe", [], 2),  # beside a shared expert and its gate, both whole
+    ("qwen3_moe", [], 2),
+    ("mixtral", [], 4),  # 2 experts per rank
+    ("mixtral", ["--recompute", "full"], 2),  # the recomputed forward sends the tokens again
+])
+def test_more_expert_parallel_plans_train_as_one_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, options: list[str], ranks: int) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", str(ranks), "--dp", str(ranks),
+                        "--ep", str(ranks), *options, "--out", str(out))
+    assert code == 0, err
+    code, text, err = _cli(capsys, "run", str(out), "--nproc", str(ranks), "--steps", "5", "--check", "--check-comm")
     assert code == 0, err
     assert "check: losses, gradients and updates match" in text and "check-comm: every rank's" in text

@@ -66,6 +66,22 @@ def test_the_plan_round_trips_through_its_file(pipeline, tmp_path) -> None:
     assert "summed" not in json.dumps(pipeline)  # a model with no norm per head: nothing marked
 
 
+def test_expert_parallelism_round_trips_and_older_files_read_as_none(pipeline, tmp_path) -> None:
+    assert pipeline["plan"]["ep"] == 1
+    older = _mutated(pipeline, lambda p: p.pop("ep"))  # written before the field existed
+    assert load_plan(_write(tmp_path, older)).ep == 1
+    split = _mutated(pipeline, lambda p: (p.update(ep=2, micro_batch_size=2),
+                                          [s.update(dp=2, tp=1) for s in p["stages"]],
+                                          [e["params"].update({k: "[R, R]" for k in e["params"]})
+                                           for e in p["modules"].values()]))
+    plan = load_plan(_write(tmp_path, split, "ep.json"))
+    assert plan.ep == 2
+    save_plan(tmp_path / "again.json", plan)
+    assert load_plan(tmp_path / "again.json") == plan
+    with pytest.raises(FieldError, match="ep 2 splits the experts .* needs every stage's dp to be 2 and zero below 3"):
+        dataclasses.replace(plan, zero=3)
+
+
 def test_the_kernels_setting_round_trips_and_older_files_read_as_eager(pipeline, tmp_path) -> None:
     assert pipeline["plan"]["kernels"] == "eager"
     compiled = Plan.from_dict(_mutated(pipeline, lambda p: p.update(kernels="compiled"))["plan"])
@@ -146,6 +162,11 @@ FINDINGS = [
     ("a misspelt field", lambda p: p.update(micro_batch=2), "plan has unknown field 'micro_batch'"),
     ("kernels fused", lambda p: p.update(kernels="fused"), "kernels must be one of eager, compiled, got 'fused'"),
     ("kernels true", lambda p: p.update(kernels=True), "kernels must be one of eager, compiled, got True"),
+    ("ep 0", lambda p: p.update(ep=0), "ep must be an integer from 1 to 131,072, got 0"),
+    ("ep 2.0", lambda p: p.update(ep=2.0), "ep must be an integer from 1 to 131,072, got 2.0"),
+    ("ep other than the stages' dp", lambda p: p.update(ep=2),
+     "ep 2 splits the experts over each stage's whole data-parallel group, their parameters S(0) on dp, which ZeRO "
+     "3 uses for its slices: it needs every stage's dp to be 2 and zero below 3"),
     ("heads tp does not divide", lambda p: p["workload"]["overrides"].update(heads=3, hidden=66),
      "has shape"),
     ("summed naming another module's parameter", lambda p: p["modules"]["embed"].update(summed=["head.weight"]),

@@ -39,6 +39,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (3 = FSDP)")
     parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
+    parser.add_argument("--ep", type=devices, default=1,
+                        help="expert parallelism: split each mixture's experts over this many data-parallel ranks, "
+                        "tokens moved by all-to-alls (so far the whole --dp, with --tp 1, --pp 1, --zero 0)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--chunks", type=bounded_int(MAX_CHUNKS), default=1,
                         help="model chunks per device under --schedule interleaved (default 1)")
@@ -65,7 +68,7 @@ def _config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
         raise ValueError(f"--tp {args.tp} x --pp {args.pp} x --dp {dp} = {args.tp * args.pp * dp} != --gpus {gpus}")
     config = ParallelConfig(
         tp=args.tp, pp=args.pp, dp=dp, mbs=args.mbs, recompute=args.recompute, zero=args.zero, sp=args.sp,
-        schedule=args.schedule, chunks=args.chunks,
+        schedule=args.schedule, chunks=args.chunks, ep=args.ep,
     )
     return config, gpus
 
@@ -102,8 +105,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | str | Outcome:
         "gpus": gpus,
         "parallel": {
             "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs, "recompute": config.recompute,
-            "zero": config.zero, "sp": config.sp, "schedule": config.schedule, "chunks": config.chunks,
-            "kernels": args.kernels,
+            "zero": config.zero, "sp": config.sp, "ep": config.ep, "schedule": config.schedule,
+            "chunks": config.chunks, "kernels": args.kernels,
         },
         "params": graph.num_params,
         "estimate": result.to_dict(),
@@ -148,6 +151,8 @@ def _head(data: dict[str, Any]) -> str:
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
         + (f", interleaved x{p['chunks']}" if p.get("chunks", 1) > 1 else "")
         + (", SP" if p["sp"] else "")
+        + (f", experts split over {p['ep']} ranks (all-to-all sizes assume tokens spread evenly over the experts)"
+           if p.get("ep", 1) > 1 else "")
         + (", compiled kernels" if p.get("kernels") == "compiled" else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )

@@ -372,3 +372,37 @@ def _gather_unclosed(rows: dict[str, LayerCost], open_region: dict[int, frozense
                     open_region.get(node.id, frozenset()) <= unclosed and \
                     not (_is_param_contraction(node) and node.id not in layer.columns):
                 layer.sharded.discard(node.id)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertGroup:
+    """A mixture's experts as expert parallelism moves their tokens: each rank holds ``experts`` / ep of them and
+    sends every token-expert pair (``rows`` of ``row_bytes`` each, at the traced batch) to the rank holding its
+    expert, and the result back (`experts_in`)."""
+
+    module: str  # the experts module (its parameters are the experts', one matrix per expert along dim 0)
+    experts: int
+    params: int  # elements of the module's parameters
+    rows: int  # token-expert pairs its grouped matmul multiplies, at the traced batch
+    row_bytes: int  # bytes of one pair's hidden state
+
+
+def experts_in(graph: Graph, nodes: list[Node]) -> list[ExpertGroup]:
+    """The experts among ``nodes``: modules whose grouped matmul (``aten._grouped_mm``) reads a 3-D weight of
+    their own, one matrix per expert (Hugging Face's experts, `transformers.integrations.moe`), priced by the first
+    such matmul's token rows (the gate/up projection's input)."""
+    found: dict[str, ExpertGroup] = {}
+    for node in nodes:
+        if not node.op.startswith("aten._grouped_mm.") or node.module in found or len(node.inputs[0].shape) != 2:
+            continue
+        owned = [s.state for s in node.sources if s.state is not None and s.state.rpartition(".")[0] == node.module]
+        weights = [graph.state[fqn] for fqn in owned if fqn in graph.state and len(graph.state[fqn].tensor.shape) == 3]
+        if not weights:
+            continue
+        own = [info for fqn, info in graph.state.items() if fqn.rpartition(".")[0] == node.module
+               and not info.is_buffer]
+        rows, width = node.inputs[0].shape
+        found[node.module] = ExpertGroup(
+            module=node.module, experts=weights[0].tensor.shape[0], params=sum(i.tensor.numel for i in own),
+            rows=rows, row_bytes=node.inputs[0].nbytes // max(rows, 1))
+    return list(found.values())

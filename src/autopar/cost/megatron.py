@@ -47,4 +47,5 @@ def pipeline_config(model: PipelineModel, config: ParallelConfig) -> PipelineCon
         sp=config.sp,
         schedule=config.schedule,
         chunks=config.chunks,
+        ep=config.ep,
     )

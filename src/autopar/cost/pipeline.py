@@ -63,7 +63,7 @@ from autopar.cluster import Cluster, Collective, build_mesh, collective_seconds
 from autopar.cluster.calls import CommCall, Phase, merge_calls
 from autopar.cost.checkpoint import SegmentCosts, check_segments, segment_costs
 from autopar.cost.intra_layers import Conditions, IntraLayers, LayerLayout
-from autopar.cost.layers import LayerCost, analyse
+from autopar.cost.layers import ExpertGroup, LayerCost, analyse, experts_in
 from autopar.cost.memory import Precision, ddp_buckets, flat_buckets, gradient_itemsize, gradient_sync
 from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes, Unit, closed_form, exposed_sync
 from autopar.cost.stage_memory import StageMemoryModel
@@ -155,10 +155,20 @@ class PipelineConfig:
     sp: bool = False
     schedule: str = "1f1b"
     chunks: int = 1  # interleaved 1F1B: stages per device, stage v on device v % pp
+    # expert parallelism: each mixture's experts split over ``ep`` data-parallel ranks, their tokens moved to them
+    # and back by all-to-alls (`PipelineModel.expert_parallel`); so far ep is the whole dp of one stage
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage")
+        if type(self.ep) is not int or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer, got {self.ep!r}")
+        if self.ep > 1 and (len(self.stages) > 1 or self.stages[0].dp != self.ep or self.stages[0].tp > 1
+                            or self.zero):
+            raise ValueError(f"expert parallelism splits the experts over one stage's whole data-parallel group, "
+                             f"under ZeRO 0 without tensor parallelism so far: ep {self.ep} needs dp {self.ep}, "
+                             f"tp 1, pp 1 and zero 0")
         if (self.schedule == "interleaved") != (self.chunks > 1):
             raise ValueError(f"the interleaved schedule needs 2 or more chunks per device and only it does, got "
                              f"schedule {self.schedule!r} with {self.chunks} chunks")
@@ -346,7 +356,16 @@ class PipelineModel:
         """Elements of each trainable parameter in the order its gradient becomes ready in the backward, the
         order DDP rebuilds its buckets in after the first step: rows last to first, and in a row its parameters
         last read first (a tied weight once, in the row that owns it, whose read comes first)."""
+        return self._ddp_order(experts=True)
+
+    @cached_property
+    def _ddp_gradients_but_experts(self) -> tuple[int, ...]:
+        """`_ddp_gradients` without the experts' (expert parallelism: DDP leaves each rank's experts alone)."""
+        return self._ddp_order(experts=False)
+
+    def _ddp_order(self, *, experts: bool) -> tuple[int, ...]:
         rows = self._row_params
+        skipped = set() if experts else {g.module for groups in self.expert_groups for g in groups}
         order: list[int] = []
         for row in reversed(range(len(self.layers))):
             read: dict[str, int] = {}
@@ -355,7 +374,7 @@ class PipelineModel:
                     if source.state is not None:
                         read.setdefault(source.state, len(read))
             ranked = sorted(rows[row], key=lambda info: read.get(info.fqn, len(read)))
-            order += [info.tensor.numel for info in reversed(ranked)]
+            order += [info.tensor.numel for info in reversed(ranked) if info.fqn.rpartition(".")[0] not in skipped]
         return tuple(order)
 
     @cached_property
@@ -490,6 +509,49 @@ class PipelineModel:
             found = self._params[key] = self.intra_layers.row_params(row, tp_axis)
         return found
 
+    @cached_property
+    def expert_groups(self) -> list[list[ExpertGroup]]:
+        """Each row's mixtures of experts (`autopar.cost.layers.experts_in`)."""
+        return [experts_in(self.graph, layer.nodes) for layer in self.layers]
+
+    def expert_parallel(self, row: int, price: LayerPrice, level: str, *, ep: int, samples: float,
+                        mesh) -> LayerPrice:  # noqa: ANN001 - a cluster Mesh
+        """``price`` of row ``row`` with its experts split over ``ep`` data-parallel ranks, as the runtime runs
+        them (`autopar.runtime.experts`): each device holds 1 / ep of the experts' parameters, and each
+        micro-batch's forward issues per mixture three all-to-alls on dp (every expert's token count, then the
+        token-expert pairs' hidden states to the ranks holding their experts, and the experts' outputs back), its
+        backward two (the gradients of those two), a recomputed layer's backward the forward's three again.
+        Compute is the experts' share of one process's (tokens spread evenly over the experts: routing decides
+        the real spread, so the all-to-alls' sizes are this even spread's, not checked per rank); the pairs sent
+        and received are transient memory beside the layer's."""
+        groups = self.expert_groups[row] if ep > 1 else []
+        if not groups:
+            return price
+        axis = mesh.axis("dp")
+        forward: list[CommCall] = []
+        backward: list[CommCall] = []
+        moved = held = 0.0
+        for group in groups:
+            if group.experts % ep:
+                raise ValueError(f"{group.module}: its {group.experts} experts do not split over ep {ep}")
+            nbytes = group.rows * group.row_bytes * samples / self.traced_batch
+            pairs = CommCall(kind=Collective.ALL_TO_ALL, axis="dp", bytes=nbytes, phase=Phase.FORWARD, calls=2)
+            counts = CommCall(kind=Collective.ALL_TO_ALL, axis="dp", bytes=8 * group.experts, phase=Phase.FORWARD)
+            forward += [counts, pairs]
+            backward.append(pairs.during(Phase.BACKWARD))
+            moved, held = max(moved, 2 * nbytes), held + group.params * (1 - 1 / ep)
+        replayed = [c.during(Phase.BACKWARD) for c in forward] if level == "full" else []
+
+        def seconds(calls: list[CommCall]) -> float:
+            return sum(c.calls * collective_seconds(c.kind, c.bytes, axis, self.cluster) for c in calls)
+
+        return replace(price, comm_forward=price.comm_forward + seconds(forward),
+                       comm_backward=price.comm_backward + seconds(backward + replayed),
+                       temporary=price.temporary + moved, params=price.params - held,
+                       collectives=merge_calls([*price.collectives, *forward, *backward, *replayed]),
+                       forward_collectives=merge_calls([*price.forward_collectives, *forward]), tail=None,
+                       tail_seconds=0.0)
+
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
                  overlap: bool = True) -> PipelineEstimate:
         """Price ``config``: simulated (`cost.simulator`, data-parallel collectives overlapped unless ``overlap``
@@ -506,6 +568,9 @@ class PipelineModel:
         for s in config.stages:
             if config.micro_batch % s.dp:
                 raise ValueError(f"micro-batch {config.micro_batch} does not split over dp {s.dp}")
+        if config.ep > 1 and not any(self.expert_groups):
+            raise ValueError(f"ep {config.ep} (expert parallelism) splits a mixture's experts, and the model has none "
+                             "(experts run by a grouped matmul, one weight per expert, as Hugging Face's are)")
         m = global_batch // config.micro_batch
         pp, chunks, virtual = config.pp, config.chunks, len(config.stages)
         copies = self._tied_copies(config)
@@ -580,7 +645,8 @@ class PipelineModel:
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
             copy = sum(size for size, holds_copy in copies.get(index, []) if holds_copy)
             params += copy
-            sync, split.units = self._sync(stage, config.zero, m, mesh, stage_calls, extra=copy, view=view)
+            sync, split.units = self._sync(stage, config.zero, m, mesh, stage_calls, extra=copy, view=view,
+                                           ep=config.ep)
             for size, _ in copies.get(index, []):  # a weight both ends hold: gradients summed over pp
                 # (under ZeRO 1-3 each rank sums its own shard of them)
                 nbytes = size * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
@@ -670,7 +736,7 @@ class PipelineModel:
         in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, m)
         return (self.stage_key(config.stages[index]), index == 0, onward, in_flight, len(config.stages),
                 config.chunks, config.schedule, config.micro_batch, config.zero, config.sp, m, tuple(copies or ()),
-                tps)
+                tps, config.ep)
 
     def stage_key(self, stage: Stage) -> tuple:
         """`_stage_key`, kept by stage."""
@@ -787,7 +853,7 @@ class PipelineModel:
                 if steps:
                     found = self._at_edges(row, found, tp=stage.tp, samples=samples, recompute=level,
                                            sp=config.sp, micro_batches=m)
-            return found
+            return self.expert_parallel(row, found, level, ep=config.ep, samples=samples, mesh=mesh)
 
         return StageView(mesh=mesh, samples=samples, in_flight=in_flight, price=price, layouts=layouts,
                          units_measured=config.zero if units else 0, steps_measured=steps)
@@ -867,10 +933,11 @@ class PipelineModel:
         return RangeMax([layer.stream_input if layer.repeated else -1 for layer in self.layers])
 
     def _sync(self, stage: Stage, zero: int, m: int, mesh, calls: list[CommCall], *, extra: float = 0,  # noqa: ANN001
-              view: StageView | None = None) -> tuple[float, tuple]:
+              view: StageView | None = None, ep: int = 1) -> tuple[float, tuple]:
         """Gradient synchronisation of one stage over its dp axis, its collectives added to ``calls``. ZeRO 1-3 run
         per FSDP unit: each repeated layer, and the stage's other parameters together (the root unit, with
-        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets."""
+        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets, without the experts under
+        expert parallelism (``ep`` > 1: each expert's gradient is whole on the one rank holding it)."""
         if stage.dp == 1:
             return 0.0, ()
         layouts = view.layouts if view is not None else {}
@@ -878,16 +945,17 @@ class PipelineModel:
         place = (stage.start, stage.end) if shapes else self.stage_key(stage)  # a layout's shapes are by row
         # the units' collectives are in their times
         measured = view is not None and (view.units_measured == 3 or view.steps_measured)
-        key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes, measured)
+        key = (place, stage.tp, stage.dp, zero, m, extra, mesh.axis("dp"), shapes, measured, ep)
         cached = self._syncs.get(key)
         if cached is None:
-            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes), measured)
+            cached = self._syncs[key] = self._price_sync(stage, zero, m, mesh, extra, dict(shapes), measured, ep)
         total, synced, units = cached
         calls += synced
         return total, units
 
     def _price_sync(self, stage: Stage, zero: int, m: int, mesh, extra: float,  # noqa: ANN001
-                    layouts: dict[int, float], measured: bool = False) -> tuple[float, tuple[CommCall, ...], tuple]:
+                    layouts: dict[int, float], measured: bool = False,
+                    ep: int = 1) -> tuple[float, tuple[CommCall, ...], tuple]:
         """(seconds, collectives, the simulator's units) of the stage's gradient synchronisation; ``measured``:
         the repeated layers' units are inside their measured times (`StageView.units_measured`), so their
         collectives are counted but cost nothing here."""
@@ -907,7 +975,8 @@ class PipelineModel:
         if rest:
             units.append((rest, True))
         if zero == 0 and stage.tp == 1 and (stage.start, stage.end) == (0, len(self.layers)):  # DDP
-            units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in self._ddp_gradients)]
+            order = self._ddp_gradients if ep == 1 else self._ddp_gradients_but_experts
+            units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in order)]
         elif zero == 0:  # by hand, in slices of one flat buffer
             units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")

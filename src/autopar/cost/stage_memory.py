@@ -77,7 +77,8 @@ class StageMemoryModel:
         last = index == len(config.stages) - 1
         # an intra-op stage's layouts are chosen for its mesh, ZeRO stage and micro-batches (`_stage_layouts`)
         chosen_for = (view.mesh, config.zero, micro_batches, view.in_flight) if view.layouts else None
-        key = (self.model.stage_key(stage), last, config.sp, view.samples, copy, segments is None, chosen_for)
+        key = (self.model.stage_key(stage), last, config.sp, view.samples, copy, segments is None, chosen_for,
+               config.ep)
         found = self._loads.get(key)
         if found is None:  # its rows, and their walks (`autopar.cost.memory.walk`), for every place it stands
             found = self._loads[key] = (self._memory_rows(config, index, view, copy=copy, segments=segments), {})
@@ -168,11 +169,12 @@ class StageMemoryModel:
         layer = self.model.layers[row]
         level = stage.recompute_of(row) if stage.start <= row < stage.end else "none"
         scale, g = view.samples / self.model.traced_batch, self.model.precision.gradient
-        if row in view.layouts:  # Megatron's row, changed by what the layout keeps, holds and passes through
+        # Megatron's row, changed by what a layout, or expert parallelism, keeps, holds and passes through
+        if row in view.layouts or (config.ep > 1 and half is None and self.model.expert_groups[row]):
             price = view.price(row, level)
             megatron = self.model.price(row, tp=stage.tp, samples=view.samples, recompute=level, sp=config.sp,
-                                  mesh=view.mesh)
-            plain = self._row_memory(row, None, config, stage, replace(view, layouts={}))
+                                        mesh=view.mesh)
+            plain = self._row_memory(row, None, replace(config, ep=1), stage, replace(view, layouts={}))
             kept_more, held_more = price.activations - megatron.activations, (price.params - megatron.params) * g
             passed_more = price.temporary - megatron.temporary
 

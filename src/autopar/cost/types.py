@@ -35,12 +35,13 @@ class ParallelConfig:
     sp: bool = False
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks per device under the interleaved schedule
+    ep: int = 1  # expert parallelism: a mixture's experts split over this many of the dp ranks (`PipelineConfig.ep`)
     vocab_parallel: bool = False
     scatter_gather_sends: bool = False
     overlap_dp: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "chunks"):
+        for name in ("tp", "pp", "dp", "mbs", "chunks", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {value!r}")
@@ -52,6 +53,11 @@ class ParallelConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.sp and self.tp == 1:
             raise ValueError("--sp (sequence parallelism) needs --tp > 1")
+        if self.ep > 1 and (self.ep != self.dp or self.tp > 1 or self.pp > 1 or self.zero):
+            raise ValueError(f"--ep {self.ep} (expert parallelism) splits the experts over the whole data-parallel "
+                             f"group, under ZeRO 0 without tensor or pipeline parallelism so far: it needs --dp "
+                             f"{self.ep}, --tp 1, --pp 1 and --zero 0 (got --dp {self.dp}, --tp {self.tp}, --pp "
+                             f"{self.pp}, --zero {self.zero})")
         if self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):
             raise ValueError(f"--schedule interleaved needs --chunks 2 or more and --pp 2 or more, got --chunks "
                              f"{self.chunks} and --pp {self.pp}")

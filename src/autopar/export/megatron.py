@@ -18,7 +18,8 @@ micro-batches of ``b`` samples across dp, ``N`` repeated layers:
   ``optim_grads_params``, with the ``fsdp_dtensor`` checkpoint format it requires); data-parallel collectives
   overlap the backward as the estimate simulates them (``--overlap-grad-reduce``, and ``--overlap-param-gather``
   with sharded weights);
-- ``--sequence-parallel``; ``--bf16`` or ``--fp16``; the model's shape (`megatron_model_arguments`).
+- ``--sequence-parallel``; ``--expert-model-parallel-size ep`` (experts split over ep data-parallel ranks);
+  ``--bf16`` or ``--fp16``; the model's shape (`megatron_model_arguments`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def to_megatron(plan: Plan, *, model: ModelConfig | None = None) -> Export:
     notes += more
     args += _data_parallel(plan.zero, dp)
     args += ["--sequence-parallel"] if plan.sp else []
+    args += ["--expert-model-parallel-size", str(plan.ep)] if plan.ep > 1 else []
     dtype = plan.workload.dtype if plan.workload else "bf16"
     args += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(dtype, [])
     if plan.schedule == "gpipe" and plan.pp > 1:

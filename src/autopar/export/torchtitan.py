@@ -22,7 +22,9 @@ of ``b`` samples across dp:
   autopar's interleaved schedule places it), uneven stages included;
 - ``activation-checkpoint:none|full|selective`` (one policy for every block), ``compile.enable`` for compiled
   kernels, ``training.mixed_precision_param`` for the dtype, ``training.disable_cuda_graphs`` under a pipeline
-  (torchtitan requires it there).
+  (torchtitan requires it there);
+- expert parallelism over ZeRO 0's replicated ranks is not written: torchtitan's ``expert_parallel_degree`` takes
+  its ranks from FSDP's shard degree, which ZeRO 0 leaves at 1 (an `Approximation`: experts on every rank).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def to_torchtitan(plan: Plan, *, model: ModelConfig | None = None) -> Export:
     warnings += found
     replicate, shard, reshard, found = _data_parallel(plan, dp)
     warnings += found
+    if plan.ep > 1:
+        warnings.append(Approximation(
+            feature="ep", plan=f"each mixture's experts split over {plan.ep} data-parallel ranks, under ZeRO 0",
+            closest="not written: torchtitan's parallelism.expert_parallel_degree takes its ranks from FSDP's "
+            "data_parallel_shard_degree, 1 here; every rank holds every expert (more memory, no all-to-alls)"))
     settings: list[tuple[str, Value]] = [
         ("parallelism.data_parallel_replicate_degree", replicate), ("parallelism.data_parallel_shard_degree", shard)]
     if reshard:

@@ -11,7 +11,8 @@ itself on construction, so a plan that exists is one whose numbers are in range 
 - a pipeline has ``pp x chunks`` stages, each of ``dp x tp`` = the devices per stage; no layer sits in two stages,
   no stage is empty; recomputed layers and checkpointed runs belong to their stage; an intra-op plan's recomputed
   layers (``recompute``) are layers its blocks lie in, each named once;
-- placements are ``S(d)``, ``R`` or ``P``, one per mesh axis, ``d`` within the parameter's shape.
+- placements are ``S(d)``, ``R`` or ``P``, one per mesh axis, ``d`` within the parameter's shape;
+- expert parallelism (``ep`` > 1) is a pipeline plan's, every stage's dp being ``ep``, below ZeRO 3.
 
 What needs the model itself (that the stages cover its chain in order, that split widths and heads divide by tp)
 is checked by the runtime before any rank starts (`autopar.runtime.validate`).
@@ -42,6 +43,7 @@ from autopar.plan.estimate import Estimate
 from autopar.plan.records import (
     KERNELS,
     MAX_BATCH,
+    MAX_DEVICES,
     MAX_CHUNKS,
     SCHEDULES,
     Block,
@@ -54,7 +56,7 @@ from autopar.plan.records import (
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 _FIELDS = ("schema", "model", "kind", "mesh", "schedule", "chunks", "micro_batch_size", "micro_batches", "zero", "sp",
-           "kernels", "stages", "blocks", "recompute", "modules", "workload")
+           "ep", "kernels", "stages", "blocks", "recompute", "modules", "workload")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +68,10 @@ class Plan:
     micro_batches: int
     zero: int = 0
     sp: bool = False
+    # expert parallelism: each mixture's experts split over ``ep`` data-parallel ranks (their parameters ``S(0)``
+    # on dp), tokens sent to the rank holding their expert by all-to-alls; 1: experts are laid out as the rest of
+    # the model
+    ep: int = 1
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks per device under the interleaved schedule
     # how the memory-bound ops between contractions run: "eager", one kernel per op, or "compiled", fused by
@@ -92,6 +98,7 @@ class Plan:
         integer("micro_batches", self.micro_batches, high=MAX_BATCH)
         integer("zero", self.zero, low=0, high=3)
         flag("sp", self.sp)
+        integer("ep", self.ep, high=MAX_DEVICES)
         choice("schedule", self.schedule, SCHEDULES)
         integer("chunks", self.chunks, high=MAX_CHUNKS)
         choice("kernels", self.kernels, KERNELS)
@@ -105,6 +112,9 @@ class Plan:
             _check_pipeline(self)
         elif self.schedule != "1f1b" or self.chunks != 1:
             raise FieldError("schedule", "applies to pipeline plans only; an intra-op plan has no stages")
+        elif self.ep != 1:
+            raise FieldError("ep", "(expert parallelism) applies to pipeline plans only; an intra-op plan's layouts "
+                             "say how its experts split")
         _check_recompute(self)
         _check_modules(self)
         if self.report is not None and not isinstance(self.report, str):
@@ -183,7 +193,7 @@ class Plan:
         if self.stages:
             data.update(schedule=self.schedule, chunks=self.chunks)
         data.update(micro_batch_size=self.micro_batch_size, micro_batches=self.micro_batches, zero=self.zero,
-                    sp=self.sp, kernels=self.kernels)
+                    sp=self.sp, ep=self.ep, kernels=self.kernels)
         if self.stages:
             data["stages"] = [s.to_dict() for s in self.stages]
         else:
@@ -228,7 +238,8 @@ class Plan:
                 estimate = Estimate.from_dict(estimate)
         return cls(model=data["model"], kind=data.get("kind", "unknown"), mesh=mesh,
                    micro_batch_size=data["micro_batch_size"], micro_batches=data["micro_batches"],
-                   zero=data.get("zero", 0), sp=data.get("sp", False), schedule=data.get("schedule", "1f1b"),
+                   zero=data.get("zero", 0), sp=data.get("sp", False), ep=data.get("ep", 1),
+                   schedule=data.get("schedule", "1f1b"),
                    chunks=data.get("chunks", 1), kernels=data.get("kernels", "eager"), stages=stages, blocks=blocks,
                    recompute=recompute, modules=tuple(modules), workload=workload, estimate=estimate)
 
@@ -282,6 +293,10 @@ def _check_pipeline(plan: Plan) -> None:
             owner[name] = k
     if plan.sp and max(s.tp for s in plan.stages) < 2:
         raise FieldError("sp", "(sequence parallelism) needs tp 2 or more")
+    if plan.ep > 1 and (any(s.dp != plan.ep for s in plan.stages) or plan.zero == 3):
+        raise FieldError("ep", f"{plan.ep} splits the experts over each stage's whole data-parallel group, their "
+                         f"parameters S(0) on dp, which ZeRO 3 uses for its slices: it needs every stage's dp to be "
+                         f"{plan.ep} and zero below 3")
 
 
 def _check_recompute(plan: Plan) -> None:

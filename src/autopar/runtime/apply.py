@@ -82,6 +82,10 @@ class ParallelModel:
     # under tp, the random state the model's forward and backward draw from, the same on every rank of this rank's
     # tp group (`_tp_random`): (the CPU generator's state, the current CUDA device's or None)
     random: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # expert parallelism (`autopar.runtime.experts`): this rank's experts, whose gradients cover every dp rank's
+    # tokens and are divided by ``expert_ranks`` (dp) after the backward instead of averaged over dp
+    experts: list[nn.Parameter] = field(default_factory=list)
+    expert_ranks: int = 1
 
     def step(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> float:
         """One step's forward and backward (`forward_backward`); returns the loss one process training the whole
@@ -196,6 +200,9 @@ class ParallelModel:
         """After the last micro-batch: sum the partial gradients sequence parallelism leaves (norm weights) over tp
         in one all-reduce (per chunk of an interleaved stage, as each chunk is priced), then all-reduce gradients
         over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
+        for param in self.experts:
+            if param.grad is not None:
+                param.grad.div_(self.expert_ranks)
         summed = {id(p) for p in self.tp_partial}
         for chunk in self.chunks or [self.module]:
             params = list(chunk.parameters())
@@ -203,7 +210,9 @@ class ParallelModel:
         if self.dp_group is None:
             return
         if self.ready is not None:  # DDP's buckets, in the order its reducer fills them
-            self._all_reduce_dp([p.grad for p in self.ready.values() if p.grad is not None], buckets=True)
+            own = {id(p) for p in self.experts}
+            self._all_reduce_dp([p.grad for p in self.ready.values() if p.grad is not None and id(p) not in own],
+                                buckets=True)
             return
         for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
             self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
@@ -417,6 +426,9 @@ def check_supported(plan: Plan) -> None:
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
                          intra=any(s.intra for s in stages), compiled_selective=compiled_selective)
+    if not reason and plan.ep > 1 and (len(stages) > 1 or plan.zero or stages[0].tp > 1):
+        reason = (f"the plan splits experts over {plan.ep} ranks (ep) with pp {plan.pp}, tp {stages[0].tp} and ZeRO "
+                  f"{plan.zero}; expert parallelism runs on one stage without tensor parallelism under ZeRO 0 so far")
     if reason:
         raise NotImplementedError(reason)
 
@@ -536,8 +548,13 @@ def _tp_random(mesh: Any, device: str) -> tuple[torch.Tensor, torch.Tensor | Non
 def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *, units: Iterable[nn.Module],
                ddp: bool) -> ParallelModel:
     """A single-stage plan: tensor parallelism over tp, then data parallelism over dp (DDP, by hand, or FSDP2)."""
+    from autopar.runtime.experts import expert_parallel_modules, split_by_expert
+
     zero, (dp, tp) = plan.zero, plan.grid
     permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
+    modules = dict(model.named_modules())
+    experts = [p for fqn in expert_parallel_modules(model, plan) for p in split_by_expert(modules[fqn], mesh["dp"])]
+    own = {"experts": experts, "expert_ranks": dp}
 
     def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
         params = dict(model.named_parameters())
@@ -548,17 +565,19 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
 
     if dp == 1:
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
+    if experts and (zero or tp > 1):
+        raise NotImplementedError("expert parallelism runs under ZeRO 0 without tensor parallelism so far")
     if zero > 0:
         layers = list(units) or repeated_layers(model)
         _fully_shard(model, layers, mesh["dp"], zero)
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), **summed())
-    if not ddp:  # by hand in DDP's buckets, in the order the backward makes the gradients
+    if not ddp:  # by hand in DDP's buckets, in the order the backward makes the gradients (the experts' left out)
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), ready={},
-                             **summed())
-    wrapped = _ddp(model)
-    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes)
+                             **summed(), **own)
+    wrapped = _ddp(model, ignored=[name for name, p in model.named_parameters() if any(p is e for e in experts)])
+    return ParallelModel(wrapped, zero, lambda cls, **kw: cls(wrapped.parameters(), **kw), axes=axes, **own)
 
 
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
@@ -592,9 +611,13 @@ def _prefetch_within(stage: nn.Module, layers: list[nn.Module]) -> None:
         layer.set_modules_to_backward_prefetch([layers[at - 1] if at else stage])
 
 
-def _ddp(module: nn.Module) -> nn.Module:
+def _ddp(module: nn.Module, *, ignored: list[str] = ()) -> nn.Module:
+    """DDP over ``module``, leaving the parameters named ``ignored`` alone (expert parallelism's experts: each
+    rank holds its own)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignored))
     # buffers are not broadcast each forward (the plan prices no such traffic; FSDP does not either): BatchNorm
     # statistics stay per rank
     return DistributedDataParallel(

@@ -225,7 +225,7 @@ def _check_pipeline(plan: Plan, source: ModelSource) -> None:
 def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str | None:
     """`_check_pipeline` on ``model`` (the source's meta model, thinned as ``plan`` names its layers): the first
     pipeline device whose collectives differ from the prediction, and how, or None. Rehearsed and predicted in
-    one dtype (`_fp32_else_bf16`)."""
+    one dtype (`fp32_else_bf16`)."""
     from autopar.runtime.comm import compare, predictions_on, rank_prediction
 
     per_device = plan.grid[0] * plan.grid[1]
@@ -240,22 +240,22 @@ def _rehearse_devices(plan: Plan, source: ModelSource, model: nn.Module) -> str 
                 return f"rank {rank} (stage {device}) issue other collectives than priced ({result['message']}"
         return None
 
-    return _fp32_else_bf16(attempt)
+    return fp32_else_bf16(attempt)
 
 
 def _counted(plan: Plan, source: ModelSource, model: nn.Module,
              traced: TracedShapes) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
     """The collectives rank 0 issues in `rehearsal` of ``plan`` on a copy of ``model`` (the source's meta model),
-    with ``model`` traced in the dtype the rehearsal ran in (`_fp32_else_bf16`), which sets the bytes predicted."""
+    with ``model`` traced in the dtype the rehearsal ran in (`fp32_else_bf16`), which sets the bytes predicted."""
 
     def attempt(dtype: torch.dtype) -> tuple[list[dict[str, Any]], Graph, torch.dtype]:
         counted = rehearsal(plan, source=source, dtype=dtype, model=copy.deepcopy(model), traced=traced, count=True)
         return counted or [], _traced_meta(model, source, dtype), dtype
 
-    return _fp32_else_bf16(attempt)
+    return fp32_else_bf16(attempt)
 
 
-def _fp32_else_bf16(attempt: Callable[[torch.dtype], Any]) -> Any:
+def fp32_else_bf16(attempt: Callable[[torch.dtype], Any]) -> Any:
     """``attempt(dtype)`` in fp32, as the runtime trains; where that fails and bf16 passes, the fp32 failure is a
     fake-tensor kernel's dtype limit (MoE's grouped matmul takes bf16 only on fake CPU tensors, while a real fp32
     CPU step of plain tensors runs: the layouts and the step are the same in either dtype), and bf16's result is

@@ -828,7 +828,8 @@ def pipeline_plan(
     """A pipeline plan: stages with their layers, dp x tp and recomputed layers, and per module the layouts of its
     parameters over its stage's (dp, tp) mesh: column-parallel weights split by output features on tp (S(0) for a
     Linear's (out, in) weight, S(1) for a weight the model stores as (in, out), GPT-2's Conv1D), row-parallel ones
-    by input features; under ZeRO-3 every parameter S(0) on dp. A weight tp keeps whole but applies to the
+    by input features; under ZeRO-3 every parameter S(0) on dp, and under expert parallelism the experts' (split by
+    expert, dim 0, `PipelineConfig.ep`). A weight tp keeps whole but applies to the
     activations it splits (a q or k norm per head) is marked ``summed``: the runtime sums its gradient over tp, as
     the cost model prices."""
     config = found.config
@@ -875,8 +876,11 @@ def pipeline_plan(
                     # the last node reading a weight decides (its transpose or view comes before the matmul)
                     summed = stage.tp > 1 and laid_out is None and fqn in row.tp_partial
                     modules.setdefault(fqn.rpartition(".")[0], {})[fqn] = (tp_placement, summed, info.tensor.shape)
+    experts = {group.module for groups in model.expert_groups for group in groups} if config.ep > 1 else set()
+    by_expert = parse("S(0)")
     entries = {
-        fqn: tuple(ParamLayout(name=name, placements=placements.get(tp) or (dp_placement, parse(tp)),
+        fqn: tuple(ParamLayout(name=name, placements=(by_expert, parse(tp)) if fqn in experts else
+                               placements.get(tp) or (dp_placement, parse(tp)),
                                shape=tuple(shape), summed=summed) for name, (tp, summed, shape) in params.items())
         for fqn, params in modules.items()
     }
@@ -884,7 +888,8 @@ def pipeline_plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
         schedule=config.schedule, chunks=config.chunks, micro_batch_size=config.micro_batch,
-        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, kernels=model.kernels,
+        micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, ep=config.ep,
+        kernels=model.kernels,
         stages=tuple(stages),
         modules=tuple(ModuleLayout(fqn=fqn, params=params) for fqn, params in entries.items()),
         workload=workload, estimate=found.result.estimate,
@@ -922,7 +927,7 @@ def config_on(chain: Sequence[str], plan: Plan) -> PipelineConfig:
         raise ValueError(f"the plan's stages end at {chain[expected - 1]!r}; the model's chain goes on to "
                          f"{chain[expected]!r} ({len(chain) - expected} more)")
     return PipelineConfig(stages=tuple(stages), micro_batch=plan.micro_batch_size, zero=plan.zero, sp=plan.sp,
-                          schedule=plan.schedule, chunks=plan.chunks)
+                          schedule=plan.schedule, chunks=plan.chunks, ep=plan.ep)
 
 
 def pipeline_searches(
