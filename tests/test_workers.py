@@ -245,3 +245,33 @@ def test_the_plan_is_checked_once_beside_the_simulation_and_its_reason_kept(monk
     plan = searched.plan
     assert (int(lines[1]), int(lines[2])) == (plan.pp, plan.micro_batch_size)
     assert not [pid for pid in _children() if pid == int(lines[0])]
+
+
+FORK_AFTER_PARALLEL_OP = """
+import torch
+torch.set_num_threads(2)
+torch.randn(1 << 22).mul(2).sum()  # OpenMP's threads run this one
+from autopar.search.workers import beside
+job = beside(lambda: float(torch.zeros(1 << 20, dtype=torch.long).add(1).sum()))
+print(job._child is not None, job.result())
+"""
+
+
+def test_a_worker_forked_after_a_parallel_op_runs_parallel_ops_too() -> None:
+    """OpenMP's thread pool does not survive a fork: a worker's first parallel op used to wait forever for threads
+    its parent's pool had (``autopar plan`` of Qwen1.5-MoE at batch 32 x 2,048 hung in its plan-time check)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AUTOPAR_WORKERS": "2"}
+    process = subprocess.Popen([sys.executable, "-c", FORK_AFTER_PARALLEL_OP], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the worker too
+        process.communicate()
+        pytest.fail("the worker's parallel op did not finish in 120 s")
+    assert process.returncode == 0, err
+    assert out.split() == ["True", str(float(1 << 20))]

@@ -211,6 +211,11 @@ def _fork(job: Callable[[Stop], Any], flag: mmap.mmap, should_stop: Stop) -> tup
     # the worker: never returns into the caller's code
     _WORKER = True
     status = 0
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # one thread: the OpenMP pool of a parent that ran a parallel op does not survive the fork, and the child's
+        # first parallel op (filling a tensor of 64k elements, say) would wait for its threads forever
+        torch.set_num_threads(1)
     try:
         os.close(read)
         try:
