@@ -748,8 +748,10 @@ def auto(
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
     then Aceso over every depth, then MCMC chains (`search.mcmc`, on its shorter ``POLISH`` schedule) from Aceso's
-    result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. Returns ``auto`` (the best, ``by`` naming the
-    search that found it; a tie goes to the earlier search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
+    result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. For a mixture of experts,
+    data parallelism with the experts split over every device (`expert_parallel`) is one more point. Returns
+    ``auto`` (the best, ``by`` naming the search that found it, ``ep`` for that point; a tie goes to the earlier
+    search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
     whatever it says. ``seed`` seeds the chains: a given seed gives the same plan whenever the searches converge."""
     from autopar.search.mcmc import POLISH, mcmc
@@ -782,7 +784,9 @@ def auto(
         chains = mcmc(model, global_batch=global_batch, seeds=[f.config for f in (found, allowed_grid, dp) if f],
                       evaluate=evaluate, time_limit=max(time_limit - (time.perf_counter() - start), 0.1), seed=seed,
                       schedule=POLISH, progress=progress, should_stop=should_stop)
-    searches = [f for f in (allowed_grid, found, chains) if f is not None]
+    # a mixture's experts split over the devices: a point no other search reaches (they keep ep 1)
+    experts = expert_parallel(model, global_batch=global_batch, evaluate=evaluate)
+    searches = [f for f in (allowed_grid, found, chains, experts) if f is not None]
     best = min(searches, key=lambda f: f.score, default=None)
     if best is not None:
         complete = grid is not None and grid.converged
@@ -805,18 +809,36 @@ def auto(
 
 
 def data_parallel(
-    model: PipelineModel, *, global_batch: int, zero: int, evaluate: Evaluator | None = None
+    model: PipelineModel, *, global_batch: int, zero: int, evaluate: Evaluator | None = None, ep: int = 1
 ) -> Found | None:
-    """Pure data parallelism (ZeRO ``zero``; 3 is FSDP) at its best micro-batch size."""
+    """Pure data parallelism (ZeRO ``zero``; 3 is FSDP; ``ep``: each mixture's experts split over that many of
+    the ranks) at its best micro-batch size."""
     evaluate = evaluate or Evaluator(model, global_batch=global_batch)
     devices = model.cluster.num_devices
     best: Found | None = None
     for micro in micro_batches(global_batch, [devices]):
-        config = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=micro, zero=zero)
+        config = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=micro, zero=zero, ep=ep)
         result = evaluate(config)
         if best is None or score(result) < best.score:
             best = Found(config, result, 1)
     return best
+
+
+def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evaluator) -> Found | None:
+    """Data parallelism with each mixture's experts split over all the devices (`PipelineConfig.ep`), at its best
+    micro-batch size: None for a model without experts, experts the devices do not divide, or a shape ``evaluate``'s
+    limit refuses."""
+    devices = model.cluster.num_devices
+    groups = [group for row in model.expert_groups for group in row]
+    if devices < 2 or not groups or any(group.experts % devices for group in groups):
+        return None
+    probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
+    if evaluate.limit is not None and evaluate.limit(probe):
+        return None
+    found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
+    if found is not None:
+        found.by = "ep"
+    return found
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
