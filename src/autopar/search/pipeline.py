@@ -748,8 +748,9 @@ def auto(
 ) -> dict[str, Found | None]:
     """The default search: the Megatron grid first (cheap, and a floor: Aceso climbs from its best point too),
     then Aceso over every depth, then MCMC chains (`search.mcmc`, on its shorter ``POLISH`` schedule) from Aceso's
-    result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit`` bounding the whole. For a mixture of experts,
-    data parallelism with the experts split over every device (`expert_parallel`) is one more point. Returns
+    result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit``
+    bounding the whole. For a mixture of experts, data parallelism with the experts split over every device
+    (`expert_parallel`) is one more point. Returns
     ``auto`` (the best, ``by`` naming the search that found it, ``ep`` for that point; a tie goes to the earlier
     search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
