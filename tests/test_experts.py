@@ -181,6 +181,15 @@ def test_expert_parallelism_outside_what_runs_is_refused(
     assert code == 2 and message in err
 
 
+def test_expert_parallel_plans_with_compiled_layers_are_not_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", "hf:mixtral", *EP, *KV["mixtral"], "--ep", "2", "--kernels", "compiled",
+                        "--out", str(out))
+    assert code == 2 and "the plan splits experts over ranks (ep) and compiles its layers" in err
+    assert not out.exists()
+
+
 def test_expert_parallelism_of_a_model_without_experts_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(capsys, "estimate", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4",
                         "--vocab", "128", "--seq", "32", "--cluster", "cpu", "--batch", "8", "--gpus", "2", "--dp", "2",

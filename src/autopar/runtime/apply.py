@@ -425,7 +425,8 @@ def check_supported(plan: Plan) -> None:
     compiled_selective = plan.kernels == "compiled" and any(
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
-                         intra=any(s.intra for s in stages), compiled_selective=compiled_selective)
+                         intra=any(s.intra for s in stages), compiled_selective=compiled_selective,
+                         compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
     if not reason and plan.ep > 1 and (len(stages) > 1 or plan.zero or stages[0].tp > 1):
         reason = (f"the plan splits experts over {plan.ep} ranks (ep) with pp {plan.pp}, tp {stages[0].tp} and ZeRO "
                   f"{plan.zero}; expert parallelism runs on one stage without tensor parallelism under ZeRO 0 so far")
@@ -441,10 +442,14 @@ def intra_unsupported(plan: Plan) -> str | None:
 
 
 def unsupported(*, stages: int, grids: set[tuple[int, int]], intra: bool = False,
-                compiled_selective: bool = False) -> str | None:
+                compiled_selective: bool = False, compiled_experts: bool = False) -> str | None:
     """Why the runtime cannot run a pipeline plan of this shape (``grids``: the stages' (dp, tp)), or None. The
     planner keeps its search to shapes this accepts (unless ``--allow-unrunnable``). ``compiled_selective``: the
-    plan compiles its layers and recomputes attention selectively in a stage with tp > 1."""
+    plan compiles its layers and recomputes attention selectively in a stage with tp > 1; ``compiled_experts``: it
+    compiles its layers and splits experts over ranks."""
+    if compiled_experts:
+        return ("the plan splits experts over ranks (ep) and compiles its layers, which torch.compile cannot capture "
+                "whole: the all-to-alls' sizes come from routing, read on the host; plan with --kernels eager")
     if compiled_selective:
         return ("the plan recomputes attention selectively under tensor parallelism with compiled kernels, which "
                 "torch.compile cannot compile here (AOT autograd saves a DeviceMesh among the checkpoint's tensors); "

@@ -94,7 +94,8 @@ def split_by_expert(experts: nn.Module, mesh: Any) -> list[nn.Parameter]:  # noq
     group = mesh.get_group()
 
     @functools.wraps(forward)
-    def by_expert(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:  # noqa: ANN401
+    def by_expert(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, width = hidden_states.shape
         top_k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
@@ -152,7 +153,8 @@ def _exchange_counts(counts: list[int], ranks: int, group: Any, device: Any, *, 
     return _per_rank(counts, ranks)[0] * ranks if fake else out.tolist()
 
 
-def _all_to_all(tensor: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group: Any) -> torch.Tensor:  # noqa: ANN401
+def _all_to_all(tensor: torch.Tensor, output_sizes: list[int], input_sizes: list[int],
+                group: Any) -> torch.Tensor:  # noqa: ANN401 - a process group
     """Rows of ``tensor`` sent to the ranks of ``group`` (``input_sizes`` to each) and theirs received
     (``output_sizes`` from each), with gradients sent back the other way."""
     import torch.distributed._functional_collectives as funcol

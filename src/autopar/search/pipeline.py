@@ -185,7 +185,8 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
                "layers each handing the next one value, or its stages would not compute what the forward does"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
-                       intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective)
+                       intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective,
+                       compiled_experts=kernels == "compiled" and config.ep > 1)
 
 
 def shape(config: PipelineConfig) -> tuple:
