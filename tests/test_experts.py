@@ -248,3 +248,27 @@ def test_the_default_search_splits_experts_over_the_devices_where_that_is_fastes
     code, text, err = _cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab",
                            "128", "--seq", "32", "--cluster", "cpu", "--batch", "8", "--gpus", "2", "--json")
     assert code == 0 and json.loads(text)["plan"]["ep"] == 1
+
+
+def test_routed_all_to_alls_are_checked_call_by_call_on_each_rank_and_in_bytes_over_all_ranks(monkeypatch) -> None:
+    """Routing sends one rank more tokens than another: `run --check-comm` takes each rank's all-to-all calls as
+    predicted and their bytes summed over the ranks, which routing cannot change; any other collective, and any
+    plan without expert parallelism, is compared rank by rank in bytes too."""
+    from types import SimpleNamespace
+
+    from autopar.runtime import comm
+
+    predicted = [{"kind": "all_to_all", "axis": "dp", "count": 4, "bytes": 400}]  # calls and bytes of a rank
+    monkeypatch.setattr(comm, "stage_predictions", lambda plan: [predicted])
+
+    def counted(*sent: tuple[int, int]) -> list[list[dict]]:
+        return [[{"kind": "all_to_all", "axis": "dp", "count": calls, "bytes": nbytes}] for calls, nbytes in sent]
+
+    plan = SimpleNamespace(ep=2, is_pipeline=True, grid=(2, 1), pp=1, stages=[None])
+    assert comm.check_ranks(plan, counted((4, 300), (4, 500)))["ok"]
+    result = comm.check_ranks(plan, counted((4, 300), (4, 600)))
+    assert not result["ok"] and result["message"] == "all_to_all on dp: 900 bytes sent by all ranks together, 800 " \
+                                                     "predicted"
+    assert comm.check_ranks(plan, counted((4, 300), (5, 500)))["message"].startswith("rank 1: all_to_all on dp: 5 calls")
+    whole = SimpleNamespace(ep=1, is_pipeline=True, grid=(2, 1), pp=1, stages=[None])
+    assert comm.check_ranks(whole, counted((4, 300), (4, 500)))["message"].startswith("rank 0: all_to_all on dp")

@@ -552,14 +552,15 @@ def _tp_random(mesh: Any, device: str) -> tuple[torch.Tensor, torch.Tensor | Non
 
 def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *, units: Iterable[nn.Module],
                ddp: bool) -> ParallelModel:
-    """A single-stage plan: tensor parallelism over tp, then data parallelism over dp (DDP, by hand, or FSDP2)."""
+    """A single-stage plan: tensor parallelism over tp, a mixture's experts split over dp (expert parallelism),
+    then data parallelism over dp (DDP, by hand, or FSDP2)."""
     from autopar.runtime.experts import expert_parallel_modules, split_by_expert
 
     zero, (dp, tp) = plan.zero, plan.grid
     permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
     modules = dict(model.named_modules())
     experts = [p for fqn in expert_parallel_modules(model, plan) for p in split_by_expert(modules[fqn], mesh["dp"])]
-    own = {"experts": experts, "expert_ranks": dp}
+    own = {"experts": experts, "expert_ranks": dp}  # under ZeRO 0 and tp 1 (`check_supported`)
 
     def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
         params = dict(model.named_parameters())
@@ -570,8 +571,6 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
 
     if dp == 1:
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
-    if experts and (zero or tp > 1):
-        raise NotImplementedError("expert parallelism runs under ZeRO 0 without tensor parallelism so far")
     if zero > 0:
         layers = list(units) or repeated_layers(model)
         _fully_shard(model, layers, mesh["dp"], zero)

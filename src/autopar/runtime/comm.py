@@ -334,17 +334,18 @@ def check_ranks(plan: Plan, counted: list[list[dict[str, Any]]]) -> dict[str, An
     all ranks, where routing only moves them between ranks."""
     expected = stage_predictions(plan)
     routed = frozenset({("all_to_all", "dp")}) if plan.ep > 1 else frozenset()
-    for kind, axis in routed:
-        got = sum(c["bytes"] for summary in counted for c in summary if (c["kind"], c["axis"]) == (kind, axis))
-        want = sum(c["bytes"] for rank in range(len(counted)) for c in rank_prediction(plan, expected, rank)
-                   if (c["kind"], c["axis"]) == (kind, axis))
-        if abs(got - want) > BYTES_TOLERANCE * max(want, 1):
-            return {"ok": False, "message": f"{kind} on {axis}: {got:.0f} bytes sent by all ranks together, "
-                    f"{want:.0f} predicted", "ranks": []}
     results = []
     for rank, summary in enumerate(counted):
         result = compare(summary, rank_prediction(plan, expected, rank), routed=routed)
         results.append({"rank": rank, **result})
         if not result["ok"]:
             return {"ok": False, "message": f"rank {rank}: {result['message']}", "ranks": results}
+    for kind, axis in routed:
+        got = sum(r["counted_bytes"] for result in results for r in result["rows"]
+                  if (r["kind"], r["axis"]) == (kind, axis))
+        want = sum(r["predicted_bytes"] for result in results for r in result["rows"]
+                   if (r["kind"], r["axis"]) == (kind, axis))
+        if abs(got - want) > BYTES_TOLERANCE * max(want, 1):
+            return {"ok": False, "message": f"{kind} on {axis}: {got:.0f} bytes sent by all ranks together, "
+                    f"{want:.0f} predicted", "ranks": results}
     return {"ok": True, "message": "every rank's collectives match the plan's prediction", "ranks": results}

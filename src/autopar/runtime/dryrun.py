@@ -30,7 +30,7 @@ def dryrun(plan: Plan, *, checked: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     per_device = plan.grid[0] * plan.grid[1] if plan.is_pipeline else plan.devices
 
-    def attempt(dtype: torch.dtype) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def attempt(dtype: torch.dtype) -> tuple[dict[str, Any], list[dict[str, Any]], torch.dtype]:
         expected = stage_predictions(plan, dtype=dtype)
         ranks = []
         for device in range(plan.pp if plan.is_pipeline else 1):
@@ -40,19 +40,13 @@ def dryrun(plan: Plan, *, checked: bool = False) -> dict[str, Any]:
             if not result["ok"]:
                 result = {**result, "message": f"rank {rank}: {result['message']}"}
                 break
-        return result, ranks
+        return result, ranks, dtype
 
     # a pipeline plan's model rehearsed in bf16 where a fake kernel takes bf16 only (MoE's grouped matmul), with
     # the prediction in bf16 too; an intra-op plan in fp32 only, as it is checked when planned
-    dtypes = []
-
-    def noted(dtype: torch.dtype) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        dtypes.append(dtype)
-        return attempt(dtype)
-
-    result, ranks = fp32_else_bf16(noted) if plan.is_pipeline else noted(torch.float32)
+    result, ranks, dtype = fp32_else_bf16(attempt) if plan.is_pipeline else attempt(torch.float32)
     first = ranks[0]
     return {"world_size": plan.devices, "seconds": time.perf_counter() - start, "ok": result["ok"],
-            "dtype": "bf16" if dtypes[-1] == torch.bfloat16 else "fp32",
+            "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
             "rows": first["rows"], "message": result["message"] if not result["ok"] else first["message"],
             "ranks": ranks}
