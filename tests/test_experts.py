@@ -269,6 +269,7 @@ def test_routed_all_to_alls_are_checked_call_by_call_on_each_rank_and_in_bytes_o
     result = comm.check_ranks(plan, counted((4, 300), (4, 600)))
     assert not result["ok"] and result["message"] == "all_to_all on dp: 900 bytes sent by all ranks together, 800 " \
                                                      "predicted"
-    assert comm.check_ranks(plan, counted((4, 300), (5, 500)))["message"].startswith("rank 1: all_to_all on dp: 5 calls")
+    assert comm.check_ranks(plan, counted((4, 300), (5, 500)))["message"].startswith(
+        "rank 1: all_to_all on dp: 5 calls")
     whole = SimpleNamespace(ep=1, is_pipeline=True, grid=(2, 1), pp=1, stages=[None])
     assert comm.check_ranks(whole, counted((4, 300), (4, 500)))["message"].startswith("rank 0: all_to_all on dp")
