@@ -639,8 +639,8 @@ def test_dryrun_of_a_pipeline_rehearses_each_stage_on_a_fake_process_group(
 
     real = comm.stage_predictions
 
-    def short(plan):  # noqa: ANN001, ANN202
-        stages = real(plan)
+    def short(plan, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        stages = real(plan, **kwargs)
         last = stages[-1]
         row = next(r for r in last if r["kind"] == "send_recv")
         return [*stages[:-1], [r if r is not row else {**r, "count": r["count"] - 1} for r in last]]

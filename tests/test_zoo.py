@@ -88,3 +88,13 @@ def test_hand_written_hugging_face_models_carry_their_dropout_and_the_runtime_tu
     assert all(m.p == 0.0 for m in off.modules() if isinstance(m, torch.nn.Dropout))
     on = load(f"hf:{kind}-tiny", batch=1, seq=16).module
     assert all(getattr(on.config, name) == spec.dropout for name, value in defaults.items() if value)
+
+
+@pytest.mark.parametrize("name", ["hf:llama-tiny", "hf:mistral"])
+def test_a_config_transformers_refuses_is_a_one_line_error_naming_the_model(name: str) -> None:
+    """transformers' configs validate themselves (huggingface_hub's strict dataclasses): a hidden size the head
+    count does not divide (LLaMA's check) or an odd rotary dimension (Mistral's, first) is refused as a ValueError
+    naming the model, not a traceback of theirs."""
+    with pytest.raises(ValueError, match=rf"{name}: transformers refuses this configuration \("
+                                         r"StrictDataclassClassValidationError: .*(hidden size \(63\)|`head_dim`=15)"):
+        load(name, batch=1, seq=16, hidden=63, heads=4, kv_heads=2, layers=1, device="meta")

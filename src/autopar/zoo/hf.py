@@ -154,7 +154,7 @@ def build(cfg: ModelConfig, *, dtype: torch.dtype, device: str) -> nn.Module:
         values[key] = max(values.get(key, 0), cfg.seq)
     config_class = getattr(transformers, spec.config_class)
     values.update(dict.fromkeys(dropouts(config_class()), cfg.dropout))  # `autopar run` turns them all off
-    config = config_class(**values, use_cache=False)
+    config = hf_auto.made_config(cfg.name, lambda: config_class(**values, use_cache=False))
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = getattr(transformers, spec.model_class)(config)

@@ -93,7 +93,20 @@ def head_for(model_type: str, path: str | None) -> Head:
 
 def default_config(model_type: str, path: str | None, **changes: Any) -> Any:
     """The transformers config: the type's defaults (or the file's values) with ``changes`` on top."""
-    return transformers_module().AutoConfig.for_model(model_type, **{**_file_values(path), **changes})
+    auto = transformers_module().AutoConfig
+    return made_config(f"hf:{model_type}", lambda: auto.for_model(model_type, **{**_file_values(path), **changes}))
+
+
+def made_config(name: str, make: Any) -> Any:  # noqa: ANN401 - a transformers config, from a callable
+    """``make()``; where transformers refuses the values (its configs validate themselves: a hidden size the head
+    count does not divide), a ValueError naming the model and transformers' reason in one line, not a traceback."""
+    try:
+        return make()
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's StrictDataclassClassValidationError, and the like
+        text = " ".join(str(exc).split())[:300]
+        raise ValueError(f"{name}: transformers refuses this configuration ({type(exc).__name__}: {text})") from exc
 
 
 def _planning_seq(config: Any, task: str) -> int:
