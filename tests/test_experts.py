@@ -217,8 +217,8 @@ def test_expert_parallel_plans_train_as_one_process_and_rehearse_in_bf16(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "options", "ranks"), [
-    ("qwen2_moe", [], 2),  # beside a shared expert and its gate, both whole
-    ("qwen3_moe", [], 2),
+    ("qwen2_moe", ["--experts", "8"], 2),  # beside a shared expert and its gate, both whole (8 of its 60 experts)
+    ("qwen3_moe", ["--experts", "8"], 2),
     ("mixtral", [], 4),  # 2 experts per rank
     ("mixtral", ["--recompute", "full"], 2),  # the recomputed forward sends the tokens again
 ])
