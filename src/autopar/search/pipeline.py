@@ -751,9 +751,8 @@ def auto(
     then Aceso over every depth, then MCMC chains (`search.mcmc`, on its shorter ``POLISH`` schedule) from Aceso's
     result, the grid's best and pure DP with the time Aceso left; each stops when it converges, ``time_limit``
     bounding the whole. For a mixture of experts, data parallelism with the experts split over every device
-    (`expert_parallel`) is one more point. Returns
-    ``auto`` (the best, ``by`` naming the search that found it, ``ep`` for that point; a tie goes to the earlier
-    search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
+    (`expert_parallel`) is one more point. Returns ``auto`` (the best, ``by`` naming the search that found it,
+    ``ep`` for that point; a tie goes to the earlier search) with the ``megatron``, ``dp`` and ``fsdp`` baselines.
     With ``limit`` (`runtime_limit`, say) only configurations it accepts are searched; the baselines are priced
     whatever it says. ``seed`` seeds the chains: a given seed gives the same plan whenever the searches converge."""
     from autopar.search.mcmc import POLISH, mcmc
