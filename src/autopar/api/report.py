@@ -68,7 +68,7 @@ def title(data: dict[str, Any]) -> str:
     grids = ", ".join(dict.fromkeys(f"{s['dp']} x {s['tp']}" for s in plan["stages"]))
     return (f"{data['model']} on {data['gpus']} x {data['cluster']}: {data['search']} plan, "
             f"{count(len(plan['stages']), 'stage')} (dp x tp {grids}), micro-batch {plan['micro_batch_size']} x "
-            f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}{_experts(plan.get('ep', 1))}")
+            f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}{experts_text(plan.get('ep', 1))}")
 
 
 def _layout(found: Found, chosen: Found) -> dict[str, Any]:
@@ -152,11 +152,13 @@ def _shape(plan: dict[str, Any]) -> str:
     return (f"{count(len(plan['stages']), 'pipeline stage')}, micro-batch {plan['micro_batch_size']} x "
             f"{plan['micro_batches']}, ZeRO {plan['zero']}, {plan['schedule']}"
             f"{', compiled kernels' if plan.get('kernels') == 'compiled' else ''}"
-            f"{_experts(plan.get('ep', 1))}")
+            f"{experts_text(plan.get('ep', 1))}")
 
 
-def _experts(ep: int) -> str:
-    return f", experts split over {ep} ranks (all-to-all sizes for tokens spread evenly)" if ep > 1 else ""
+def experts_text(ep: int) -> str:
+    """What a plan's expert parallelism is, for the line that sums a plan up; empty without it."""
+    return f", experts split over {ep} ranks (all-to-all sizes assume tokens spread evenly over the experts)" \
+        if ep > 1 else ""
 
 
 def _stages(plan: dict[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from autopar.api.report import experts_text
 from autopar.cli.common import (
     MAX_BATCH, MAX_DEVICES, add_kernels_argument, add_model_arguments, add_profile_argument,
     bounded_int, check_out, load_and_trace, load_profile, profile_data,
@@ -151,8 +152,7 @@ def _head(data: dict[str, Any]) -> str:
         f"micro-batch {p['mbs']} x {e['micro_batches']}, recompute {p['recompute']}, ZeRO {p['zero']}"
         + (f", interleaved x{p['chunks']}" if p.get("chunks", 1) > 1 else "")
         + (", SP" if p["sp"] else "")
-        + (f", experts split over {p['ep']} ranks (all-to-all sizes assume tokens spread evenly over the experts)"
-           if p.get("ep", 1) > 1 else "")
+        + experts_text(p.get("ep", 1))
         + (", compiled kernels" if p.get("kernels") == "compiled" else "")
         + f"; global batch {data['config']['batch']} x seq {data['config']['seq']}"
     )

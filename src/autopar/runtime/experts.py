@@ -149,7 +149,7 @@ def _exchange_counts(counts: list[int], ranks: int, group: Any, device: Any, *, 
     import torch.distributed._functional_collectives as funcol
 
     out = funcol.all_to_all_single(torch.tensor(counts, dtype=torch.int64, device=device), None, None, group)
-    out = funcol.wait_tensor(out) if hasattr(funcol, "wait_tensor") else out
+    out = funcol.wait_tensor(out)
     return _per_rank(counts, ranks)[0] * ranks if fake else out.tolist()
 
 
@@ -160,4 +160,4 @@ def _all_to_all(tensor: torch.Tensor, output_sizes: list[int], input_sizes: list
     import torch.distributed._functional_collectives as funcol
 
     out = funcol.all_to_all_single_autograd(tensor.contiguous(), output_sizes, input_sizes, group)
-    return funcol.wait_tensor(out) if hasattr(funcol, "wait_tensor") else out
+    return funcol.wait_tensor(out)
