@@ -159,7 +159,9 @@ def test_mutated_plan_files_are_refused_in_one_line_or_run_correctly(plan_seeds:
         path = tmp_path / f"case{report.cases:04d}.json"
         path.write_bytes(data)
         how = f"seed {seed}: {how}" + (" (the seed as it was)" if digest in unchanged else "")
-        dry = run_main(["dryrun", str(path), "--json"])
+        # a pipeline's dryrun rehearses each pipeline device in turn: a 2 x 2 one took 10.6 s on this 2-core
+        # machine with other work beside it, so dryruns get three times a case's limit (a hang is still one)
+        dry = run_main(["dryrun", str(path), "--json"], seconds=3 * CASE_SECONDS)
         report.add(dry, how, data, input_path=str(path))
         outcomes["dryrun accepts"] += dry.code == 0
         outcomes["dryrun refuses pipelines"] += DRYRUN_PIPELINE_REFUSAL in dry.stderr
