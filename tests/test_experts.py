@@ -20,8 +20,10 @@ from autopar.sharding import PARTIAL, REPLICATE
 from autopar.sharding.strategies import PASS, apply
 from autopar.zoo import load
 
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--seq", "32", "--cluster", "cpu",
-         "--batch", "8", "--mbs", "2"]
+# a vocabulary of 1,024, not the models' own 32,000-152,000: the embedding and head would hold most of the weights and
+# of the time the checks take
+SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "1024", "--seq", "32",
+         "--cluster", "cpu", "--batch", "8", "--mbs", "2"]
 KV = {"mixtral": ["--kv-heads", "2"], "qwen2_moe": [], "qwen3_moe": []}
 
 
@@ -110,7 +112,7 @@ def test_plans_split_experts_by_features_and_keep_routers_whole(
 @pytest.mark.parametrize(("name", "options", "ranks"), [
     ("mixtral", ["--tp", "2", "--pp", "1"], 2),
     ("mixtral", ["--tp", "2", "--pp", "1", "--sp"], 2),  # the block gathers the sequence and scatters its sum
-    ("qwen2_moe", ["--tp", "2", "--pp", "1"], 2),  # beside a shared expert, column- and row-parallel
+    ("qwen2_moe", ["--tp", "2", "--pp", "1", "--experts", "8"], 2),  # beside a shared expert: column- and row-parallel
     ("mixtral", ["--tp", "2", "--pp", "2"], 4),
     ("mixtral", ["--tp", "2", "--pp", "1", "--dp", "2", "--zero", "3"], 4),  # FSDP gathers the weights of each forward
     ("mixtral", ["--tp", "2", "--pp", "1", "--recompute", "full"], 2),
@@ -172,13 +174,64 @@ def test_expert_parallel_plans_split_experts_by_expert_and_price_their_all_to_al
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (["--dp", "4", "--gpus", "4"], "it needs --dp 2, --tp 1, --pp 1 and --zero 0 (got --dp 4"),
-    (["--zero", "1"], "it needs --dp 2, --tp 1, --pp 1 and --zero 0 (got --dp 2, --tp 1, --pp 1, --zero 1)"),
+    (["--dp", "4", "--gpus", "4"], "--ep 2: expert parallelism splits the experts over each stage's whole "
+                                   "data-parallel group, without tensor parallelism, under ZeRO 0 so far: ep 2 needs "
+                                   "dp 2, tp 1 and zero 0 (got dp 4, tp 1, zero 0)"),
+    (["--zero", "1"], "ep 2 needs dp 2, tp 1 and zero 0 (got dp 2, tp 1, zero 1)"),
+    (["--tp", "2", "--gpus", "4"], "ep 2 needs dp 2, tp 1 and zero 0 (got dp 2, tp 2, zero 0)"),
 ])
 def test_expert_parallelism_outside_what_runs_is_refused(
         capsys: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
     code, _, err = _cli(capsys, "estimate", "hf:mixtral", *EP, *KV["mixtral"], "--ep", "2", *options)
     assert code == 2 and message in err
+
+
+def test_expert_parallel_pipelines_leave_the_experts_out_of_each_stage_s_all_reduce(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2 stages of dp 2: each stage splits its layer's experts over its dp ranks, all-reduces the rest of its
+    gradients by hand without them, and its all-to-alls are the single-stage plan's share of its layers; the
+    plan passes the plan-time check, each stage rehearsed on its own."""
+    pipeline = [*SMALL, *KV["mixtral"], "--gpus", "4", "--dp", "2", "--pp", "2"]
+
+    def estimate(*options: str) -> dict:
+        code, out, err = _cli(capsys, "estimate", "hf:mixtral", *pipeline, *options, "--json")
+        assert code == 0, err
+        return json.loads(out)["estimate"]
+
+    def calls(estimate: dict, kind: str) -> int:
+        return sum(c["bytes"] * c["count"] for c in estimate["collectives"] if c["kind"] == kind)
+
+    zoo = load("hf:mixtral", batch=1, seq=32, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128)
+    experts = sum(p.numel() for name, p in zoo.module.named_parameters() if ".experts." in name)
+    whole, by_expert = estimate(), estimate("--ep", "2")
+    bf16 = 2
+    assert calls(whole, "all_reduce") - calls(by_expert, "all_reduce") == experts * bf16
+    assert calls(by_expert, "all_to_all") == calls(_estimate(capsys, "mixtral", "--ep", "2"), "all_to_all")
+    # the busier stage holds half of its layer's experts
+    assert whole["memory"]["parameters"] - by_expert["memory"]["parameters"] == experts // 2 // 2 * bf16
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", "hf:mixtral", *pipeline, "--ep", "2", "--out", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["plan"]["ep"] == 2
+
+
+def test_a_model_prices_a_stage_with_and_without_expert_parallelism_apart() -> None:
+    """One model prices dp and then ep (as a search does): each gets its own memory, as a fresh model gives."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineConfig, PipelineModel, Stage
+
+    graph = _graph("mixtral")
+    cluster = load_cluster("cpu").with_devices(2)
+
+    def memory(model: PipelineModel, ep: int) -> float:
+        config = PipelineConfig(stages=(Stage(start=0, end=len(model.layers), tp=1, dp=2),), micro_batch=2, ep=ep)
+        return model.estimate(config, global_batch=8).stages[0].memory.allocated
+
+    shared = PipelineModel(graph, cluster, traced_batch=2, dtype="fp32")
+    plain = memory(shared, 1)
+    by_expert = memory(shared, 2)
+    assert by_expert < plain
+    assert by_expert == memory(PipelineModel(graph, cluster, traced_batch=2, dtype="fp32"), 2)
 
 
 def test_expert_parallel_plans_with_compiled_layers_are_not_written(
@@ -221,12 +274,16 @@ def test_expert_parallel_plans_train_as_one_process_and_rehearse_in_bf16(
     ("qwen3_moe", ["--experts", "8"], 2),
     ("mixtral", [], 4),  # 2 experts per rank
     ("mixtral", ["--recompute", "full"], 2),  # the recomputed forward sends the tokens again
+    # 2 stages of dp 2, each splitting its own layers' experts; interleaved, 2 layers per device
+    ("mixtral", ["--layers", "4", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 4),
+    ("qwen2_moe", ["--experts", "8", "--pp", "2", "--schedule", "gpipe"], 4),
 ])
 def test_more_expert_parallel_plans_train_as_one_process(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, options: list[str], ranks: int) -> None:
     out = tmp_path / "plan.json"
-    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", str(ranks), "--dp", str(ranks),
-                        "--ep", str(ranks), *options, "--out", str(out))
+    dp = ranks // 2 if "--pp" in options else ranks
+    code, _, err = _cli(capsys, "estimate", f"hf:{name}", *SMALL, *KV[name], "--gpus", str(ranks), "--dp", str(dp),
+                        "--ep", str(dp), *options, "--out", str(out))
     assert code == 0, err
     code, text, err = _cli(capsys, "run", str(out), "--nproc", str(ranks), "--steps", "5", "--check", "--check-comm")
     assert code == 0, err
@@ -235,8 +292,8 @@ def test_more_expert_parallel_plans_train_as_one_process(
 
 def test_the_default_search_splits_experts_over_the_devices_where_that_is_fastest(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Qwen2-MoE's 60 experts hold most of its weights: splitting them over 2 CPU ranks moves a few KiB of tokens
-    instead of all-reducing 32 MiB of their gradients, and the search's plan says so; it passes the plan-time
+    """Qwen2-MoE's 60 experts hold most of its weights: splitting them over 2 CPU ranks sends 514 KiB of tokens a
+    step instead of all-reducing 62 MiB of their gradients, and the search's plan says so; it passes the plan-time
     check, and a model without experts never gets such a plan."""
     out = tmp_path / "plan.json"
     code, text, err = _cli(capsys, "plan", "hf:qwen2_moe", *SMALL[:-4], "--batch", "8", "--gpus", "2", "--json",
@@ -248,6 +305,33 @@ def test_the_default_search_splits_experts_over_the_devices_where_that_is_fastes
     code, text, err = _cli(capsys, "plan", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab",
                            "128", "--seq", "32", "--cluster", "cpu", "--batch", "8", "--gpus", "2", "--json")
     assert code == 0 and json.loads(text)["plan"]["ep"] == 1
+
+
+def test_the_search_splits_the_experts_of_the_best_configurations_that_can_have_them_split() -> None:
+    """Besides data parallelism over every device, `expert_parallel` prices the twin of each of the best
+    configurations priced so far with tp 1 and ZeRO 0 (a pipeline among them) with its experts split over its dp,
+    and returns the best of all those; configurations with tp or ZeRO get none."""
+    from dataclasses import replace
+
+    from autopar.cluster import load_cluster
+    from autopar.cost.pipeline import PipelineConfig, PipelineModel
+    from autopar.search.pipeline import Evaluator, even_stages, expert_parallel, score
+
+    zoo = load("hf:qwen2_moe", batch=2, seq=16, dtype=torch.float32, layers=2, hidden=64, heads=4, ffn=128,
+               experts=8)
+    model = PipelineModel(trace(zoo.module, example_kwargs=zoo.inputs), load_cluster("cpu").with_devices(4),
+                          traced_batch=2, dtype="fp32")
+    evaluate = Evaluator(model, global_batch=8)
+    pipeline = PipelineConfig(stages=even_stages(model, 2, tp=1, dp=2), micro_batch=2)
+    sharded = replace(pipeline, zero=1)
+    tensor = PipelineConfig(stages=even_stages(model, 1, tp=2, dp=2), micro_batch=2)
+    for config in (pipeline, sharded, tensor):
+        evaluate(config)
+    found = expert_parallel(model, global_batch=8, evaluate=evaluate)
+    twins = {config for config in evaluate.cache if config.ep > 1}
+    assert replace(pipeline, ep=2) in twins
+    assert not any(config.zero or config.stages[0].tp > 1 for config in twins)
+    assert found.by == "ep" and found.score == min(score(evaluate.cache[config]) for config in twins)
 
 
 def test_routed_all_to_alls_are_checked_call_by_call_on_each_rank_and_in_bytes_over_all_ranks(monkeypatch) -> None:

@@ -131,7 +131,7 @@ def test_sequence_parallelism_with_zero_across_dp_matches_one_process_and_the_pr
         ("gpt3-125m", GPT, 2, 2, 3, None),  # FSDP x TP on a 2 x 2 mesh
         ("llama-7b", LLAMA, 2, 2, 3, BOTH),  # FSDP x TP with recomputation
         # Hugging Face attention: q, k and v projected apart from one normed input (its gradient reduced once)
-        ("hf:mistral", {"layers": 2, "hidden": 256, "heads": 8}, 2, 1, 0, None),
+        ("hf:mistral", {"layers": 2, "hidden": 256, "heads": 8, "vocab": 1024}, 2, 1, 0, None),
         ("hf:llama-tiny", {"layers": 2}, 2, 1, 0, None),  # and with grouped-query heads
         # heads formed with the module's own head count, view(bsz, -1, self.num_heads, head_dim): made per rank
         ("hf:opt", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
@@ -140,7 +140,7 @@ def test_sequence_parallelism_with_zero_across_dp_matches_one_process_and_the_pr
         # fused q/k/v laid out group by group, each rank given whole groups as the weight stands: BLOOM's head by
         # head, Falcon's new decoder architecture's by key/value head; their ALiBi biases (and Falcon's mask, which
         # holds them) taken per rank
-        ("hf:bloom", {"layers": 2, "hidden": 64, "heads": 4}, 2, 1, 0, None),
+        ("hf:bloom", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1024}, 2, 1, 0, None),  # not its 250,880
         ("falcon-new", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
         # fused q/k/v cut by slices at the config's widths, and gate/up by chunk(2): laid out piece by piece
         ("hf:phi3", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}, 2, 1, 0, None),
@@ -441,6 +441,19 @@ def test_pipelines_under_zero_match_one_process_and_the_predicted_collectives(
     data = _run(path, 4)
     kinds = {(row["kind"], row["axis"]) for row in data["check_comm"]["ranks"][0]["rows"]}
     assert {("all_gather", "dp"), ("reduce_scatter", "dp"), ("send_recv", "pp")} <= kinds
+
+
+def test_a_1f1b_pipeline_with_fewer_micro_batches_than_stages_is_refused_when_planned(tmp_path, capsys) -> None:
+    """PyTorch's 1F1B schedule refuses it when the ranks build it: `estimate --out` says so first, and how to plan
+    one that runs; GPipe takes it."""
+    small = ["gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "32",
+             "--cluster", "cpu", "--batch", "4", "--mbs", "4", "--gpus", "2", "--pp", "2"]
+    out = tmp_path / "plan.json"
+    assert main(["estimate", *small, "--out", str(out)]) == 2
+    assert "the 1F1B schedule needs at least as many micro-batches as stages: 1 micro-batch of 4 samples for pp 2; " \
+           "plan a smaller micro-batch (--mbs), or --schedule gpipe" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["estimate", *small, "--schedule", "gpipe", "--out", str(out)]) == 0 and out.exists()
 
 
 def test_plans_the_runtime_cannot_apply_are_refused_by_name(tmp_path, capsys) -> None:

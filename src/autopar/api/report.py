@@ -78,6 +78,7 @@ def _layout(found: Found, chosen: Found) -> dict[str, Any]:
         "pp": c.pp, "dp_x_tp": [[s.dp, s.tp] for s in c.stages],  # per stage
         "intra": [s.intra for s in c.stages],  # per stage: layers laid out by the intra-op planner
         "micro_batch_size": c.micro_batch, "zero": c.zero,
+        "ep": c.ep,  # expert parallelism: each stage's experts split over its dp ranks (1: none)
         "sp": c.sp, "schedule": c.schedule, "recomputed_layers": sum(len(s.recomputed_rows()) for s in c.stages),
         "iteration_seconds": e.iteration_seconds, "fits": e.memory.fits,
         "vs_plan": e.iteration_seconds / chosen.result.estimate.iteration_seconds,
@@ -212,7 +213,8 @@ def _runners_up(data: dict[str, Any]) -> list[str]:
     """The best of the other layouts the search priced, a line each, with how much slower each is."""
     if not data.get("runners_up"):
         return []
-    rows = [[str(r["pp"]), stage_grids(r), str(r["micro_batch_size"]),
+    rows = [[str(r["pp"]), stage_grids(r) + (f", ep {r['ep']}" if r.get("ep", 1) > 1 else ""),
+             str(r["micro_batch_size"]),
              str(r["zero"]), r["schedule"] + (" + SP" if r["sp"] else ""), str(r["recomputed_layers"]),
              f"{r['iteration_seconds']:.3f} s" + ("" if r["fits"] else " (does not fit)"), f"{r['vs_plan']:.2f}x"]
             for r in data["runners_up"]]

@@ -229,6 +229,9 @@ class StageLoad:
     kept_outputs: float = 1.0  # outputs the schedule keeps at the first backward (see `ScheduleBuffers.output`)
     buffers: float = 0.0  # module buffers (rotary tables, norm statistics)
     schedule: ScheduleBuffers = ScheduleBuffers()
+    # parameters whose gradients no all-reduce reads (expert parallelism's experts, each whole on the one rank
+    # holding it): outside DDP's buckets and the by-hand flat copy
+    unsynced: float = 0.0
     # `walk`'s results, shared by loads of the same rows (walks do not depend on the micro-batches in flight);
     # None: walked each time
     walks: dict | None = field(default=None, compare=False, repr=False)
@@ -283,7 +286,7 @@ def steady_bytes(load: StageLoad) -> Moment:
     if load.holding is Holding.FSDP:
         root = sum(row.params * row.count for row in load.rows if not row.unit)
         weights = params * p.weight / shards + root * p.weight
-    buckets = ddp_bucket_bytes(params, p) if load.holding is Holding.DDP else 0.0
+    buckets = ddp_bucket_bytes(params - load.unsynced, p) if load.holding is Holding.DDP else 0.0
     return Moment(parameters=weights + load.buffers, optimizer=optimizer_state_bytes(params, p, shards=shards),
                   other=buckets)
 
@@ -435,12 +438,13 @@ def end_moment(load: StageLoad) -> Moment:
     the schedule returns, the last stage's outputs concatenated, ``m * output`` more, where that exceeds the
     synchronisation's own buffer):
 
-        DDP       weights + gradients + buckets            params * (w + g + g)
-        by hand   weights + gradients + their flat copy    params * (w + g + g)
+        DDP       weights + gradients + buckets            params * (w + g) + synced * g
+        by hand   weights + gradients + their flat copy    params * (w + g) + synced * g
         FSDP      shards, and the root unit's whole gradients with its reduce-scatter input (its shard comes
                   once they are freed)   params * w / dp + (params - root) * g / dp + 2 * root * g
 
-    with the optimizer state ``params * (master + state) / shards``. The optimizer step that follows holds no more:
+    with the optimizer state ``params * (master + state) / shards`` (``synced``: the parameters an all-reduce
+    reads, all but expert parallelism's experts). The optimizer step that follows holds no more:
     SGD updates in place, and Adam is priced as fused Adam does it (PyTorch's default foreach Adam takes the square
     root of every second moment at once on CUDA, ``params * 4 / shards`` more; on CPU it goes tensor by tensor,
     twice the largest one more)."""
@@ -456,7 +460,8 @@ def end_moment(load: StageLoad) -> Moment:
         sync = Moment(parameters=weights, gradients=gradients - root / shards + root, optimizer=optimizer,
                       other=buffers + max(root, merged))
     else:
-        copy = ddp_bucket_bytes(params, p) if load.holding in (Holding.DDP, Holding.BY_HAND) else 0.0
+        synced = params - load.unsynced
+        copy = ddp_bucket_bytes(synced, p) if load.holding in (Holding.DDP, Holding.BY_HAND) else 0.0
         sync = Moment(parameters=weights, gradients=gradients, optimizer=optimizer, other=buffers + max(copy, merged))
     return sync
 

@@ -69,6 +69,7 @@ from autopar.cost.simulator import PipelineSimulation, PipelineSpec, StageTimes,
 from autopar.cost.stage_memory import StageMemoryModel
 from autopar.cost.types import KERNELS, RECOMPUTE, SCHEDULES, CollectiveUse, Estimate, MemoryBreakdown
 from autopar.cost.uses import collective_uses
+from autopar.plan.records import expert_parallel_limits
 from autopar.profiling.db import UnitEntry, unit_fingerprint
 
 
@@ -156,7 +157,8 @@ class PipelineConfig:
     schedule: str = "1f1b"
     chunks: int = 1  # interleaved 1F1B: stages per device, stage v on device v % pp
     # expert parallelism: each mixture's experts split over ``ep`` data-parallel ranks, their tokens moved to them
-    # and back by all-to-alls (`PipelineModel.expert_parallel`); so far ep is the whole dp of one stage
+    # and back by all-to-alls (`PipelineModel.expert_parallel`); so far ep is every stage's whole dp
+    # (`expert_parallel_limits`)
     ep: int = 1
 
     def __post_init__(self) -> None:
@@ -164,11 +166,9 @@ class PipelineConfig:
             raise ValueError("a pipeline needs at least one stage")
         if type(self.ep) is not int or self.ep < 1:
             raise ValueError(f"ep must be a positive integer, got {self.ep!r}")
-        if self.ep > 1 and (len(self.stages) > 1 or self.stages[0].dp != self.ep or self.stages[0].tp > 1
-                            or self.zero):
-            raise ValueError(f"expert parallelism splits the experts over one stage's whole data-parallel group, "
-                             f"under ZeRO 0 without tensor parallelism so far: ep {self.ep} needs dp {self.ep}, "
-                             f"tp 1, pp 1 and zero 0")
+        reason = expert_parallel_limits(self.ep, [(s.dp, s.tp) for s in self.stages], self.zero)
+        if reason:
+            raise ValueError(reason)
         if (self.schedule == "interleaved") != (self.chunks > 1):
             raise ValueError(f"the interleaved schedule needs 2 or more chunks per device and only it does, got "
                              f"schedule {self.schedule!r} with {self.chunks} chunks")
@@ -523,14 +523,16 @@ class PipelineModel:
         backward two (the gradients of those two), a recomputed layer's backward the forward's three again.
         Compute is the experts' share of one process's (tokens spread evenly over the experts: routing decides
         the real spread, so the all-to-alls' sizes are this even spread's, not checked per rank); the pairs sent
-        and received are transient memory beside the layer's."""
+        and received are transient memory beside the layer's, and the backward keeps one tensor of the received
+        pairs' hidden states more than one process keeps (counted among the tensors autograd saves on the
+        ranks), unless the layer is recomputed whole."""
         groups = self.expert_groups[row] if ep > 1 else []
         if not groups:
             return price
         axis = mesh.axis("dp")
         forward: list[CommCall] = []
         backward: list[CommCall] = []
-        moved = held = 0.0
+        moved = held = kept = 0.0
         for group in groups:
             if group.experts % ep:
                 raise ValueError(f"{group.module}: its {group.experts} experts do not split over ep {ep}")
@@ -540,6 +542,7 @@ class PipelineModel:
             forward += [counts, pairs]
             backward.append(pairs.during(Phase.BACKWARD))
             moved, held = max(moved, 2 * nbytes), held + group.params * (1 - 1 / ep)
+            kept += nbytes if level != "full" else 0.0
         replayed = [c.during(Phase.BACKWARD) for c in forward] if level == "full" else []
 
         def seconds(calls: list[CommCall]) -> float:
@@ -548,6 +551,7 @@ class PipelineModel:
         return replace(price, comm_forward=price.comm_forward + seconds(forward),
                        comm_backward=price.comm_backward + seconds(backward + replayed),
                        temporary=price.temporary + moved, params=price.params - held,
+                       activations=price.activations + kept,
                        collectives=merge_calls([*price.collectives, *forward, *backward, *replayed]),
                        forward_collectives=merge_calls([*price.forward_collectives, *forward]), tail=None,
                        tail_seconds=0.0)
@@ -936,8 +940,9 @@ class PipelineModel:
               view: StageView | None = None, ep: int = 1) -> tuple[float, tuple]:
         """Gradient synchronisation of one stage over its dp axis, its collectives added to ``calls``. ZeRO 1-3 run
         per FSDP unit: each repeated layer, and the stage's other parameters together (the root unit, with
-        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets, without the experts under
-        expert parallelism (``ep`` > 1: each expert's gradient is whole on the one rank holding it)."""
+        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets (or by hand, one flat buffer),
+        without the experts under expert parallelism (``ep`` > 1: each expert's gradient is whole on the one rank
+        holding it)."""
         if stage.dp == 1:
             return 0.0, ()
         layouts = view.layouts if view is not None else {}
@@ -978,7 +983,10 @@ class PipelineModel:
             order = self._ddp_gradients if ep == 1 else self._ddp_gradients_but_experts
             units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in order)]
         elif zero == 0:  # by hand, in slices of one flat buffer
-            units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units))]
+            experts = sum(g.params for r in range(stage.start, stage.end) for g in self.expert_groups[r]) \
+                if ep > 1 else 0
+            units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units)
+                                                               - experts * itemsize)]
         axis = mesh.axis("dp")
         total = 0.0
         calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit

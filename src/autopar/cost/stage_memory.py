@@ -45,7 +45,7 @@ class StageMemoryModel:
         onward = None if last else self.model._boundary_bytes(config.stages[index + 1], config)
         key = (self.model.stage_key(stage), onward, index == 0, len(config.stages) == 1, config.micro_batch,
                config.zero, config.sp, micro_batches, view.in_flight, view.samples, copy,
-               view.mesh if view.layouts else None)
+               view.mesh if view.layouts else None, config.ep)
         found = self._memories.get(key)
         if found is None:
             peak = stage_peak(self._stage_load(config, index, view, micro_batches=micro_batches, copy=copy,
@@ -89,7 +89,16 @@ class StageMemoryModel:
             zero=config.zero, dp=stage.dp, micro_batches=micro_batches, in_flight=view.in_flight,
             later_in_flight=view.in_flight, kept_outputs=view.in_flight if last else 0.0,
             buffers=self._buffer_bytes(stage), schedule=self._schedule_buffers(config, index),
+            unsynced=self._local_experts(config, stage),
         )
+
+    def _local_experts(self, config: PipelineConfig, stage: Stage) -> float:
+        """Parameters of the experts one device of ``stage`` holds under expert parallelism (1 / ep of each
+        mixture's), which no all-reduce reads."""
+        if config.ep == 1:
+            return 0.0
+        groups = self.model.expert_groups
+        return sum(g.params for row in range(stage.start, stage.end) for g in groups[row]) / config.ep
 
     def _memory_rows(self, config: PipelineConfig, index: int, view: StageView, *, copy: float,
                      segments: SegmentCosts | None) -> tuple[RowMemory, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.plan.estimate import CollectiveUse, Estimate, MemoryBreakdown
-from autopar.plan.records import KERNELS, RECOMPUTE, SCHEDULES
+from autopar.plan.records import KERNELS, RECOMPUTE, SCHEDULES, expert_parallel_limits
 
 __all__ = ["KERNELS", "RECOMPUTE", "SCHEDULES", "CollectiveUse", "Estimate", "MemoryBreakdown", "ParallelConfig"]
 
@@ -53,11 +53,9 @@ class ParallelConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.sp and self.tp == 1:
             raise ValueError("--sp (sequence parallelism) needs --tp > 1")
-        if self.ep > 1 and (self.ep != self.dp or self.tp > 1 or self.pp > 1 or self.zero):
-            raise ValueError(f"--ep {self.ep} (expert parallelism) splits the experts over the whole data-parallel "
-                             f"group, under ZeRO 0 without tensor or pipeline parallelism so far: it needs --dp "
-                             f"{self.ep}, --tp 1, --pp 1 and --zero 0 (got --dp {self.dp}, --tp {self.tp}, --pp "
-                             f"{self.pp}, --zero {self.zero})")
+        reason = expert_parallel_limits(self.ep, [(self.dp, self.tp)], self.zero)
+        if reason:
+            raise ValueError(f"--ep {self.ep}: {reason}")
         if self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):
             raise ValueError(f"--schedule interleaved needs --chunks 2 or more and --pp 2 or more, got --chunks "
                              f"{self.chunks} and --pp {self.pp}")

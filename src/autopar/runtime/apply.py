@@ -45,6 +45,7 @@ from autopar.capture.graph import _within, multi_query_attentions
 from autopar.capture.graph import positive_count as _count
 from autopar.plan import Plan
 from autopar.plan.batch import LocalBatch
+from autopar.plan.records import expert_parallel_limits
 from autopar.sharding import short
 
 # what a pipeline's first stage may take (tokens, or images: ViT); its loss takes ``labels``
@@ -199,7 +200,8 @@ class ParallelModel:
     def finish_backward(self) -> None:
         """After the last micro-batch: sum the partial gradients sequence parallelism leaves (norm weights) over tp
         in one all-reduce (per chunk of an interleaved stage, as each chunk is priced), then all-reduce gradients
-        over dp by hand where no wrapper does (`ddp_buckets` sizes)."""
+        over dp by hand where no wrapper does (`ddp_buckets` sizes), but the experts' (expert parallelism: each
+        one's gradient is whole on the rank holding it, divided by dp here)."""
         for param in self.experts:
             if param.grad is not None:
                 param.grad.div_(self.expert_ranks)
@@ -209,13 +211,13 @@ class ParallelModel:
             self._sum_over_tp(params, [p for p in params if id(p) in summed])
         if self.dp_group is None:
             return
+        own = {id(p) for p in self.experts}
         if self.ready is not None:  # DDP's buckets, in the order its reducer fills them
-            own = {id(p) for p in self.experts}
             self._all_reduce_dp([p.grad for p in self.ready.values() if p.grad is not None and id(p) not in own],
                                 buckets=True)
             return
         for chunk in self.chunks or [self.module]:  # each chunk in its own buckets, as priced per stage
-            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None])
+            self._all_reduce_dp([p.grad for p in chunk.parameters() if p.grad is not None and id(p) not in own])
 
     def _sum_over_tp(self, params: list[nn.Parameter], replicated: list[nn.Parameter]) -> None:
         """Sum over tp, in one all-reduce, the gradients of ``params`` that sequence parallelism leaves partial and
@@ -427,9 +429,13 @@ def check_supported(plan: Plan) -> None:
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
                          intra=any(s.intra for s in stages), compiled_selective=compiled_selective,
                          compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
-    if not reason and plan.ep > 1 and (len(stages) > 1 or plan.zero or stages[0].tp > 1):
-        reason = (f"the plan splits experts over {plan.ep} ranks (ep) with pp {plan.pp}, tp {stages[0].tp} and ZeRO "
-                  f"{plan.zero}; expert parallelism runs on one stage without tensor parallelism under ZeRO 0 so far")
+    if not reason:
+        reason = expert_parallel_limits(plan.ep, [(s.dp, s.tp) for s in stages], plan.zero)
+    if not reason and plan.schedule == "1f1b" and plan.micro_batches < plan.pp:
+        # PyTorch's 1F1B schedule refuses it (Megatron's runs it, warming up with every micro-batch there is)
+        reason = (f"the 1F1B schedule needs at least as many micro-batches as stages: {plan.micro_batches} "
+                  f"micro-batch{'es' if plan.micro_batches > 1 else ''} of {plan.micro_batch_size} samples for pp "
+                  f"{plan.pp}; plan a smaller micro-batch (--mbs), or --schedule gpipe")
     if reason:
         raise NotImplementedError(reason)
 
@@ -631,22 +637,29 @@ def _ddp(module: nn.Module, *, ignored: list[str] = ()) -> nn.Module:
 
 def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
                example: torch.Tensor | None = None) -> ParallelModel:
-    """This rank's stage: its modules, tensor parallelism over tp, gradients all-reduced over dp after the
-    schedule's last backward (by hand, in DDP-sized buckets: DDP's reducer cannot follow GPipe's forwards of
-    every micro-batch before the first backward), and the plan's schedule over pp."""
+    """This rank's stage: its modules, tensor parallelism over tp, a mixture's experts split over dp (expert
+    parallelism), gradients all-reduced over dp after the schedule's last backward (by hand, in DDP-sized buckets:
+    DDP's reducer cannot follow GPipe's forwards of every micro-batch before the first backward; the experts'
+    left out), and the plan's schedule over pp."""
     from autopar.runtime import pipeline
+    from autopar.runtime.experts import expert_parallel_modules, split_by_expert
 
     dp, tp = plan.grid
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     heads: list[nn.Parameter] = []
     sharded = plan.zero > 0 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
+    modules = dict(model.named_modules())
+    mixtures = [modules[fqn] for fqn in expert_parallel_modules(model, plan)]
+    experts: list[nn.Parameter] = []
 
     def wrap(part: nn.Module) -> nn.Module:
         names: list[str] = []
         if tp > 1:
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
+        held = {id(m) for m in part.modules()}
+        experts.extend(p for m in mixtures if id(m) in held for p in split_by_expert(m, mesh["dp"]))
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
             layers = pipeline.stage_units(part)
             _fully_shard(part, layers, mesh["dp"], plan.zero)
@@ -668,7 +681,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     return ParallelModel(
         module, plan.zero, lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
         dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped, tp_partial=heads,
-        tp_group=mesh.get_group("tp") if heads else None,
+        tp_group=mesh.get_group("tp") if heads else None, experts=experts, expert_ranks=dp,
     )
 
 

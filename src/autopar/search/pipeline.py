@@ -809,6 +809,9 @@ def auto(
     }
 
 
+EXPERT_TWINS = 8  # configurations `expert_parallel` prices again with their experts split
+
+
 def data_parallel(
     model: PipelineModel, *, global_batch: int, zero: int, evaluate: Evaluator | None = None, ep: int = 1
 ) -> Found | None:
@@ -825,18 +828,38 @@ def data_parallel(
     return best
 
 
-def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evaluator) -> Found | None:
-    """Data parallelism with each mixture's experts split over all the devices (`PipelineConfig.ep`), at its best
-    micro-batch size: None for a model without experts, experts the devices do not divide, or a shape ``evaluate``'s
-    limit refuses."""
+def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evaluator,
+                    twins: int = EXPERT_TWINS) -> Found | None:
+    """The best plan with each mixture's experts split over each stage's dp ranks (`PipelineConfig.ep`): data
+    parallelism with the experts split over all the devices, at its best micro-batch size, and the twins of the
+    ``twins`` best configurations ``evaluate`` has priced that can have one (tp 1 and ZeRO 0, every stage of one dp
+    that divides every mixture's experts: the same stages, schedule and micro-batch, the experts split). None for a
+    model without experts, or where no such configuration exists or ``evaluate``'s limit refuses them all."""
     devices = model.cluster.num_devices
     groups = [group for row in model.expert_groups for group in row]
-    if devices < 2 or not groups or any(group.experts % devices for group in groups):
+    if devices < 2 or not groups:
         return None
+
+    def splits(dp: int) -> bool:
+        return dp > 1 and all(group.experts % dp == 0 for group in groups)
+
+    found = None
     probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
-    if evaluate.limit is not None and evaluate.limit(probe):
-        return None
-    found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
+    if splits(devices) and (evaluate.limit is None or not evaluate.limit(probe)):
+        found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
+    def has_twin(config: PipelineConfig) -> bool:
+        grids = {(s.tp, s.dp) for s in config.stages}
+        return config.ep == 1 and config.zero == 0 and len(grids) == 1 and grids == {(1, config.stages[0].dp)} \
+            and splits(config.stages[0].dp)
+
+    plain = [(score(result), config) for config, result in evaluate.cache.items() if has_twin(config)]
+    for _, config in sorted(plain, key=lambda pair: pair[0])[:twins]:
+        twin = replace(config, ep=config.stages[0].dp)
+        if evaluate.limit is not None and evaluate.limit(twin):
+            continue
+        result = evaluate(twin)
+        if found is None or score(result) < found.score:
+            found = Found(twin, result, 1)
     if found is not None:
         found.by = "ep"
     return found
