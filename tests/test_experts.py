@@ -247,7 +247,8 @@ def test_expert_parallelism_of_a_model_without_experts_is_refused(capsys: pytest
     code, _, err = _cli(capsys, "estimate", "gpt3-125m", "--layers", "2", "--hidden", "64", "--heads", "4",
                         "--vocab", "128", "--seq", "32", "--cluster", "cpu", "--batch", "8", "--gpus", "2", "--dp", "2",
                         "--ep", "2")
-    assert code == 2 and "ep 2 (expert parallelism) splits a mixture's experts, and the model has none" in err
+    assert code == 2 and "ep 2 (expert parallelism) splits experts that hold one weight per expert" in err
+    assert "a mixture whose experts are modules of their own, an nn.ModuleList of MLPs, cannot be split" in err
 
 
 def test_expert_parallel_plans_train_as_one_process_and_rehearse_in_bf16(

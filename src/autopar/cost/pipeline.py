@@ -573,8 +573,9 @@ class PipelineModel:
             if config.micro_batch % s.dp:
                 raise ValueError(f"micro-batch {config.micro_batch} does not split over dp {s.dp}")
         if config.ep > 1 and not any(self.expert_groups):
-            raise ValueError(f"ep {config.ep} (expert parallelism) splits a mixture's experts, and the model has none "
-                             "(experts run by a grouped matmul, one weight per expert, as Hugging Face's are)")
+            raise ValueError(f"ep {config.ep} (expert parallelism) splits experts that hold one weight per expert and "
+                             "run by a grouped matmul, as Hugging Face's do, and the model has none (a mixture whose "
+                             "experts are modules of their own, an nn.ModuleList of MLPs, cannot be split so far)")
         m = global_batch // config.micro_batch
         pp, chunks, virtual = config.pp, config.chunks, len(config.stages)
         copies = self._tied_copies(config)

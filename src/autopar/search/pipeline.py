@@ -847,10 +847,11 @@ def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evalua
     probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
     if splits(devices) and (evaluate.limit is None or not evaluate.limit(probe)):
         found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
+
     def has_twin(config: PipelineConfig) -> bool:
-        grids = {(s.tp, s.dp) for s in config.stages}
-        return config.ep == 1 and config.zero == 0 and len(grids) == 1 and grids == {(1, config.stages[0].dp)} \
-            and splits(config.stages[0].dp)
+        dp = config.stages[0].dp
+        return config.ep == 1 and config.zero == 0 and splits(dp) and all(
+            (s.tp, s.dp, s.intra) == (1, dp, False) for s in config.stages)
 
     plain = [(score(result), config) for config, result in evaluate.cache.items() if has_twin(config)]
     for _, config in sorted(plain, key=lambda pair: pair[0])[:twins]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -69,17 +70,25 @@ def short_layout(layout: Layout) -> str:
 
 
 def parse(text: str) -> Placement:
+    """``S(<dim>)``, ``S(<dim>)/<stride>``, ``R`` or ``P`` (`short`'s forms) as a placement; a dim of a tensor
+    PyTorch can make (below 64), a stride above 1 that a 64-bit integer holds. Anything else: a ValueError."""
     text = text.strip()
     if text == "R":
         return REPLICATE
     if text == "P":
         return PARTIAL
-    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
-        return Shard(int(text[2:-1]))
-    head, _, stride = text.partition(")/")
-    if head.startswith("S(") and head[2:].isdigit() and stride.isdigit() and int(stride) > 1:
-        return StridedShard(int(head[2:]), split_factor=int(stride))
-    raise ValueError(f"placement {text!r} is not one of S(<dim>), S(<dim>)/<stride>, R, P")
+    found = _SHARD.fullmatch(text)
+    if found and int(found[1]) < MAX_TENSOR_DIMS:
+        if found[2] is None:
+            return Shard(int(found[1]))
+        if 1 < int(found[2]) < 2**63:
+            return StridedShard(int(found[1]), split_factor=int(found[2]))
+    raise ValueError(f"placement {text!r} is not one of S(<dim>), S(<dim>)/<stride>, R, P (dims 0-"
+                     f"{MAX_TENSOR_DIMS - 1}, strides 2 or more)")
+
+
+MAX_TENSOR_DIMS = 64  # PyTorch's limit
+_SHARD = re.compile(r"S\(([0-9]{1,20})\)(?:/([0-9]{1,20}))?")
 
 
 def local_shape(shape: tuple[int, ...], layout: Layout, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
