@@ -17,7 +17,8 @@ MODELS = {
     # Hugging Face models from config whose forms the tiny zoo models lack: a position table looked up with
     # positions `arange` makes (GPT-2), or a buffer (BERT, with token types), or passed by keyword (OPT); norms
     # that scale by ``1 + weight`` (Gemma); a parallel attention and MLP (Phi); q and k norms (Qwen3)
-    **{f"hf-{kind}": (f"hf:{kind}", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256})
+    # (ffn 128: their configs' own MLP widths, up to Gemma's 24,576, would hold nearly all the weights and time)
+    **{f"hf-{kind}": (f"hf:{kind}", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "ffn": 128})
        for kind in ("gpt2", "bert", "opt", "gemma", "phi", "qwen3")},
 }
 SEQ = 32

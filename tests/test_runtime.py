@@ -587,7 +587,8 @@ def test_dryrun_matches_the_prediction_on_a_fake_process_group(tmp_path, capsys)
 
 # post-norms, alternating sliding-window layers; a vocabulary of 128 (Gemma 2's own, 256,000, took 2 of a run's 2.5
 # minutes in its logits and tied head)
-GEMMA2 = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128}
+# ffn 128: Gemma 2's and Qwen3's own MLP widths (14,336 and 22,016) would hold nearly all the weights and time
+GEMMA2 = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "ffn": 128}
 
 
 @pytest.mark.slow
@@ -779,7 +780,8 @@ def test_hugging_face_models_match_one_process_and_the_predicted_collectives(tmp
     the runtime does not issue, dropout left on, replicated weights on split heads. With a vocabulary of 128 but
     for Gemma's DDP case, which is about its large embedding (Gemma's, Gemma 2's and Qwen3's own vocabularies made
     their logits most of each run's time)."""
-    size = {"layers": 2, "hidden": 64, "heads": 4, **({} if name == "hf:gemma" else {"vocab": 128})}
+    # ffn 128: the configs' own MLP widths (Qwen3's 22,016) would hold nearly all the weights and time
+    size = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 128, **({} if name == "hf:gemma" else {"vocab": 128})}
     _run(_pipeline_plan(tmp_path, name, size, **grid), grid["tp"] * grid["dp"])
 
 
