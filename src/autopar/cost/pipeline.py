@@ -514,6 +514,11 @@ class PipelineModel:
         """Each row's mixtures of experts (`autopar.cost.layers.experts_in`)."""
         return [experts_in(self.graph, layer.nodes) for layer in self.layers]
 
+    def stage_expert_params(self, stage: Stage) -> int:
+        """Elements of the experts' parameters in ``stage``'s rows, whole (expert parallelism holds 1 / ep of them
+        on each device, and no all-reduce reads their gradients)."""
+        return sum(group.params for row in range(stage.start, stage.end) for group in self.expert_groups[row])
+
     def expert_parallel(self, row: int, price: LayerPrice, level: str, *, ep: int, samples: float,
                         mesh) -> LayerPrice:  # noqa: ANN001 - a cluster Mesh
         """``price`` of row ``row`` with its experts split over ``ep`` data-parallel ranks, as the runtime runs
@@ -984,8 +989,7 @@ class PipelineModel:
             order = self._ddp_gradients if ep == 1 else self._ddp_gradients_but_experts
             units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in order)]
         elif zero == 0:  # by hand, in slices of one flat buffer
-            experts = sum(g.params for r in range(stage.start, stage.end) for g in self.expert_groups[r]) \
-                if ep > 1 else 0
+            experts = self.stage_expert_params(stage) if ep > 1 else 0
             units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units)
                                                                - experts * itemsize)]
         axis = mesh.axis("dp")

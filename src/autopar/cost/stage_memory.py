@@ -95,10 +95,7 @@ class StageMemoryModel:
     def _local_experts(self, config: PipelineConfig, stage: Stage) -> float:
         """Parameters of the experts one device of ``stage`` holds under expert parallelism (1 / ep of each
         mixture's), which no all-reduce reads."""
-        if config.ep == 1:
-            return 0.0
-        groups = self.model.expert_groups
-        return sum(g.params for row in range(stage.start, stage.end) for g in groups[row]) / config.ep
+        return self.model.stage_expert_params(stage) / config.ep if config.ep > 1 else 0.0
 
     def _memory_rows(self, config: PipelineConfig, index: int, view: StageView, *, copy: float,
                      segments: SegmentCosts | None) -> tuple[RowMemory, ...]:

@@ -844,9 +844,10 @@ def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evalua
         return dp > 1 and all(group.experts % dp == 0 for group in groups)
 
     found = None
-    probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
-    if splits(devices) and (evaluate.limit is None or not evaluate.limit(probe)):
-        found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
+    if splits(devices):
+        probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
+        if evaluate.limit is None or not evaluate.limit(probe):
+            found = data_parallel(model, global_batch=global_batch, zero=0, evaluate=evaluate, ep=devices)
 
     def has_twin(config: PipelineConfig) -> bool:
         dp = config.stages[0].dp
