@@ -198,6 +198,10 @@ class RowMemory:
     # gradient made here until it adds the later one to it, out of place
     shared: float = 0.0  # its parameters, where the backward meets it first
     summed: float = 0.0  # its parameters, where the two gradients are added
+    # of its parameters, those this device holds as its own (expert parallelism's experts, split over dp already):
+    # outside FSDP (neither sharded nor gathered), DDP's buckets and the by-hand copy; their gradients and
+    # optimizer state stay whole on this device
+    local: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,9 +233,6 @@ class StageLoad:
     kept_outputs: float = 1.0  # outputs the schedule keeps at the first backward (see `ScheduleBuffers.output`)
     buffers: float = 0.0  # module buffers (rotary tables, norm statistics)
     schedule: ScheduleBuffers = ScheduleBuffers()
-    # parameters whose gradients no all-reduce reads (expert parallelism's experts, each whole on the one rank
-    # holding it): outside DDP's buckets and the by-hand flat copy
-    unsynced: float = 0.0
     # `walk`'s results, shared by loads of the same rows (walks do not depend on the micro-batches in flight);
     # None: walked each time
     walks: dict | None = field(default=None, compare=False, repr=False)
@@ -261,8 +262,20 @@ def _params(load: StageLoad) -> float:
     return sum(row.params * row.count for row in load.rows)
 
 
+def _local(load: StageLoad) -> float:
+    """Parameters the device holds as its own (`RowMemory.local`), outside every data-parallel wrapper."""
+    return sum(row.local * row.count for row in load.rows)
+
+
 def _shards(load: StageLoad) -> int:
     return load.dp if load.holding is Holding.FSDP else 1
+
+
+def _optimizer(load: StageLoad) -> float:
+    """Master copies and optimizer state: FSDP's shards of them, and the device's own parameters' whole."""
+    local = _local(load)
+    return (optimizer_state_bytes(_params(load) - local, load.precision, shards=_shards(load))
+            + optimizer_state_bytes(local, load.precision, shards=1))
 
 
 def schedule_bytes(load: StageLoad, *, finished: int, kept: float, in_flight: float = 0.0) -> float:
@@ -279,16 +292,15 @@ def schedule_bytes(load: StageLoad, *, finished: int, kept: float, in_flight: fl
 
 def steady_bytes(load: StageLoad) -> Moment:
     """What the stage holds through its forwards and backwards, whatever the moment: weights as the wrapper keeps
-    them (FSDP: the shards and the root unit gathered; the other units are `walk`'s), buffers, DDP buckets and the
-    optimizer state of earlier steps."""
-    p, params, shards = load.precision, _params(load), _shards(load)
+    them (FSDP: the shards and the root unit gathered; the other units are `walk`'s; the device's own parameters
+    whole), buffers, DDP buckets and the optimizer state of earlier steps."""
+    p, params, shards, local = load.precision, _params(load), _shards(load), _local(load)
     weights = params * p.weight
     if load.holding is Holding.FSDP:
-        root = sum(row.params * row.count for row in load.rows if not row.unit)
-        weights = params * p.weight / shards + root * p.weight
-    buckets = ddp_bucket_bytes(params - load.unsynced, p) if load.holding is Holding.DDP else 0.0
-    return Moment(parameters=weights + load.buffers, optimizer=optimizer_state_bytes(params, p, shards=shards),
-                  other=buckets)
+        root = sum((row.params - row.local) * row.count for row in load.rows if not row.unit)
+        weights = (params - local) * p.weight / shards + root * p.weight + local * p.weight
+    buckets = ddp_bucket_bytes(params - local, p) if load.holding is Holding.DDP else 0.0
+    return Moment(parameters=weights + load.buffers, optimizer=_optimizer(load), other=buckets)
 
 
 def backward_moments(load: StageLoad, *, rows: int | None = None) -> list[Moment]:
@@ -329,11 +341,12 @@ def _backward(load: StageLoad, *, first: bool, last: bool, in_flight: float, fin
 def earlier_gradients(load: StageLoad, *, first: bool) -> float:
     """Gradients a backward finds from earlier micro-batches: none in the first; in a later one every gradient,
     whole where they accumulate whole (no FSDP, or ZeRO 1, which reduce-scatters once at the end), sharded under
-    ZeRO 2-3: ``params * gradient`` or ``params * gradient / dp``."""
+    ZeRO 2-3: ``params * gradient`` or ``params * gradient / dp`` (the device's own parameters' whole)."""
     if first:
         return 0.0
     sharded = load.holding is Holding.FSDP and load.zero >= 2
-    return _params(load) * load.precision.gradient / (load.dp if sharded else 1)
+    local = _local(load)
+    return ((_params(load) - local) / (load.dp if sharded else 1) + local) * load.precision.gradient
 
 
 def walk(load: StageLoad, *, first: bool, last: bool, rows: int | None = None) -> Moment:
@@ -373,7 +386,7 @@ def _walk(load: StageLoad, *, first: bool, last: bool, rows: int | None) -> Mome
     p, until, rows = load.precision, rows, load.rows
     fsdp = load.holding is Holding.FSDP
     scatters = fsdp and (load.zero >= 2 or last)
-    units = [row.params * p.weight if row.unit else 0.0 for row in rows]
+    units = [(row.params - row.local) * p.weight if row.unit else 0.0 for row in rows]
     following, suffix = [0.0] * (len(rows) + 1), [0.0] * (len(rows) + 1)  # after each run: the next unit's size,
     for index in range(len(rows) - 1, -1, -1):  # and all later units'
         suffix[index] = suffix[index + 1] + (units[index + 1] * rows[index + 1].count if index + 1 < len(rows) else 0)
@@ -383,15 +396,17 @@ def _walk(load: StageLoad, *, first: bool, last: bool, rows: int | None) -> Mome
     best, top = (0.0, 0.0, 0.0, 0.0), 0.0  # weights' first ones, the last reduce-scatter's input
     for index, row in enumerate(rows[:until]):
         new, unit, k = row.params * p.gradient, units[index], row.count
+        synced, own = new - row.local * p.gradient, row.local * p.gradient  # FSDP's, and the device's own
         held += row.shared * p.gradient
         peak = row.kept if first or scatters else row.added
-        grow_made = (new / load.dp if scatters else new) if first and not (scatters and not row.unit) else 0.0
+        grow_made = (synced / load.dp + own if scatters else new) if first and not (scatters and not row.unit) \
+            else 0.0
         grow_root = new if scatters and not row.unit else 0.0
         # a run of like rows changes linearly along it, but for its first row (the last reduce-scatter's input)
         # and its last (the unit after it): its largest moments are among these
         for t in sorted({0, min(1, k - 1), max(k - 2, 0), k - 1}):
             before = (made + t * grow_made if first else 0.0) + root + t * grow_root + held
-            waiting = pending if t == 0 or not (scatters and row.unit) else new
+            waiting = pending if t == 0 or not (scatters and row.unit) else synced
             if fsdp and load.zero == 3:
                 after = unit if unit and t < k - 1 else following[index]
                 gathered = unit + after
@@ -405,15 +420,15 @@ def _walk(load: StageLoad, *, first: bool, last: bool, rows: int | None) -> Mome
                       peak.transient + row.summed * p.gradient * (1 if first else 2))
             if sum(moment) > top:
                 best, top = moment, sum(moment)
-            if scatters and row.unit and after + before + 2 * new + others > top:  # its reduce-scatter
-                best = (after, before + 2 * new, others, 0.0)
+            if scatters and row.unit and after + before + 2 * synced + own + others > top:  # its reduce-scatter
+                best = (after, before + 2 * synced + own, others, 0.0)
                 top = sum(best)
         remaining -= k * row.activations
         held -= row.summed * p.gradient
         made += k * grow_made
         root += k * grow_root
         if scatters and row.unit:
-            pending = new
+            pending = synced
     return Moment(parameters=best[0], gradients=best[1], activations=best[2], other=best[3])
 
 
@@ -441,26 +456,26 @@ def end_moment(load: StageLoad) -> Moment:
         DDP       weights + gradients + buckets            params * (w + g) + synced * g
         by hand   weights + gradients + their flat copy    params * (w + g) + synced * g
         FSDP      shards, and the root unit's whole gradients with its reduce-scatter input (its shard comes
-                  once they are freed)   params * w / dp + (params - root) * g / dp + 2 * root * g
+                  once they are freed)   synced * w / dp + (synced - root) * g / dp + 2 * root * g + own * (w + g)
 
-    with the optimizer state ``params * (master + state) / shards`` (``synced``: the parameters an all-reduce
-    reads, all but expert parallelism's experts). The optimizer step that follows holds no more:
-    SGD updates in place, and Adam is priced as fused Adam does it (PyTorch's default foreach Adam takes the square
-    root of every second moment at once on CUDA, ``params * 4 / shards`` more; on CPU it goes tensor by tensor,
-    twice the largest one more)."""
-    p, params, shards = load.precision, _params(load), _shards(load)
+    with the optimizer state ``synced * (master + state) / shards + own * (master + state)`` (``synced``: the
+    parameters FSDP or an all-reduce reads, all but the device's own, ``own``: expert parallelism's experts). The
+    optimizer step that follows holds no more: SGD updates in place, and Adam is priced as fused Adam does it
+    (PyTorch's default foreach Adam takes the square root of every second moment at once on CUDA, ``params * 4 /
+    shards`` more; on CPU it goes tensor by tensor, twice the largest one more)."""
+    p, params, shards, own = load.precision, _params(load), _shards(load), _local(load)
     m = load.micro_batches
     buffers = schedule_bytes(load, finished=m, kept=m if load.schedule.output else 0.0)
     merged = m * load.schedule.output
-    weights = params * p.weight / shards + load.buffers
-    gradients = params * p.gradient / shards
-    optimizer = optimizer_state_bytes(params, p, shards=shards)
+    synced = params - own
+    weights = synced * p.weight / shards + own * p.weight + load.buffers
+    gradients = synced * p.gradient / shards + own * p.gradient
+    optimizer = _optimizer(load)
     if load.holding is Holding.FSDP:
-        root = sum(row.params * row.count for row in load.rows if not row.unit) * p.gradient
+        root = sum((row.params - row.local) * row.count for row in load.rows if not row.unit) * p.gradient
         sync = Moment(parameters=weights, gradients=gradients - root / shards + root, optimizer=optimizer,
                       other=buffers + max(root, merged))
     else:
-        synced = params - load.unsynced
         copy = ddp_bucket_bytes(synced, p) if load.holding in (Holding.DDP, Holding.BY_HAND) else 0.0
         sync = Moment(parameters=weights, gradients=gradients, optimizer=optimizer, other=buffers + max(copy, merged))
     return sync

@@ -514,10 +514,10 @@ class PipelineModel:
         """Each row's mixtures of experts (`autopar.cost.layers.experts_in`)."""
         return [experts_in(self.graph, layer.nodes) for layer in self.layers]
 
-    def stage_expert_params(self, stage: Stage) -> int:
-        """Elements of the experts' parameters in ``stage``'s rows, whole (expert parallelism holds 1 / ep of them
-        on each device, and no all-reduce reads their gradients)."""
-        return sum(group.params for row in range(stage.start, stage.end) for group in self.expert_groups[row])
+    def row_expert_params(self, row: int) -> int:
+        """Elements of the experts' parameters in row ``row``, whole (expert parallelism holds 1 / ep of them on
+        each device, outside FSDP and the all-reduces)."""
+        return sum(group.params for group in self.expert_groups[row])
 
     def expert_parallel(self, row: int, price: LayerPrice, level: str, *, ep: int, samples: float,
                         mesh) -> LayerPrice:  # noqa: ANN001 - a cluster Mesh
@@ -946,9 +946,9 @@ class PipelineModel:
               view: StageView | None = None, ep: int = 1) -> tuple[float, tuple]:
         """Gradient synchronisation of one stage over its dp axis, its collectives added to ``calls``. ZeRO 1-3 run
         per FSDP unit: each repeated layer, and the stage's other parameters together (the root unit, with
-        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets (or by hand, one flat buffer),
-        without the experts under expert parallelism (``ep`` > 1: each expert's gradient is whole on the one rank
-        holding it)."""
+        ``extra`` parameters: a tied weight's copy); ZeRO 0 all-reduces DDP buckets (or by hand, one flat buffer).
+        Under expert parallelism (``ep`` > 1) neither reads the experts: each expert's gradient is whole on the one
+        rank holding it, and FSDP neither shards nor gathers them."""
         if stage.dp == 1:
             return 0.0, ()
         layouts = view.layouts if view is not None else {}
@@ -974,14 +974,18 @@ class PipelineModel:
         itemsize = gradient_itemsize(self.dtype)
         units, rest = [], extra
         tp_axis = mesh.axis("tp")
+
+        def synced(row: int) -> float:  # under expert parallelism each rank's experts are its own: not synced
+            return self.device_params(row, tp_axis) - (self.row_expert_params(row) if ep > 1 else 0)
+
         for row, count in self._alike_rows(stage):
             layer = self.layers[row]
             if not layer.repeated:
-                rest += self.device_params(row, tp_axis) * count
+                rest += synced(row) * count
             else:
                 units += [(layouts[r] * itemsize, False) if r in layouts else
-                          (self.device_params(r, tp_axis) * itemsize, False) for r in range(row, row + count)] \
-                    if layouts else [(self.device_params(row, tp_axis) * itemsize, False)] * count
+                          (synced(r) * itemsize, False) for r in range(row, row + count)] \
+                    if layouts else [(synced(row) * itemsize, False)] * count
         rest *= itemsize
         if rest:
             units.append((rest, True))
@@ -989,9 +993,7 @@ class PipelineModel:
             order = self._ddp_gradients if ep == 1 else self._ddp_gradients_but_experts
             units = [(nbytes, True) for nbytes in ddp_buckets(n * itemsize for n in order)]
         elif zero == 0:  # by hand, in slices of one flat buffer
-            experts = self.stage_expert_params(stage) if ep > 1 else 0
-            units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units)
-                                                               - experts * itemsize)]
+            units = [(nbytes, True) for nbytes in flat_buckets(sum(nbytes for nbytes, _ in units))]
         axis = mesh.axis("dp")
         total = 0.0
         calls: dict[tuple[float, bool], dict[Collective, float]] = {}  # one call's seconds per kind, by unit

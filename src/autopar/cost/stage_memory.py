@@ -89,13 +89,7 @@ class StageMemoryModel:
             zero=config.zero, dp=stage.dp, micro_batches=micro_batches, in_flight=view.in_flight,
             later_in_flight=view.in_flight, kept_outputs=view.in_flight if last else 0.0,
             buffers=self._buffer_bytes(stage), schedule=self._schedule_buffers(config, index),
-            unsynced=self._local_experts(config, stage),
         )
-
-    def _local_experts(self, config: PipelineConfig, stage: Stage) -> float:
-        """Parameters of the experts one device of ``stage`` holds under expert parallelism (1 / ep of each
-        mixture's), which no all-reduce reads."""
-        return self.model.stage_expert_params(stage) / config.ep if config.ep > 1 else 0.0
 
     def _memory_rows(self, config: PipelineConfig, index: int, view: StageView, *, copy: float,
                      segments: SegmentCosts | None) -> tuple[RowMemory, ...]:
@@ -163,7 +157,7 @@ class StageMemoryModel:
         params = sum(row.params for row in rows)
         transient = max(row.kept.transient for row in rows)
         return RowMemory(
-            activations=kept, params=params, unit=all(row.unit for row in rows),
+            activations=kept, params=params, unit=all(row.unit for row in rows), local=sum(row.local for row in rows),
             kept=RowPeak(saved=peak, gradients=params * self.model.precision.gradient, transient=transient),
             added=RowPeak(saved=peak, transient=transient))
 
@@ -188,8 +182,10 @@ class StageMemoryModel:
                 return RowPeak(saved=max(0.0, peak.saved + kept_more), gradients=max(0.0, peak.gradients + grads),
                                transient=max(0.0, peak.transient + passed_more))
 
+            # expert parallelism: the device's own experts (1 / ep of the row's), outside FSDP and the all-reduces
+            local = self.model.row_expert_params(row) / config.ep if config.ep > 1 else 0.0
             return RowMemory(activations=price.activations, params=price.params, unit=layer.repeated,
-                             kept=changed(plain.kept, held_more), added=changed(plain.added, 0.0))
+                             kept=changed(plain.kept, held_more), added=changed(plain.added, 0.0), local=local)
         key = ((self.model._signature[row], self.model.intra_layers.price_key(row)) if half is None else row, half,
                stage.tp, config.sp, view.samples, view.mesh.axis("tp"), level)
         memory = self._row_memories.get(key)

@@ -54,13 +54,15 @@ def to_torchtitan(plan: Plan, *, model: ModelConfig | None = None) -> Export:
     warnings += found
     replicate, shard, reshard, found = _data_parallel(plan, dp)
     warnings += found
-    if plan.ep > 1:
+    if plan.ep > 1 and shard < plan.ep:
         warnings.append(Approximation(
             feature="ep", plan=f"each mixture's experts split over {plan.ep} data-parallel ranks, under ZeRO 0",
             closest="not written: torchtitan's parallelism.expert_parallel_degree takes its ranks from FSDP's "
             "data_parallel_shard_degree, 1 here; every rank holds every expert (more memory, no all-to-alls)"))
     settings: list[tuple[str, Value]] = [
         ("parallelism.data_parallel_replicate_degree", replicate), ("parallelism.data_parallel_shard_degree", shard)]
+    if plan.ep > 1 and shard >= plan.ep:  # under ZeRO 1-2 FSDP's ranks are the plan's dp, which ep is
+        settings.append(("parallelism.expert_parallel_degree", plan.ep))
     if reshard:
         settings.append(("parallelism.fsdp_reshard_after_forward", reshard))
     settings += [("parallelism.tensor_parallel_degree", tp), ("parallelism.enable_sequence_parallel", plan.sp),

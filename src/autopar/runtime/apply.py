@@ -566,7 +566,7 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
     modules = dict(model.named_modules())
     experts = [p for fqn in expert_parallel_modules(model, plan) for p in split_by_expert(modules[fqn], mesh["dp"])]
-    own = {"experts": experts, "expert_ranks": dp}  # under ZeRO 0 and tp 1 (`check_supported`)
+    own = {"experts": experts, "expert_ranks": dp}  # with tp 1, below ZeRO 3 (`check_supported`)
 
     def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
         params = dict(model.named_parameters())
@@ -579,8 +579,8 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
         return ParallelModel(model, zero, plain, permutations, axes, **summed())
     if zero > 0:
         layers = list(units) or repeated_layers(model)
-        _fully_shard(model, layers, mesh["dp"], zero)
-        return ParallelModel(model, zero, plain, permutations, axes, **summed())
+        _fully_shard(model, layers, mesh["dp"], zero, experts=experts)
+        return ParallelModel(model, zero, plain, permutations, axes, **summed(), **own)
     if tp > 1:  # DDP does not take tensor-parallel parameters: gradients all-reduce over dp by hand
         return ParallelModel(model, zero, plain, permutations, axes, dp_group=mesh.get_group("dp"), **summed())
     if not ddp:  # by hand in DDP's buckets, in the order the backward makes the gradients (the experts' left out)
@@ -600,14 +600,18 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if id(m) in found]
 
 
-def _fully_shard(root: nn.Module, layers: Iterable[nn.Module], mesh: Any, zero: int) -> None:
+def _fully_shard(root: nn.Module, layers: Iterable[nn.Module], mesh: Any, zero: int, *,
+                 experts: Iterable[nn.Parameter] = ()) -> None:
     """FSDP2 per repeated layer, then the rest under ``root``; ZeRO 1-2 keep the weights gathered from the first
-    forward to the last backward, ZeRO 3 gathers them again for the backward (the root keeps its own)."""
+    forward to the last backward, ZeRO 3 gathers them again for the backward (the root keeps its own). ``experts``
+    (expert parallelism: each rank's own experts, already split over dp) are left out of FSDP: neither sharded
+    again nor gathered, their gradients never reduced."""
     from torch.distributed.fsdp import fully_shard
 
+    ignored = set(experts) or None
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
-    fully_shard(root, mesh=mesh, reshard_after_forward=False if zero < 3 else None)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False if zero < 3 else None, ignored_params=ignored)
 
 
 def _prefetch_within(stage: nn.Module, layers: list[nn.Module]) -> None:
@@ -662,7 +666,8 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
         experts.extend(p for m in mixtures if id(m) in held for p in split_by_expert(m, mesh["dp"]))
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
             layers = pipeline.stage_units(part)
-            _fully_shard(part, layers, mesh["dp"], plan.zero)
+            _fully_shard(part, layers, mesh["dp"], plan.zero,
+                         experts=[p for m in mixtures if id(m) in held for p in m.parameters(recurse=False)])
             if plan.zero == 3:
                 _prefetch_within(part, layers)
         if names:  # by name, once wrapped (FSDP2 replaces the parameters)

@@ -15,7 +15,8 @@ gradients averaged over dp with the rest), and per forward of a mixture:
 
 The backward sends the gradients the same two ways. Each rank's expert gradients cover every rank's tokens, each
 rank's share scaled by that rank's own loss, so they are divided by dp after the backward (`ParallelModel`) and
-never all-reduced: the one rank holding an expert holds its whole gradient.
+never all-reduced: the one rank holding an expert holds its whole gradient. Under ZeRO 1-2 FSDP shards the rest of
+the model and leaves the experts alone (`ignored_params`): they are split over dp already.
 
 Routing decides how many pairs each rank receives, so the all-to-alls' sizes vary from rank to rank; on fake
 tensors (a rehearsal) no routing is known and the pairs are taken as spread evenly, as the cost model prices them.
