@@ -204,8 +204,8 @@ def test_the_estimate_is_what_the_runtime_allocates(case) -> None:  # noqa: ANN0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [["--pp", "2", "--schedule", "1f1b"], ["--pp", "2", "--schedule", "gpipe"],
-                                     ["--pp", "2", "--zero", "1"], ["--zero", "2"]],
-                         ids=["1f1b", "gpipe", "1f1b-zero-1", "one-stage-zero-2"])
+                                     ["--pp", "2", "--zero", "1"], ["--zero", "2"], ["--pp", "2", "--zero", "3"]],
+                         ids=["1f1b", "gpipe", "1f1b-zero-1", "one-stage-zero-2", "1f1b-zero-3"])
 def test_an_expert_parallel_plan_s_estimate_is_what_its_ranks_allocate(tmp_path, options: list[str]) -> None:
     """Mixtral's experts split over each stage's 2 ranks (under ZeRO, FSDP shards the rest): every rank's peak
     within 5% of its stage's estimate. Routing decides how many token-expert pairs each rank receives, which the

@@ -42,8 +42,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
     parser.add_argument("--ep", type=devices, default=1,
                         help="expert parallelism: split each mixture's experts over this many data-parallel ranks, "
-                        "tokens moved by all-to-alls (so far the whole --dp of every stage, with --tp 1 and "
-                        "--zero 0-2)")
+                        "tokens moved by all-to-alls (so far the whole --dp of every stage, with --tp 1)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--chunks", type=bounded_int(MAX_CHUNKS), default=1,
                         help="model chunks per device under --schedule interleaved (default 1)")

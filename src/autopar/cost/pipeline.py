@@ -166,7 +166,7 @@ class PipelineConfig:
             raise ValueError("a pipeline needs at least one stage")
         if type(self.ep) is not int or self.ep < 1:
             raise ValueError(f"ep must be a positive integer, got {self.ep!r}")
-        reason = expert_parallel_limits(self.ep, [(s.dp, s.tp) for s in self.stages], self.zero)
+        reason = expert_parallel_limits(self.ep, [(s.dp, s.tp) for s in self.stages])
         if reason:
             raise ValueError(reason)
         if (self.schedule == "interleaved") != (self.chunks > 1):

@@ -53,7 +53,7 @@ class ParallelConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.sp and self.tp == 1:
             raise ValueError("--sp (sequence parallelism) needs --tp > 1")
-        reason = expert_parallel_limits(self.ep, [(self.dp, self.tp)], self.zero)
+        reason = expert_parallel_limits(self.ep, [(self.dp, self.tp)])
         if reason:
             raise ValueError(f"--ep {self.ep}: {reason}")
         if self.schedule == "interleaved" and (self.chunks < 2 or self.pp < 2):

@@ -61,7 +61,7 @@ def to_torchtitan(plan: Plan, *, model: ModelConfig | None = None) -> Export:
             "data_parallel_shard_degree, 1 here; every rank holds every expert (more memory, no all-to-alls)"))
     settings: list[tuple[str, Value]] = [
         ("parallelism.data_parallel_replicate_degree", replicate), ("parallelism.data_parallel_shard_degree", shard)]
-    if plan.ep > 1 and shard >= plan.ep:  # under ZeRO 1-2 FSDP's ranks are the plan's dp, which ep is
+    if plan.ep > 1 and shard >= plan.ep:  # under ZeRO 1-3 FSDP's ranks are the plan's dp, which ep is
         settings.append(("parallelism.expert_parallel_degree", plan.ep))
     if reshard:
         settings.append(("parallelism.fsdp_reshard_after_forward", reshard))

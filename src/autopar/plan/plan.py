@@ -12,7 +12,7 @@ itself on construction, so a plan that exists is one whose numbers are in range 
   no stage is empty; recomputed layers and checkpointed runs belong to their stage; an intra-op plan's recomputed
   layers (``recompute``) are layers its blocks lie in, each named once;
 - placements are ``S(d)``, ``R`` or ``P``, one per mesh axis, ``d`` within the parameter's shape;
-- expert parallelism (``ep`` > 1) is a pipeline plan's, every stage's dp being ``ep``, below ZeRO 3.
+- expert parallelism (``ep`` > 1) is a pipeline plan's, every stage's dp being ``ep``.
 
 What needs the model itself (that the stages cover its chain in order, that split widths and heads divide by tp)
 is checked by the runtime before any rank starts (`autopar.runtime.validate`).
@@ -293,10 +293,9 @@ def _check_pipeline(plan: Plan) -> None:
             owner[name] = k
     if plan.sp and max(s.tp for s in plan.stages) < 2:
         raise FieldError("sp", "(sequence parallelism) needs tp 2 or more")
-    if plan.ep > 1 and (any(s.dp != plan.ep for s in plan.stages) or plan.zero == 3):
+    if plan.ep > 1 and any(s.dp != plan.ep for s in plan.stages):
         raise FieldError("ep", f"{plan.ep} splits the experts over each stage's whole data-parallel group, their "
-                         f"parameters S(0) on dp, which ZeRO 3 uses for its slices: it needs every stage's dp to be "
-                         f"{plan.ep} and zero below 3")
+                         f"parameters S(0) on dp: it needs every stage's dp to be {plan.ep}")
 
 
 def _check_recompute(plan: Plan) -> None:

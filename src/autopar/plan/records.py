@@ -46,20 +46,19 @@ OVERRIDE_LIMITS = {"layers": 2_048, "hidden": 131_072, "heads": 1_024, "vocab": 
                    "kv_heads": 1_024, "experts": 4_096}
 
 
-def expert_parallel_limits(ep: int, grids: list[tuple[int, int]], zero: int) -> str | None:
-    """Why expert parallelism over ``ep`` ranks cannot run on stages of ``grids`` ((dp, tp) each) under ZeRO
-    ``zero`` so far, or None: the experts split over each stage's whole data-parallel group (every stage's dp is
-    ep), without tensor parallelism, below ZeRO 3 (whose dp slices of every weight are dim-0 slices too: the plan
-    could not tell the experts apart). The one rule the cost model's configurations, the command
-    line and the runtime all apply (a plan file's ``ep`` must also equal its stages' dp: `Plan`)."""
+def expert_parallel_limits(ep: int, grids: list[tuple[int, int]]) -> str | None:
+    """Why expert parallelism over ``ep`` ranks cannot run on stages of ``grids`` ((dp, tp) each) so far, or None:
+    the experts split over each stage's whole data-parallel group (every stage's dp is ep), without tensor
+    parallelism, under any ZeRO stage. The one rule the cost model's configurations, the command line and the
+    runtime all apply (a plan file's ``ep`` must also equal its stages' dp: `Plan`)."""
     if ep == 1:
         return None
     dps, tps = sorted({dp for dp, _ in grids}), sorted({tp for _, tp in grids})
-    if dps == [ep] and tps == [1] and zero < 3:
+    if dps == [ep] and tps == [1]:
         return None
     return (f"expert parallelism splits the experts over each stage's whole data-parallel group, without tensor "
-            f"parallelism, below ZeRO 3, so far: ep {ep} needs dp {ep}, tp 1 and zero 0-2 (got dp "
-            f"{'/'.join(map(str, dps))}, tp {'/'.join(map(str, tps))}, zero {zero})")
+            f"parallelism, so far: ep {ep} needs dp {ep} and tp 1 (got dp {'/'.join(map(str, dps))}, tp "
+            f"{'/'.join(map(str, tps))})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -430,7 +430,7 @@ def check_supported(plan: Plan) -> None:
                          intra=any(s.intra for s in stages), compiled_selective=compiled_selective,
                          compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
     if not reason:
-        reason = expert_parallel_limits(plan.ep, [(s.dp, s.tp) for s in stages], plan.zero)
+        reason = expert_parallel_limits(plan.ep, [(s.dp, s.tp) for s in stages])
     if not reason and plan.schedule == "1f1b" and plan.micro_batches < plan.pp:
         # PyTorch's 1F1B schedule refuses it (Megatron's runs it, warming up with every micro-batch there is)
         reason = (f"the 1F1B schedule needs at least as many micro-batches as stages: {plan.micro_batches} "
@@ -566,7 +566,7 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
     modules = dict(model.named_modules())
     experts = [p for fqn in expert_parallel_modules(model, plan) for p in split_by_expert(modules[fqn], mesh["dp"])]
-    own = {"experts": experts, "expert_ranks": dp}  # with tp 1, below ZeRO 3 (`check_supported`)
+    own = {"experts": experts, "expert_ranks": dp}  # with tp 1 (`check_supported`)
 
     def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
         params = dict(model.named_parameters())

@@ -15,7 +15,7 @@ gradients averaged over dp with the rest), and per forward of a mixture:
 
 The backward sends the gradients the same two ways. Each rank's expert gradients cover every rank's tokens, each
 rank's share scaled by that rank's own loss, so they are divided by dp after the backward (`ParallelModel`) and
-never all-reduced: the one rank holding an expert holds its whole gradient. Under ZeRO 1-2 FSDP shards the rest of
+never all-reduced: the one rank holding an expert holds its whole gradient. Under ZeRO 1-3 FSDP shards the rest of
 the model and leaves the experts alone (`ignored_params`): they are split over dp already.
 
 Routing decides how many pairs each rank receives, so the all-to-alls' sizes vary from rank to rank; on fake
@@ -33,14 +33,17 @@ from torch import nn
 
 def expert_parallel_modules(module: nn.Module, plan: Any) -> list[str]:  # noqa: ANN401 - a Plan
     """The modules of ``module`` whose parameters the plan splits by expert over dp (``ep`` > 1: every parameter
-    ``S(0)`` on mesh axis 0 below ZeRO 3), each checked to be experts the runtime can split so."""
+    ``S(0)`` on mesh axis 0), each checked to be experts the runtime can split so. Under ZeRO 3 every parameter is
+    ``S(0)`` on dp, FSDP's slices being dim-0 slices too: there the experts are the modules that are experts (as
+    `check_experts` knows them), as the cost model finds them in the traced graph; a plan whose estimate took
+    other modules for experts issues other collectives than it priced, and is refused when planned."""
     if plan.ep == 1:
         return []
     modules = dict(module.named_modules())
     found = []
     for entry in plan.modules:
         split = [p for p in entry.params if p.placements[0].is_shard(0)]
-        if not split:
+        if not split or (plan.zero == 3 and not _are_experts(modules.get(entry.fqn))):
             continue
         if len(split) != len(entry.params):
             raise ValueError(f"the plan splits some parameters of module {entry.fqn!r} by expert over dp and not "
@@ -54,15 +57,21 @@ def expert_parallel_modules(module: nn.Module, plan: Any) -> list[str]:  # noqa:
     return found
 
 
+def _are_experts(module: nn.Module | None) -> bool:
+    """Hugging Face's experts, as `transformers.integrations.moe.use_experts_implementation` marks them: a
+    ``num_experts`` count, an ``is_transposed`` flag and parameters of their own."""
+    return (module is not None and isinstance(getattr(module, "num_experts", None), int)
+            and hasattr(module, "is_transposed") and any(True for _ in module.parameters(recurse=False)))
+
+
 def check_experts(experts: nn.Module, fqn: str, ep: int) -> None:
     """Refuse, naming ``fqn``, experts expert parallelism cannot split: not Hugging Face's experts (a
     ``num_experts`` count and parameters holding one entry per expert along dim 0), or a count ``ep`` does not
     divide."""
-    count = getattr(experts, "num_experts", None)
+    count = experts.num_experts if _are_experts(experts) else None
     params = dict(experts.named_parameters(recurse=False))
     kind = type(experts).__name__
-    # `transformers.integrations.moe.use_experts_implementation` marks the experts it runs
-    if not isinstance(count, int) or not params or not hasattr(experts, "is_transposed"):
+    if count is None:
         reason = "only Hugging Face experts (one weight per expert along dim 0, run with the tokens' chosen experts) " \
                  "can be split by expert"
     elif any(p.dim() < 2 or p.shape[0] != count for p in params.values()):

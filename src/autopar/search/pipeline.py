@@ -831,11 +831,11 @@ def data_parallel(
 def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evaluator,
                     twins: int = EXPERT_TWINS) -> Found | None:
     """The best plan with each mixture's experts split over each stage's dp ranks (`PipelineConfig.ep`): data
-    parallelism with the experts split over all the devices under ZeRO 0, 1 and 2, each at its best micro-batch
+    parallelism with the experts split over all the devices under each ZeRO stage, each at its best micro-batch
     size, and the twins of the ``twins`` best configurations ``evaluate`` has priced that can have one (tp 1, every
-    stage of one dp that divides every mixture's experts: the same stages, schedule and micro-batch, the experts
-    split, ZeRO 3 taken down to 2, as ZeRO 3 cannot split experts). None for a model without experts, or where no
-    such configuration exists or ``evaluate``'s limit refuses them all."""
+    stage of one dp that divides every mixture's experts: the same stages, schedule, micro-batch and ZeRO stage, the
+    experts split). None for a model without experts, or where no such configuration exists or ``evaluate``'s limit
+    refuses them all."""
     devices = model.cluster.num_devices
     groups = [group for row in model.expert_groups for group in row]
     if devices < 2 or not groups:
@@ -848,7 +848,7 @@ def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evalua
     if splits(devices):
         probe = PipelineConfig(stages=even_stages(model, 1, tp=1, dp=devices), micro_batch=devices, ep=devices)
         if evaluate.limit is None or not evaluate.limit(probe):
-            for zero in (0, 1, 2):
+            for zero in (0, 1, 2, 3):
                 best = data_parallel(model, global_batch=global_batch, zero=zero, evaluate=evaluate, ep=devices)
                 if best is not None and (found is None or best.score < found.score):
                     found = best
@@ -859,7 +859,7 @@ def expert_parallel(model: PipelineModel, *, global_batch: int, evaluate: Evalua
 
     plain = [(score(result), config) for config, result in evaluate.cache.items() if has_twin(config)]
     for _, config in sorted(plain, key=lambda pair: pair[0])[:twins]:
-        twin = replace(config, ep=config.stages[0].dp, zero=min(config.zero, 2))
+        twin = replace(config, ep=config.stages[0].dp)
         if evaluate.limit is not None and evaluate.limit(twin):
             continue
         result = evaluate(twin)
