@@ -173,9 +173,9 @@ def test_torchtitan_zero_stages(zero: int, pp: int, m: int, expected: tuple, war
         assert export.setting("parallelism.pipeline_parallel_schedule") is None
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_torchtitan_splits_experts_over_fsdp_s_ranks_only(zero: int) -> None:
-    """torchtitan's expert degree takes its ranks from FSDP's: under ZeRO 1-2 the plan's dp is FSDP's and the
+    """torchtitan's expert degree takes its ranks from FSDP's: under ZeRO 1-3 the plan's dp is FSDP's and the
     experts split over it; under ZeRO 0 there are none to take, which the export says."""
     plan = replace(_plan(grids=((8, 1),) * 4, zero=zero), ep=8)
     export = to_torchtitan(plan)
