@@ -16,6 +16,7 @@ from autopar.analysis.dims import Split
 from autopar.capture import trace
 from autopar.cli.main import main
 from autopar.cost.layers import analyse, routers
+from autopar.plan import load_plan
 from autopar.sharding import PARTIAL, REPLICATE
 from autopar.sharding.strategies import PASS, apply
 from autopar.zoo import load
@@ -239,6 +240,29 @@ def test_under_zero_fsdp_leaves_the_experts_to_their_ranks_and_is_priced_so(
     assert not any(c["kind"] == "all_reduce" for c in by_expert["collectives"])
     if zero >= 2:  # at the end of the step: the others' gradient shards, and the rank's own experts' whole
         assert by_expert["memory"]["gradients"] >= (others / 2 + experts / 2) * bf16
+
+
+def test_under_zero_3_experts_the_runtime_cannot_split_are_refused_naming_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under ZeRO 3 the plan cannot say which modules are experts, and the runtime splits Hugging Face's: experts it
+    does not know as such (here Mixtral's, unmarked) are refused when checked, naming the module, not left to FSDP
+    while the estimate priced them split."""
+    from autopar.runtime.source import ModelSource
+    from autopar.runtime.validate import check_runnable
+
+    out = tmp_path / "plan.json"
+    code, _, err = _cli(capsys, "estimate", "hf:mixtral", *EP, *KV["mixtral"], "--ep", "2", "--zero", "3",
+                        "--out", str(out))
+    assert code == 0, err
+    plan = load_plan(out)
+    zoo = load("hf:mixtral", batch=1, seq=32, dtype=torch.float32, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+               vocab=1024)
+    graph = trace(zoo.module, example_kwargs=zoo.inputs)
+    for module in zoo.module.modules():
+        if "is_transposed" in vars(module):
+            del module.is_transposed  # as a user's own experts would lack it
+    with pytest.raises(NotImplementedError, match="module 'model.layers.0.mlp.experts' .* cannot be split by expert"):
+        check_runnable(plan, rehearse=False, source=ModelSource.of_module(zoo.module, zoo.inputs, graph=graph))
 
 
 def test_a_model_prices_a_stage_with_and_without_expert_parallelism_apart() -> None:

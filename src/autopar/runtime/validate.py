@@ -123,6 +123,7 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
         placements = tensor_parallel_placements(model, plan)
     graph = source.chain()
     _check_chain(plan, graph)
+    _check_experts(graph, plan, model)
     _check_divisible(model, plan)
     _check_split_outputs(graph, plan, model)
     _check_shared_inputs(graph, plan, model, placements)
@@ -166,6 +167,23 @@ def _check_intra(plan: Plan, source: ModelSource, model: nn.Module) -> None:
         raise ValueError(f"the plan's layouts do not carry through the model as its estimate assumes: applied with "
                          f"DTensor on a fake process group, rank 0 issues other collectives than priced "
                          f"({result['message']})")
+
+
+def _check_experts(graph: Graph, plan: Plan, model: nn.Module) -> None:
+    """Under expert parallelism, every mixture the estimate splits by expert (the experts the trace finds) is one
+    the runtime can split so (`check_experts`), refused naming the module otherwise: under ZeRO 3 the plan's
+    placements cannot say which modules are experts (every weight is ``S(0)`` on dp), and the runtime splits the
+    modules that are Hugging Face experts, so a mixture of other experts would otherwise be refused only by the
+    rehearsal's count of collectives."""
+    from autopar.cost.layers import experts_in
+    from autopar.runtime.experts import check_experts
+
+    if plan.ep == 1:
+        return
+    modules = dict(model.named_modules())
+    for group in experts_in(graph, graph.nodes):
+        if group.module in modules:
+            check_experts(modules[group.module], group.module, plan.ep)
 
 
 def _check_stage(plan: Plan, source: ModelSource, model: nn.Module, traced: TracedShapes) -> None:
