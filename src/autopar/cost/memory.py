@@ -267,6 +267,11 @@ def _local(load: StageLoad) -> float:
     return sum(row.local * row.count for row in load.rows)
 
 
+def _root(load: StageLoad) -> float:
+    """Parameters of the FSDP root unit (the rows that are no repeated layer), the device's own left out."""
+    return sum((row.params - row.local) * row.count for row in load.rows if not row.unit)
+
+
 def _shards(load: StageLoad) -> int:
     return load.dp if load.holding is Holding.FSDP else 1
 
@@ -297,8 +302,7 @@ def steady_bytes(load: StageLoad) -> Moment:
     p, params, shards, local = load.precision, _params(load), _shards(load), _local(load)
     weights = params * p.weight
     if load.holding is Holding.FSDP:
-        root = sum((row.params - row.local) * row.count for row in load.rows if not row.unit)
-        weights = (params - local) * p.weight / shards + root * p.weight + local * p.weight
+        weights = (params - local) * p.weight / shards + _root(load) * p.weight + local * p.weight
     buckets = ddp_bucket_bytes(params - local, p) if load.holding is Holding.DDP else 0.0
     return Moment(parameters=weights + load.buffers, optimizer=_optimizer(load), other=buckets)
 
@@ -472,7 +476,7 @@ def end_moment(load: StageLoad) -> Moment:
     gradients = synced * p.gradient / shards + own * p.gradient
     optimizer = _optimizer(load)
     if load.holding is Holding.FSDP:
-        root = sum((row.params - row.local) * row.count for row in load.rows if not row.unit) * p.gradient
+        root = _root(load) * p.gradient
         sync = Moment(parameters=weights, gradients=gradients - root / shards + root, optimizer=optimizer,
                       other=buffers + max(root, merged))
     else:

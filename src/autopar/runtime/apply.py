@@ -663,11 +663,11 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
             rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
             permutations.update(rows)
         held = {id(m) for m in part.modules()}
-        experts.extend(p for m in mixtures if id(m) in held for p in split_by_expert(m, mesh["dp"]))
+        own = [p for m in mixtures if id(m) in held for p in split_by_expert(m, mesh["dp"])]  # this part's experts
+        experts.extend(own)
         if sharded:  # ZeRO 1: the schedule reduce-scatters after the last backward; 2-3 after every one
             layers = pipeline.stage_units(part)
-            _fully_shard(part, layers, mesh["dp"], plan.zero,
-                         experts=[p for m in mixtures if id(m) in held for p in m.parameters(recurse=False)])
+            _fully_shard(part, layers, mesh["dp"], plan.zero, experts=own)
             if plan.zero == 3:
                 _prefetch_within(part, layers)
         if names:  # by name, once wrapped (FSDP2 replaces the parameters)
