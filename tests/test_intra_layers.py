@@ -114,7 +114,13 @@ def test_the_search_toggles_layouts_and_plans_round_trip(gpt) -> None:
     laid = _intra(config)
     result = gpt.estimate(laid, global_batch=64)
     typed = pipeline_plan(gpt, Found(laid, result, 1), name="gpt3-1.3b", kind="auto", global_batch=64)
-    assert config_of(gpt, typed) == laid
+    read = config_of(gpt, typed)
+    # the stages as the search made them, with the layer layouts the plan records: priced as written, the same
+    assert dataclasses.replace(read, stages=tuple(dataclasses.replace(s, layouts=None) for s in read.stages)) == laid
+    assert any(s.layouts for s in read.stages)
+    again = gpt.estimate(read, global_batch=64)
+    assert again.estimate.iteration_seconds == pytest.approx(result.estimate.iteration_seconds, rel=1e-12)
+    assert again.estimate.collectives == result.estimate.collectives
     plan = typed.to_dict()
     assert any(stage["layouts"] for stage in plan["stages"])
     layer, splits = next((n, s) for stage in plan["stages"] for n, s in stage["layouts"].items())
@@ -124,15 +130,34 @@ def test_the_search_toggles_layouts_and_plans_round_trip(gpt) -> None:
     placed = {fqn: p for entry in plan["modules"].values() for fqn, p in entry["params"].items()
               if fqn.startswith(row.name + ".")}
     assert placed and all(p.startswith("[R, ") for p in placed.values())
-    assert "intra-op planner" in runtime_limit(laid)
+    # the runtime lays such layers out with DTensor (`runtime.intra.lay_out_layers`), eager, without expert or
+    # sequence parallelism so far
+    assert runtime_limit(laid) is None
+    check_supported(typed)
+    assert runtime_limit(dataclasses.replace(laid, zero=3)) is None
+    assert "intra-op planner" in runtime_limit(dataclasses.replace(laid, sp=True))
+    assert "intra-op planner" in runtime_limit(laid, kernels="compiled")
     with pytest.raises(NotImplementedError, match="intra-op planner"):
-        check_supported(typed)
+        check_supported(dataclasses.replace(typed, sp=True))
 
 
-def test_runnable_searches_never_lay_layers_out() -> None:
+def test_the_runtime_limit_knows_the_1f1b_schedule_needs_a_micro_batch_per_stage(gpt) -> None:
+    """PyTorch's 1F1B schedule refuses fewer micro-batches than stages: a search told the step's samples keeps
+    to configurations with enough of them (GPipe runs the same with fewer)."""
+    config = PipelineConfig(stages=even_stages(gpt, 2, tp=2, dp=1), micro_batch=8)
+    assert "1F1B schedule needs" in runtime_limit(config, global_batch=8)
+    assert runtime_limit(config, global_batch=16) is None
+    assert runtime_limit(dataclasses.replace(config, schedule="gpipe"), global_batch=8) is None
+
+
+def test_runnable_searches_lay_layers_out_only_where_the_runtime_can() -> None:
     model = _model(layers=4, gpus=8)
     found = auto(model, global_batch=64, time_limit=8, limit=runtime_limit)
-    assert found["auto"] is not None and not any(s.intra for s in found["auto"].config.stages)
+    assert found["auto"] is not None
+    config = found["auto"].config
+    if any(s.intra for s in config.stages):
+        assert not config.sp and config.ep == 1
+    assert runtime_limit(config) is None
     free = Evaluator(model, global_batch=64)
     assert free.limit is None
 

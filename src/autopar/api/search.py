@@ -177,7 +177,8 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
         precision = Precision.of(options.dtype, optimizer=options.optimizer)
         model = PipelineModel(subject.graph, cluster, traced_batch=1, dtype=options.dtype, kernels=options.kernels,
                               screen=True, precision=precision, profile=profile)  # searches: the closed form
-    limit = _limit(subject.pipelines, options.kernels, subject.no_tp, cuts=subject.cuts, rows=model.layers)
+    limit = _limit(subject.pipelines, options.kernels, subject.no_tp, cuts=subject.cuts, rows=model.layers,
+                   global_batch=options.batch)
     found = pipeline_searches(model, options.search, global_batch=options.batch, time_limit=options.budget_s,
                               progress=progress, should_stop=should_stop,
                               limit=limit if options.runnable_only else None, seed=options.seed)
@@ -214,7 +215,7 @@ def _search_pipeline(subject: Subject, cluster: Cluster, options: SearchOptions,
 
 
 def _limit(pipelines: bool, kernels: str, no_tp: str | None, *, cuts: frozenset[int] | None = None,
-           rows: list[Any] = ()) -> Callable[[Any], str | None]:
+           rows: list[Any] = (), global_batch: int | None = None) -> Callable[[Any], str | None]:
     """Why `autopar run` cannot run a configuration (`runtime_limit`), tp > 1 included where the model cuts the
     output of a projection tp would split (``no_tp``), and a stage starting at a row of ``rows`` where the model's
     forward cannot be cut (one not in ``cuts``)."""
@@ -226,7 +227,7 @@ def _limit(pipelines: bool, kernels: str, no_tp: str | None, *, cuts: frozenset[
             if wrong is not None:
                 return (f"the model's forward cannot be cut before {rows[wrong].name!r}: the stages either side "
                         "would hand each other more than one value")
-        return runtime_limit(config, pipelines=pipelines, kernels=kernels)
+        return runtime_limit(config, pipelines=pipelines, kernels=kernels, global_batch=global_batch)
 
     return limit
 

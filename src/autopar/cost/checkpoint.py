@@ -127,9 +127,9 @@ def segment_costs(stage, price) -> SegmentCosts:  # noqa: ANN001
                 costs.backward += p.forward
                 costs.comm += p.comm_forward
                 replayed.extend(c.during(Phase.BACKWARD) for c in p.forward_collectives)
-            if j == last and p.tail is not None:  # the last saved tensor comes before the layer's last collective
+            if j == last and p.tail:  # the last saved tensor comes before the layer's last collectives
                 costs.comm -= p.tail_seconds
-                stopped.append(p.tail.during(Phase.BACKWARD))
+                stopped.extend(c.during(Phase.BACKWARD) for c in p.tail)
         for child in segment.children:
             if isinstance(child, Segment):
                 replay(child)

@@ -395,6 +395,28 @@ class IntraCost:
         needs = {tuple(need) for _, value, need, _, calls in cost.conversions if value == ("out", last, 0) and calls}
         return last, (needs.pop() if len(needs) == 1 else None)
 
+    def leading_edges(self, block: ParallelBlock, cand: Candidate) -> tuple[Layout, Layout]:
+        """The layout the leading op of ``block`` under ``cand`` reads its activation in (the input that is no
+        parameter: a lookup's indices may be a buffer, BERT's position ids), and the layout its module hands its
+        output on in: where the block converts that output to one layout before anything else reads it (a
+        row-parallel projection's pending sum reduce-scattered onto the sequence), that layout; else the layout the
+        module's last op in the block makes it in (the leading op's, where the module ends in another block). What
+        the runtime converts the module's input and output to (`autopar.runtime.intra`)."""
+        cost = self.block_cost(block, cand)
+        leader = self.nodes[block.leader]
+        strategy = cost.strategies[block.nodes.index(block.leader)]
+        act = next((j for j, s in enumerate(leader.sources) if s.state is None or not self._is_param(s.state)), 0)
+        output = tuple(strategy.outputs[0])
+        found = self.handed_on(block, cost)
+        if found is not None:
+            last, converted = found
+            made = cost.strategies.get(last)
+            if converted is not None:
+                output = tuple(converted)
+            elif made is not None and made.outputs:
+                output = tuple(made.outputs[0])
+        return tuple(strategy.inputs[act]), output
+
     def _hand_on_converted(self, block: ParallelBlock, cost: BlockCost) -> None:
         """Where the block converts its leading module's output to one layout (`handed_on`), the runtime converts
         it as the module hands it on (`runtime.intra._hook_inputs`), so other blocks read it in that layout: its

@@ -82,6 +82,7 @@ class LayerLayout:
     reduced: float  # parameters (per device) kept whole over tp while their work splits: gradients summed over tp
     params: tuple[tuple[str, str], ...] = ()  # (parameter inside the layer, its layout on tp: S(0), S(1), R)
     choice: tuple[Candidate, ...] = ()  # per block, the candidate chosen
+    reduced_tensors: int = 0  # how many tensors ``reduced`` counts the elements of
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,7 @@ class _Part:
     temporary: float
     params: float
     reduced: float
+    reduced_tensors: int = 0
 
 
 class IntraLayers:
@@ -283,14 +285,14 @@ class IntraLayers:
         found = self._row_calls(ic, row, tp_axis, sp, choice)
         if found is None:
             return None
-        chosen, calls, replays_tail = found
+        chosen, calls, again = found
         priced, saved, temporary, attention = self._row_ops(ic, row, chosen, tp_axis.size, scale)
         tally = [0.0, 0.0]  # seconds the op database measured, forward and backward
         forward, backward = self._sequence(priced, tally)
         params = self.row_params(row, tp_axis, chosen=chosen)
         levels = ("none", "selective", "full") if self.model.layers[row].repeated else ("none",)
         return {level: self._assemble(row, level, forward, backward, [c.scaled(scale) for c in calls], saved,
-                                      temporary, params, attention, scale, tp_axis, sp, tally, replays_tail)
+                                      temporary, params, attention, scale, tp_axis, sp, tally, again)
                 for level in levels}
 
     def _sequence(self, priced: list, tally: list[float] | None = None) -> tuple[float, float]:
@@ -302,11 +304,11 @@ class IntraLayers:
     def _row_calls(self, ic: IntraCost, row: int, tp_axis: AxisPlacement, sp: bool,
                    choice: tuple[Candidate, ...] | None) -> tuple[dict[int, Candidate], list[CommCall], bool] | None:
         """The candidate of every block row ``row``'s ops belong to (`row_prices`), the collectives those ops issue
-        per micro-batch at the traced batch, in the order issued, and whether a full recomputation's replay issues
-        the last forward one again; None where a block has no cost."""
+        per micro-batch at the traced batch, in the order issued, and for each whether a full recomputation's replay
+        issues it again (a forward one); None where a block has no cost."""
         layer = self.model.layers[row]
         chosen: dict[int, Candidate] = {}
-        placed: list[tuple[int, int, CommCall]] = []  # (op id, order, call)
+        placed: list[tuple[int, int, CommCall, bool]] = []  # (op id, order, call, whether issued before the op)
         ids = {n.id for n in layer.nodes}
         for name in dict.fromkeys(self.bg.blocks[self.place[n.id][0]].layer for n in layer.nodes):
             blocks = self.rows[name]
@@ -315,24 +317,26 @@ class IntraLayers:
             calls = self._placed_calls(ic, name, picked, tp_axis, sp)
             if calls is None:
                 return None
-            placed += [(blocks[k].nodes[pos], order, c) for order, (k, pos, c) in enumerate(calls)
+            placed += [(blocks[k].nodes[pos], order, c, before) for order, (k, pos, c, before) in enumerate(calls)
                        if blocks[k].nodes[pos] in ids]
         region = self._vocab_region(tp_axis.size)
         if region:  # Megatron-LM's fused cross entropy on the split logits: its reductions, no conversion
             placed = [item for item in placed if item[0] not in region]
             if self.vocab.loss in ids:
                 placed += [(self.vocab.loss, -1, CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes,
-                                                          phase=Phase.FORWARD)) for nbytes in self.vocab.reductions]
+                                                          phase=Phase.FORWARD), False)
+                           for nbytes in self.vocab.reductions]
         placed.sort(key=lambda item: item[:2])
-        # whether checkpointing's replay reaches the row's last forward call: it stops once it has every tensor the
-        # backward saved, so it issues that call again only where an op after the op it is placed at saves one (a
-        # norm after the block's last row-parallel projection, as Gemma 2's and OLMo 2's post-norms are; the op
-        # itself may be the projection, whose saved input comes before the call). A dropout's mask is not counted:
-        # `autopar run` runs the model with dropout off, and the replay is priced as the ranks run it
-        last = max((op for op, _, c in placed if c.phase is Phase.FORWARD), default=None)
-        replays_tail = last is not None and any(n.saved_bytes for n in layer.nodes
-                                                if n.id > last and not n.module_type.endswith("Dropout"))
-        return chosen, [c for _, _, c in placed], replays_tail
+        # which forward calls checkpointing's replay issues again: it stops once it has every tensor the backward
+        # saved, so it issues a call only where an op after the op it is placed at saves one (a norm after the
+        # block's last row-parallel projection, as Gemma 2's and OLMo 2's post-norms are), or where the call
+        # converts that op's input and the op saves one itself (a projection's output is reduced after the op, its
+        # saved input made before). A dropout's mask is not counted: `autopar run` runs the model with dropout off,
+        # and the replay is priced as the ranks run it
+        last = max((n.id for n in layer.nodes if n.saved_bytes and not n.module_type.endswith("Dropout")), default=-1)
+        again = tuple(c.phase is Phase.FORWARD and (op < last or (op == last and before))
+                      for op, _, c, before in placed)
+        return chosen, [c for _, _, c, _ in placed], again
 
     def _vocab_region(self, tp: int) -> frozenset[int]:
         """The loss's ops where Megatron-LM's vocabulary split runs them on split logits (`cost.vocab`)."""
@@ -427,7 +431,8 @@ class IntraLayers:
     def _placed_calls(self, ic: IntraCost, name: str, choice: tuple[Candidate, ...], tp_axis: AxisPlacement,
                       sp: bool) -> list[tuple[int, int, CommCall]] | None:
         """The collectives of the blocks led in row ``name`` under ``choice``, per micro-batch at the traced batch,
-        as (block index in the row, position of the op it runs at, call): each block's own conversions, those of
+        as (block index in the row, position of the op it runs at, call, whether it converts a value that op reads,
+        before it runs, rather than reduces what the op made): each block's own conversions, those of
         values entering the row and leaving it, and those between its blocks, a value converted once per module
         and layout (`_scope`: the runtime converts it once and every reader of the module uses the result,
         gradients summed before one reduction). None where a block has no cost under its candidate."""
@@ -456,7 +461,7 @@ class IntraLayers:
                         if (what, scope) in seen:
                             continue
                         seen.add((what, scope))
-                    found += [(k, pos, c) for c in calls]
+                    found += [(k, pos, c, what is not None) for c in calls]  # a value converted for its reader
         self._placed[key] = found
         return found
 
@@ -466,25 +471,26 @@ class IntraLayers:
 
     def _assemble(self, row: int, level: str, forward: float, backward: float, calls: list[CommCall], saved: float,
                   temporary: float, params: float, attention: list, scale: float, tp_axis: AxisPlacement,
-                  sp: bool, tally: Sequence[float] = (0.0, 0.0), replays_tail: bool = False) -> LayerPrice:
+                  sp: bool, tally: Sequence[float] = (0.0, 0.0), again: Sequence[bool] = ()) -> LayerPrice:
         """A row's `LayerPrice` at recompute ``level`` from its ops' figures (``calls`` in the order issued;
-        ``tally``: the forward and backward seconds among them the profile database measured; ``replays_tail``:
-        a full recomputation issues the last forward call again, `_row_calls`)."""
+        ``tally``: the forward and backward seconds among them the profile database measured; ``again``:
+        per call, whether a full recomputation's replay issues it again, `_row_calls`)."""
         measured = tally[0] + tally[1]
         from autopar.cost.pipeline import LayerPrice
 
         layer, device = self.model.layers[row], self.model.cluster.device
         forward_calls = [c for c in calls if c.phase is Phase.FORWARD]
-        # eager checkpointing stops once it has every saved tensor, before the layer's last call where nothing after
-        # it saves a tensor (the layer's output is not one of them; `_row_calls`), whether the layer is checkpointed
-        # alone or ends a checkpointed run of layers (`cost.checkpoint`); a compiled layer replays its forward whole
-        tail = forward_calls[-1] if forward_calls and self.model.kernels == "eager" and not replays_tail else None
+        # eager checkpointing stops once it has every saved tensor, before the layer's last calls where nothing after
+        # them saves a tensor (the layer's output is not one of them; `_row_calls`), whether the layer is
+        # checkpointed alone or ends a checkpointed run of layers (`cost.checkpoint`); a compiled layer replays its
+        # forward whole
+        eager = self.model.kernels == "eager"
+        replayed = [c for c, issued in zip(calls, again) if issued or not eager and c.phase is Phase.FORWARD]
+        tail = tuple(c for c, issued in zip(calls, again) if eager and c.phase is Phase.FORWARD and not issued)
         if level == "full":  # the forward replays in the backward, its conversions too, except that tail
             backward += forward
             measured += tally[0]
-            replay = [c.during(Phase.BACKWARD) for c in forward_calls]
-            if tail is not None:
-                replay.remove(tail.during(Phase.BACKWARD))
+            replay = [c.during(Phase.BACKWARD) for c in replayed]
             calls = calls + replay
             temporary = max(temporary, saved)
             saved = layer.input_bytes * scale / (tp_axis.size if sp else 1)  # the layer's input
@@ -498,8 +504,7 @@ class IntraLayers:
             forward=forward, backward=backward, comm_forward=seconds[Phase.FORWARD],
             comm_backward=seconds[Phase.BACKWARD], activations=saved, temporary=temporary, params=params,
             collectives=merge_calls(calls), forward_collectives=merge_calls(forward_calls), tail=tail,
-            tail_seconds=0.0 if tail is None else collective_seconds(tail.kind, tail.bytes, tp_axis,
-                                                                     self.model.cluster),
+            tail_seconds=sum(collective_seconds(c.kind, c.bytes, tp_axis, self.model.cluster) for c in tail),
             measured_ops=measured,
         )
 
@@ -529,20 +534,63 @@ class IntraLayers:
             if not solution.feasible:
                 return None
             indices = solution.choice
-        ic, blocks, name = self._cost(tp_axis, when.sp), terms.blocks, self.model.layers[row].name
         choice = tuple(terms.candidates[v][i] for v, i in enumerate(indices))
+        found = self._laid_out(row, tp_axis, when, terms.blocks, choice)
+        if found is None or not self.seconds_of(found.prices["none"], found.reduced, tp_axis, when) \
+                < self.seconds_of(megatron, 0.0, tp_axis, when):
+            return None
+        return found
+
+    def layout_as(self, row: int, tp_axis: AxisPlacement, when: Conditions,
+                  splits: Sequence[tuple[str, str]]) -> LayerLayout:
+        """Repeated row ``row`` laid out by ``splits`` (module inside the row -> its split, as `LayerLayout.splits`
+        names them: a plan's record), whether or not the cost model would choose it. Raises ValueError naming the
+        module where the row has no such block or split (a plan made for another model or tp size)."""
+        self._build()
+        name = self.model.layers[row].name
+        blocks = self.rows.get(name, [])
+        ic = self._cost(tp_axis, when.sp)
+        wanted = dict(splits)
+        choice = []
+        for b in blocks:
+            module = _relative(self.model.graph.node(b.leader).module, name)
+            split = wanted.pop(module, None)
+            found = next((c for c in ic.candidates(b) if ic.describe(b, c) == split), None)
+            if found is None:
+                raise ValueError(f"the plan lays out {name}.{module} as {split!r}, which a tp of {tp_axis.size} "
+                                 f"does not offer there" if split is not None else
+                                 f"the plan lays out layer {name!r} without a split for its module {module!r}")
+            choice.append(found)
+        if wanted:
+            raise ValueError(f"the plan lays out {name}.{next(iter(wanted))}, which leads no block of that layer")
+        laid = self._laid_out(row, tp_axis, when, blocks, tuple(choice))
+        if laid is None:
+            raise ValueError(f"layer {name!r} laid out as the plan says has an op the cost model cannot price")
+        return laid
+
+    def _laid_out(self, row: int, tp_axis: AxisPlacement, when: Conditions, blocks: list[ParallelBlock],
+                  choice: tuple[Candidate, ...]) -> LayerLayout | None:
+        ic, name = self._cost(tp_axis, when.sp), self.model.layers[row].name
         scale = when.samples / self.model.traced_batch
         prices = self.row_prices(row, tp_axis, samples=when.samples, sp=when.sp, choice=choice)
         if prices is None:
             return None
-        reduced = sum(self._part(ic, b, c, name, scale, tp_axis, when.sp).reduced for b, c in zip(blocks, choice))
-        if not self.seconds_of(prices["none"], reduced, tp_axis, when) < self.seconds_of(megatron, 0.0, tp_axis, when):
-            return None
+        parts = [self._part(ic, b, c, name, scale, tp_axis, when.sp) for b, c in zip(blocks, choice)]
+        reduced = sum(part.reduced for part in parts)
         splits = tuple((_relative(self.model.graph.node(b.leader).module, name), ic.describe(b, c))
                        for b, c in zip(blocks, choice))
         params = tuple((_relative(ic.locate(b, p.key), name), short_layout(p.layout))
                        for b, c in zip(blocks, choice) for p in ic.block_cost(b, c).params)
-        return LayerLayout(splits=splits, prices=prices, reduced=reduced, params=params, choice=choice)
+        return LayerLayout(splits=splits, prices=prices, reduced=reduced, params=params, choice=choice,
+                           reduced_tensors=sum(part.reduced_tensors for part in parts))
+
+    def edges(self, row: int, tp_axis: AxisPlacement, layout: LayerLayout, *, sp: bool) -> dict[str, tuple]:
+        """Per leading op of row ``row`` laid out by ``layout``, its module's name and the layouts on tp its input
+        is read in and its output handed on in (`IntraCost.leading_edges`): what a plan records for the runtime."""
+        self._build()
+        ic = self._cost(tp_axis, sp)
+        blocks = self.rows.get(self.model.layers[row].name, [])
+        return {self.model.graph.node(b.leader).module: ic.leading_edges(b, c) for b, c in zip(blocks, layout.choice)}
 
     def terms(self, row: int, tp_axis: AxisPlacement, when: Conditions) -> Terms | None:
         """The ILP of repeated row ``row``'s layout (None where it has no blocks or tp is 1)."""
@@ -645,7 +693,8 @@ class IntraLayers:
                       for pos, n in enumerate(block.nodes)]
             forward, backward = self._sequence(priced)
             part = _Part(forward, backward, calls, bc.saved * scale, bc.temporary * scale,
-                         sum(p.local for p in bc.params), sum(p.local for p in bc.params if p.reduce_axes))
+                         sum(p.local for p in bc.params), sum(p.local for p in bc.params if p.reduce_axes),
+                         sum(1 for p in bc.params if p.reduce_axes))
         self._parts[key] = part
         return part
 

@@ -85,11 +85,11 @@ class LayerPrice:
     temporary: float
     params: float  # parameters on one device: what TP splits divided by tp, the rest whole
     collectives: tuple[CommCall, ...]  # on the tp axis per micro-batch, merged (`merge_calls`)
-    # the forward's collectives alone (what a recomputing segment replays), and its last one, which a segment
-    # ending in this layer does not replay (checkpointing stops once it has every saved tensor), with its seconds;
-    # None where an op after it saves a tensor (a post-norm), so that the replay issues it too
+    # the forward's collectives alone (what a recomputing segment replays), and its last ones, which a segment
+    # ending in this layer does not replay (checkpointing stops once it has every saved tensor: those after the
+    # last op that saves one), with their seconds; none where a post-norm saves the last reduction's output
     forward_collectives: tuple[CommCall, ...] = ()
-    tail: CommCall | None = None
+    tail: tuple[CommCall, ...] = ()
     tail_seconds: float = 0.0
     measured: bool = False  # forward and backward are a profile database's times (their collectives inside)
     measured_ops: float = 0.0  # seconds of forward and backward the profile database's op times priced
@@ -108,6 +108,10 @@ class Stage:
     # lay each repeated layer out by the intra-op planner's choice on the tp axis (`cost.intra_layers`) where that
     # is faster than Megatron's column/row pairs
     intra: bool = False
+    # an intra stage's layouts as a plan records them, (row, ((module inside the row, split), ...)) per row laid out
+    # (the rows not named keep Megatron's): priced as written rather than chosen again (`PipelineModel.stage_view`),
+    # so that a plan is checked against what it says on any cluster. None: chosen by the cost model
+    layouts: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] | None = None
     # worked out once: the searches look stages up by hash hundreds of thousands of times (`__setstate__`)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -121,7 +125,7 @@ class Stage:
         object.__setattr__(self, "_hash", self._key_hash())
 
     def _key_hash(self) -> int:
-        return hash((self.start, self.end, self.tp, self.dp, self.recompute, self.segments, self.intra))
+        return hash((self.start, self.end, self.tp, self.dp, self.recompute, self.segments, self.intra, self.layouts))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", self._key_hash())
@@ -138,6 +142,9 @@ class Stage:
             check_segments(self.segments, self.start, self.end, self.recompute_of)
         if self.intra and self.tp == 1:
             raise ValueError("intra-op layer layouts need a stage with tp > 1")
+        if self.layouts is not None and (not self.intra
+                                         or any(not self.start <= r < self.end for r, _ in self.layouts)):
+            raise ValueError("a stage's recorded layer layouts need an intra stage, and rows of its own")
 
     def recompute_of(self, row: int) -> str:
         return self.recompute[row - self.start] if self.recompute else "none"
@@ -558,7 +565,7 @@ class PipelineModel:
                        temporary=price.temporary + moved, params=price.params - held,
                        activations=price.activations + kept,
                        collectives=merge_calls([*price.collectives, *forward, *backward, *replayed]),
-                       forward_collectives=merge_calls([*price.forward_collectives, *forward]), tail=None,
+                       forward_collectives=merge_calls([*price.forward_collectives, *forward]), tail=(),
                        tail_seconds=0.0)
 
     def estimate(self, config: PipelineConfig, *, global_batch: int, simulate: bool | None = None,
@@ -622,8 +629,21 @@ class PipelineModel:
                 # counted where sent (a scatter/gather's all-gather: as many, where received)
                 stage_calls += [c.times(sends * m) for c in calls]
             reduced = sum(layout.reduced for layout in view.layouts.values())
-            if reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
-                nbytes = reduced * gradient_itemsize(self.dtype) / (stage.dp if config.zero else 1)
+            if reduced and config.zero > 0 and stage.dp > 1:
+                # weights a layout keeps whole while splitting their work, under ZeRO 1-3 across dp: FSDP sums each
+                # one's gradient over tp on its own, whole, before it reduce-scatters them over dp (as it does the
+                # norm weights' under sequence parallelism, below): once a step under ZeRO 1, every micro-batch
+                # under ZeRO 2 and 3
+                tensors = sum(layout.reduced_tensors for layout in view.layouts.values())
+                times = 1 if config.zero == 1 else m
+                each = reduced * gradient_itemsize(self.dtype) / tensors
+                seconds = times * tensors * collective_seconds(Collective.ALL_REDUCE, each, mesh.axis("tp"),
+                                                               self.cluster)
+                split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
+                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=each, phase=Phase.SYNC,
+                                            calls=times * tensors))
+            elif reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
+                nbytes = reduced * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
                 stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=nbytes, phase=Phase.SYNC))
@@ -843,7 +863,8 @@ class PipelineModel:
         in_flight = _in_flight(config.schedule, index, config.pp, config.chunks, m)
         layouts: dict[int, LayerLayout] = {}
         if stage.intra:
-            key = (stage.start, stage.end, stage.tp, stage.dp, samples, config.zero, m, in_flight, config.sp, mesh)
+            key = (stage.start, stage.end, stage.tp, stage.dp, samples, config.zero, m, in_flight, config.sp, mesh,
+                   stage.layouts)
             found = self._layouts.get(key)
             if found is None:
                 found = self._layouts[key] = self._stage_layouts(stage, mesh, samples, config, m, in_flight)
@@ -873,6 +894,10 @@ class PipelineModel:
         when = Conditions(samples=samples, dp=stage.dp, dp_axis=mesh.axis("dp"), zero=config.zero, micro_batches=m,
                           in_flight=in_flight, sp=config.sp)
         layouts = {}
+        if stage.layouts is not None:
+            for row, splits in stage.layouts:
+                layouts[row] = self.intra_layers.layout_as(row, mesh.axis("tp"), when, splits)
+            return layouts
         for row in range(stage.start, stage.end):
             if self.layers[row].repeated:
                 megatron = self.price(row, tp=stage.tp, samples=samples, recompute="none", sp=config.sp, mesh=mesh)

@@ -200,7 +200,9 @@ class ParamLayout:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModuleLayout:
-    """A module's parameters' layouts, and (intra-op plans) the layouts its input and output take."""
+    """A module's parameters' layouts, and (an intra-op plan's leading modules, and those of layers a pipeline
+    stage lays out by the intra-op planner) the layouts its input and output take: a pipeline plan's on (dp, tp),
+    dp splitting the batch, the runtime converting them on tp."""
 
     fqn: str
     params: tuple[ParamLayout, ...] = ()

@@ -22,9 +22,14 @@ On a (dp, tp) device mesh, or (pp, dp, tp) for a pipeline, tp innermost:
   ``torch.compile(fullgraph=True)`` (`compile_layers`), so its memory-bound ops run fused as the plan priced them;
   a layer dynamo cannot capture whole raises instead of running partly eager.
 
+- a stage whose layers the intra-op planner lays out (``intra``, ``layouts``): those layers' weights become
+  DTensors on tp in the plan's placements and their leading modules convert their inputs and outputs as the plan
+  records, DTensor carrying the layouts in between (`autopar.runtime.intra.lay_out_layers`); they meet the rest of
+  the stage as Megatron's layers do, and FSDP or the by-hand all-reduce handle dp as for any layer.
+
 Each of these issues the collectives `autopar.cost.pipeline` prices, call for call (``autopar run --check-comm``).
-Stages whose layers the intra-op planner lays out and stages of different dp x tp are refused with an error that
-says so (intra-op plans of one stage run with DTensor, `autopar.runtime.intra`).
+Stages of different dp x tp, and laid-out layers under sequence parallelism or compiled kernels, are refused with
+an error that says so (intra-op plans of one stage run with DTensor, `autopar.runtime.intra`).
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class ParallelModel:
     # tokens and are divided by ``expert_ranks`` (dp) after the backward instead of averaged over dp
     experts: list[nn.Parameter] = field(default_factory=list)
     expert_ranks: int = 1
+    # the parameters of layers a pipeline stage lays out by the intra-op planner (`runtime.intra.lay_out_layers`):
+    # the pending sums over tp of those kept whole while their work splits are summed in one all-reduce of their own
+    laid_out: list[nn.Parameter] = field(default_factory=list)
 
     def step(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> float:
         """One step's forward and backward (`forward_backward`); returns the loss one process training the whole
@@ -206,8 +214,11 @@ class ParallelModel:
             if param.grad is not None:
                 param.grad.div_(self.expert_ranks)
         summed = {id(p) for p in self.tp_partial}
+        laid = {id(p) for p in self.laid_out}
         for chunk in self.chunks or [self.module]:
             params = list(chunk.parameters())
+            if laid:  # priced as a call of their own (`PipelineModel.estimate`: ``reduced``)
+                self._sum_over_tp([p for p in params if id(p) in laid], [])
             self._sum_over_tp(params, [p for p in params if id(p) in summed])
         if self.dp_group is None:
             return
@@ -426,8 +437,11 @@ def check_supported(plan: Plan) -> None:
     stages = plan.stages
     compiled_selective = plan.kernels == "compiled" and any(
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
+    laid = any(s.intra and s.layouts for s in stages)
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
-                         intra=any(s.intra for s in stages), compiled_selective=compiled_selective,
+                         intra=laid and not intra_layouts_runnable(plan.zero, plan.grid[0], plan.ep, plan.kernels,
+                                                                   plan.sp),
+                         compiled_selective=compiled_selective,
                          compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
     if not reason:
         reason = expert_parallel_limits(plan.ep, [(s.dp, s.tp) for s in stages])
@@ -438,6 +452,13 @@ def check_supported(plan: Plan) -> None:
                   f"{plan.pp}; plan a smaller micro-batch (--mbs), or --schedule gpipe")
     if reason:
         raise NotImplementedError(reason)
+
+
+def intra_layouts_runnable(zero: int, dp: int, ep: int, kernels: str, sp: bool) -> bool:
+    """Whether the runtime runs a pipeline stage's intra-op layer layouts (`autopar.runtime.intra.lay_out_layers`)
+    in a plan of this ZeRO stage, dp, ep, kernels and sequence parallelism: so far eager, without sequence
+    parallelism (expert parallelism needs tp 1, which such a stage has not)."""
+    return ep == 1 and kernels == "eager" and not sp
 
 
 def intra_unsupported(plan: Plan) -> str | None:
@@ -461,8 +482,9 @@ def unsupported(*, stages: int, grids: set[tuple[int, int]], intra: bool = False
                 "torch.compile cannot compile here (AOT autograd saves a DeviceMesh among the checkpoint's tensors); "
                 "plan with --kernels eager, or full recomputation")
     if intra:
-        return ("the plan lays layers out by the intra-op planner (a stage marked intra); the runtime applies "
-                "Megatron's column/row layouts only so far")
+        return ("the plan lays layers out by the intra-op planner (a stage marked intra) under sequence "
+                "parallelism or with compiled kernels; the runtime runs such layers eager, without sequence "
+                "parallelism, so far")
     if len(grids) > 1:
         return "the plan's stages have different dp x tp; the runtime needs one grid for all"
     return None
@@ -562,15 +584,19 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     then data parallelism over dp (DDP, by hand, or FSDP2)."""
     from autopar.runtime.experts import expert_parallel_modules, split_by_expert
 
+    from autopar.runtime.intra import lay_out_layers, megatron_part
+
     zero, (dp, tp) = plan.zero, plan.grid
-    permutations, heads = _tensor_parallel(model, plan, mesh["tp"]) if tp > 1 else ({}, [])
+    permutations, heads = _tensor_parallel(model, megatron_part(plan), mesh["tp"]) if tp > 1 else ({}, [])
+    laid = lay_out_layers(model, plan, mesh["tp"], permutations) if tp > 1 else []
     modules = dict(model.named_modules())
     experts = [p for fqn in expert_parallel_modules(model, plan) for p in split_by_expert(modules[fqn], mesh["dp"])]
     own = {"experts": experts, "expert_ranks": dp}  # with tp 1 (`check_supported`)
 
     def summed() -> dict[str, Any]:  # by name, once wrapped: FSDP2 puts sharded parameters in the old ones' place
         params = dict(model.named_parameters())
-        return {"tp_partial": [params[name] for name in heads], "tp_group": mesh.get_group("tp") if heads else None}
+        return {"tp_partial": [params[name] for name in heads], "tp_group": mesh.get_group("tp") if heads else None,
+                "laid_out": laid}
 
     def plain(cls, **kw):  # noqa: ANN001, ANN003, ANN202
         return cls(model.parameters(), **kw)
@@ -647,10 +673,12 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     left out), and the plan's schedule over pp."""
     from autopar.runtime import pipeline
     from autopar.runtime.experts import expert_parallel_modules, split_by_expert
+    from autopar.runtime.intra import lay_out_layers, megatron_part
 
     dp, tp = plan.grid
     permutations: dict[str, tuple[int, torch.Tensor]] = {}
     heads: list[nn.Parameter] = []
+    laid: list[nn.Parameter] = []
     sharded = plan.zero > 0 and dp > 1
     dp_group = mesh.get_group("dp") if dp > 1 and not sharded else None
     modules = dict(model.named_modules())
@@ -660,8 +688,9 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     def wrap(part: nn.Module) -> nn.Module:
         names: list[str] = []
         if tp > 1:
-            rows, names = _tensor_parallel(part, plan, mesh["tp"], model=model)
+            rows, names = _tensor_parallel(part, megatron_part(plan), mesh["tp"], model=model)
             permutations.update(rows)
+            laid.extend(lay_out_layers(part, plan, mesh["tp"], permutations))
         held = {id(m) for m in part.modules()}
         own = [p for m in mixtures if id(m) in held for p in split_by_expert(m, mesh["dp"])]  # this part's experts
         experts.extend(own)
@@ -686,7 +715,7 @@ def _pipelined(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     return ParallelModel(
         module, plan.zero, lambda cls, **kw: cls(module.parameters(), **kw), permutations, {**axes, **groups},
         dp_group=dp_group, pipeline=pipe, names=names, chunks=wrapped, tp_partial=heads,
-        tp_group=mesh.get_group("tp") if heads else None, experts=experts, expert_ranks=dp,
+        tp_group=mesh.get_group("tp") if heads else None, experts=experts, expert_ranks=dp, laid_out=laid,
     )
 
 
@@ -798,9 +827,13 @@ def _tensor_parallel(
     gathered: list[str] = []
     whole = whole_attentions(module, placements) if sp else []
     if sp:  # norms inside a block see its heads, and those inside an attention kept whole the whole sequence
+        from autopar.runtime.intra import laid_out_layers
+
+        # layers laid out block by block take the stream's shards as they are and lay out their own norms
+        laid = [name for name in laid_out_layers(plan) if name in modules]
         inside = {name.rpartition(".")[0] for name in heads} | set(split)
-        inside.update(fqn for fqn, _ in module.named_modules() if any(_within(fqn, name) for name in whole))
-        gathered = _sequence_parallel(module, mesh, styles, inside=inside)
+        inside.update(fqn for fqn, _ in module.named_modules() if any(_within(fqn, name) for name in [*whole, *laid]))
+        gathered = _sequence_parallel(module, mesh, styles, inside=inside, laid=laid)
     parallelize_module(module, mesh, styles)
     for fqn, placement in placements.items():
         if placement == "E":
@@ -1505,7 +1538,8 @@ def _relayout_output(module: nn.Module, mesh: Any, source: Any, target: Any, *, 
     module.register_forward_hook(hook)
 
 
-def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str]) -> list[str]:
+def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, inside: set[str],
+                       laid: Iterable[str] = ()) -> list[str]:
     """Sequence parallelism around Megatron TP (Korthikanti et al.), as the cost model prices it: the stream is
     scattered into sequence shards where it enters the stack of layers (its gradient is gathered back), and the
     norms from there on run on shards and hand them on as local tensors, as the stream is between layers (a norm
@@ -1516,14 +1550,15 @@ def _sequence_parallel(module: nn.Module, mesh: Any, styles: dict[str, Any], *, 
     whole gathers its input. In a Hugging Face causal LM that gather comes right after the norm that ends its chain
     of layers (the first of its ``last`` modules, `pipeline.HF_CHAINS`), since the model may reshape that norm's
     output by the whole sequence before the head (GPT-2 does); the names of such norms are returned, for the
-    caller to gather their outputs once the styles are applied."""
+    caller to gather their outputs once the styles are applied. ``laid``: layers laid out block by block
+    (`runtime.intra.lay_out_layers`), which take the stream's shards and hand them on as split ones do."""
     from torch.distributed.tensor import Replicate, Shard
     from autopar.runtime.pipeline import HF_CHAINS, chain_kind
 
     SequenceParallel = _stream_styles()[2]  # noqa: N806
 
     named = list(module.named_modules())
-    split = list(styles)
+    split = [*styles, *laid]
     from autopar.runtime.pipeline import StageModule
 
     # the stack: the list of layers holding the split modules (the zoo's and LLaMA's ``layers``, GPT-2's ``h``,

@@ -270,7 +270,8 @@ def stage_predictions(plan: Plan, *, dtype: torch.dtype = torch.float32) -> list
     return predictions_on(plan, trace(zoo.module, example_kwargs=zoo.inputs), dtype)
 
 
-def predictions_on(plan: Plan, graph: Any, dtype: torch.dtype) -> list[list[dict[str, Any]]]:
+def predictions_on(plan: Plan, graph: Any, dtype: torch.dtype, *,
+                   gloo: bool | None = None) -> list[list[dict[str, Any]]]:
     """Per stage of the pipeline ``plan``, the collectives one of its devices issues in a step, as the cost model
     predicts them on ``graph`` (the model the plan names, traced in ``dtype`` at batch 1; compiled layers priced
     replaying whole, as they recompute)."""
@@ -286,8 +287,21 @@ def predictions_on(plan: Plan, graph: Any, dtype: torch.dtype) -> list[list[dict
                    for stage in plan.stages)
     result = model.estimate(config_of(model, dataclasses.replace(plan, stages=stages)),
                             global_batch=plan.micro_batch_size * plan.micro_batches)
-    return [predicted({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count} for c in report.collectives)
-            for report in result.stages]
+    return [predicted(_on_gloo({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count}, {"tp": stage.tp},
+                               gloo=gloo) for c in report.collectives)
+            for stage, report in zip(plan.stages, result.stages)]
+
+
+def _on_gloo(call: dict[str, Any], sizes: dict[str, int], *, gloo: bool | None) -> dict[str, Any]:
+    """``call`` as a rank issues it: on gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor
+    gathers the whole value instead and keeps its own part, so an all-to-all DTensor converts a value with on an
+    axis of ``sizes`` is counted as that all-gather (expert parallelism's own all-to-alls, on dp, are issued as
+    such)."""
+    if gloo is None:
+        gloo = not torch.cuda.is_available()
+    if gloo and call["kind"] == "all_to_all" and call["axis"] in sizes:
+        return {**call, "kind": "all_gather", "bytes": call["bytes"] * sizes[call["axis"]]}
+    return call
 
 
 def intra_prediction(plan: Plan, graph: Any, *, gloo: bool | None = None) -> list[dict[str, Any]]:
@@ -299,16 +313,9 @@ def intra_prediction(plan: Plan, graph: Any, *, gloo: bool | None = None) -> lis
     from autopar.search.intra import repriced
 
     estimate = repriced(plan, graph, load_cluster("cpu").with_devices(plan.devices)).estimate
-    if gloo is None:
-        gloo = not torch.cuda.is_available()
     sizes = dict(zip(plan.mesh.axes, plan.mesh.shape))
-    rows = []
-    for c in estimate.collectives:
-        kind, nbytes = c.kind, c.bytes
-        if gloo and kind == "all_to_all":
-            kind, nbytes = "all_gather", nbytes * sizes.get(c.axis, 1)
-        rows.append({"kind": kind, "axis": c.axis, "bytes": nbytes, "count": c.count})
-    return predicted(rows)
+    return predicted(_on_gloo({"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "count": c.count}, sizes, gloo=gloo)
+                     for c in estimate.collectives)
 
 
 def stages_of_rank(plan: Plan, rank: int) -> list[int]:

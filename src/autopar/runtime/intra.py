@@ -37,6 +37,7 @@ registers one: the batch and head dims split, the sequence and head dims whole, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -157,10 +158,17 @@ class _AsPlanned(torch.overrides.TorchFunctionMode):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         kwargs = kwargs or {}
+        if func in _CUTS and args and getattr(args[0], "_autopar_pieces", None) is not None:
+            found = _cut_pieces(func, args, kwargs)
+            if found is not None:
+                return found
         if func in _NORMS and args and isinstance(args[0], DTensor):
             x = args[0]
             shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
             first = x.ndim - len(shape)
+            found = _split_norm(func, x, shape, args[2:], kwargs)
+            if found is not None:
+                return found
             placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim >= first) else p
                           for p in x.placements]
             if placements != list(x.placements):
@@ -192,6 +200,90 @@ def running(*, scatter: bool = True) -> Any:  # noqa: ANN401
 
 
 _SUMS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+_CUTS = (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes)
+
+
+def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any:  # noqa: ANN401
+    """A norm whose input and weight the plan splits alike by features (a weight ``S(0)`` on the axis that splits
+    the input's last dim), run on each rank's features, as the cost model prices it: each rank's share of the
+    statistics over the features, summed in an all-reduce of one value per row (two for a LayerNorm: its mean,
+    then its variance), instead of gathering the features. None where the norm is not so split."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    names = ("weight", "bias", "eps") if func in (torch.layer_norm, torch.nn.functional.layer_norm) else \
+        ("weight", "eps")
+    given = dict(zip(names, rest)) | {k: v for k, v in kwargs.items() if k in names}
+    weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps")
+    last = Shard(x.ndim - 1)
+    if len(shape) != 1 or not isinstance(weight, DTensor) or last not in x.placements:
+        return None
+    if any(w != (Shard(0) if p == last else p) for w, p in zip(weight.placements, x.placements)
+           if not p.is_partial()):
+        return None
+    mesh = x.device_mesh
+    rows = [Replicate() if p == last or p.is_partial() else p for p in x.placements]
+
+    def summed(share: Any) -> Any:  # noqa: ANN401 - the statistic whole on every rank, its gradient summed back
+        return _Settle.apply(share.redistribute(mesh, rows))
+
+    if func in (torch.rms_norm, torch.nn.functional.rms_norm):
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        out = x * summed(torch.rsqrt(x.pow(2).mean(-1, keepdim=True).redistribute(mesh, rows) + eps))
+    else:
+        eps = 1e-5 if eps is None else eps
+        centred = x - summed(x.mean(-1, keepdim=True))
+        out = centred * summed(torch.rsqrt(centred.pow(2).mean(-1, keepdim=True).redistribute(mesh, rows) + eps))
+    out = out * weight
+    return _stamped(out + bias if bias is not None else out)
+
+
+def _marks_pieces(pieces: tuple[int, ...]) -> Any:  # noqa: ANN401
+    """A forward hook marking a fused projection's output as cut into ``pieces`` (widths, in the model's order),
+    each rank holding its share of every piece (`lay_out_layers`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
+        if isinstance(output, DTensor) and tuple(output.placements) == (Shard(output.ndim - 1),):
+            output._autopar_pieces = pieces
+
+    return hook
+
+
+def _cut_pieces(func: Any, args: tuple, kwargs: dict) -> tuple | None:  # noqa: ANN401
+    """A fused projection's output (`_marks_pieces`) cut into its pieces along its features, each rank cutting
+    its own shard into its shares (no conversion: each piece handed on split by features, as Megatron's runtime
+    cuts it); None where the cut is not into those pieces (DTensor then converts, and the rehearsal sees it)."""
+    from torch.distributed.tensor import DTensor
+
+    x, pieces = args[0], args[0]._autopar_pieces
+    chunks = func in (torch.chunk, torch.Tensor.chunk)
+    how = args[1] if len(args) > 1 else kwargs.get("chunks" if chunks else "split_size_or_sections",
+                                                      kwargs.get("split_size", kwargs.get("split_sizes")))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if dim % x.ndim != x.ndim - 1:
+        return None
+    if chunks:
+        fits = how == len(pieces) and len(set(pieces)) == 1
+    elif isinstance(how, int):
+        fits = all(w == how for w in pieces)
+    else:
+        fits = [int(w) for w in how] == list(pieces)
+    if not fits:
+        return None
+    mesh, placements = x.device_mesh, x.placements
+    tp = mesh.size()
+    local = x.to_local().split([w // tp for w in pieces], dim=-1)
+    return tuple(_stamped(DTensor.from_local(part, mesh, placements, run_check=False, shape=(*x.shape[:-1], w),
+                                             stride=_contiguous(*x.shape[:-1], w)))
+                 for part, w in zip(local, pieces))
+
+
+def _contiguous(*shape: int) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 _NORMS = (torch.rms_norm, torch.nn.functional.rms_norm, torch.layer_norm, torch.nn.functional.layer_norm)
 _ROWWISE = (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax, torch.softmax,
             torch.nn.functional.softmax, torch.Tensor.softmax, torch.nn.functional.cross_entropy)
@@ -1041,19 +1133,23 @@ def _hook_inputs(model: nn.Module, plan: Plan, mesh: Any) -> dict[int, tuple]:
     modules = dict(model.named_modules())
     cache: dict[int, tuple] = {}
     for entry in plan.modules:
-        if entry.fqn not in modules:
-            continue
-        module = modules[entry.fqn]
-        flattened = isinstance(module, nn.Linear)
-        if entry.input is not None and isinstance(module, nn.Embedding):
-            # the indices a lookup reads may arrive as another argument than its first (OPT's position table takes
-            # the attention mask first and its positions by keyword): every index tensor it is given is converted
-            module.register_forward_pre_hook(_indices_converter(tuple(entry.input), mesh), with_kwargs=True)
-        elif entry.input is not None:
-            module.register_forward_pre_hook(_converter(tuple(entry.input), mesh, flattened=flattened, cache=cache))
-        if entry.output is not None:
-            module.register_forward_hook(_output_converter(tuple(entry.output), mesh))
+        if entry.fqn in modules:
+            _hook_module(modules[entry.fqn], entry.input, entry.output, mesh=mesh, cache=cache)
     return cache
+
+
+def _hook_module(module: nn.Module, read: tuple | None, handed: tuple | None, *, mesh: Any,  # noqa: ANN401
+                 cache: dict[int, tuple]) -> None:
+    """`_hook_inputs` for one module: its input put in ``read``, its output in ``handed`` (None: left alone)."""
+    if read is not None and isinstance(module, nn.Embedding):
+        # the indices a lookup reads may arrive as another argument than its first (OPT's position table takes
+        # the attention mask first and its positions by keyword): every index tensor it is given is converted
+        module.register_forward_pre_hook(_indices_converter(tuple(read), mesh), with_kwargs=True)
+    elif read is not None:
+        flattened = isinstance(module, nn.Linear)
+        module.register_forward_pre_hook(_converter(tuple(read), mesh, flattened=flattened, cache=cache))
+    if handed is not None:
+        module.register_forward_hook(_output_converter(tuple(handed), mesh))
 
 
 def _reduce_masked_lookups(model: nn.Module) -> None:
@@ -1241,7 +1337,10 @@ def _lift(target: tuple, shape: torch.Size, sizes: tuple[int, ...], *, flattened
             return None  # a strided split
         dim = p.dim
         if flattened and len(shape) > 2:
-            dim = 0 if dim == 0 else len(shape) - 1 if dim == 1 else None
+            # a split of the tokens (every dim but the features, flattened) is one of the first dim longer than
+            # one (a micro-batch of one sample: its sequence)
+            dim = next((d for d in range(len(shape) - 2) if shape[d] > 1), len(shape) - 2) if dim == 0 else \
+                len(shape) - 1 if dim == 1 else None
         if dim is None or dim >= len(shape):
             return None
         ways[dim] = ways.get(dim, 1) * size
@@ -1249,3 +1348,151 @@ def _lift(target: tuple, shape: torch.Size, sizes: tuple[int, ...], *, flattened
             return None
         out.append(shard(dim))
     return tuple(out)
+
+
+# ---- intra-op layer layouts inside a pipeline stage --------------------------------------------------------------
+
+
+def laid_out_layers(plan: Plan) -> set[str]:
+    """The layers a pipeline plan's intra stages lay out block by block (`Stage.layouts`); the others of those
+    stages keep Megatron's layout."""
+    return {layer for stage in plan.stages if stage.intra for layer, _ in stage.layouts}
+
+
+def megatron_part(plan: Plan) -> Plan:
+    """``plan`` without the module entries of its intra-laid-out layers: what Megatron's layouts apply to."""
+    import dataclasses
+
+    laid = laid_out_layers(plan)
+    if not laid:
+        return plan
+    return dataclasses.replace(plan, modules=tuple(m for m in plan.modules
+                                                   if not any(_inside(m.fqn, layer) for layer in laid)))
+
+
+def _inside(fqn: str, layer: str) -> bool:
+    return fqn == layer or fqn.startswith(f"{layer}.")
+
+
+def lay_out_layers(part: nn.Module, plan: Plan, mesh: Any,  # noqa: ANN401 - a DeviceMesh
+                   permutations: dict[str, tuple[int, torch.Tensor]]) -> list[nn.Parameter]:
+    """Lay out the intra-laid-out layers ``part`` (one pipeline stage, its modules under their names in the whole
+    model) holds as the plan says, on the stage's 1-D tp ``mesh``; returns their parameters.
+
+    A fused projection the model cuts into pieces (q, k and v; `apply.fused_pieces`) whose output features the plan
+    splits is laid out as Megatron's runtime lays it out, as the cost model prices it: its rows reordered so that
+    each rank's shard holds its share of every piece (recorded in ``permutations``), and its output cut locally
+    (`_Pieces`), each piece handed on split by features, with no conversion.
+
+    Each parameter becomes a DTensor in its planned tp placement (cut from the whole weight, nothing sent), buffers
+    replicated; each leading op's module converts its input and output as planned (`_hook_module`), as in an
+    intra-op plan. The layer meets the rest of the stage as Megatron's layers do: it is handed the stream as local
+    tensors (whole, or this rank's sequence shard under sequence parallelism), which enter as DTensors in that
+    layout (its other tensor arguments, masks and rotary tables, replicated), and it hands its output back in that
+    layout, as local tensors; in between DTensor carries the layouts, run as planned (`_AsPlanned`). A layer the
+    plan recomputes in full replays as planned inside its checkpoint. The gradients of weights kept whole while
+    their work splits are left pending over tp, summed after the last micro-batch (`ParallelModel`)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from autopar.runtime.apply import _pieces_order, fused_pieces, out_features_dim
+
+    attention_rules()
+    _views_copy_where_needed()
+    modules = dict(part.named_modules())
+    tp = mesh.size()
+    entries = {e.fqn: e for e in plan.modules}
+    placed = {p.name: p.on(1) for e in plan.modules for p in e.params}
+    stream = Shard(1) if plan.sp else Replicate()
+    cache: dict[int, tuple] = {}
+    params: list[nn.Parameter] = []
+    for name in sorted(laid_out_layers(plan)):
+        layer = modules.get(name)
+        if layer is None:  # another stage's
+            continue
+        for prefix, module in layer.named_modules(prefix=name):
+            parent, _, child = prefix.rpartition(".")
+            pieces = fused_pieces(modules.get(parent), child)
+            out = out_features_dim(module) if pieces is not None else None
+            weight = placed.get(f"{prefix}.weight")
+            if pieces is None or not (isinstance(weight, Shard) and weight.dim == out) or any(w % tp for w in pieces):
+                pieces = None
+            else:  # each rank's share of every piece in its contiguous shard, as Megatron's runtime has it
+                order = _pieces_order(pieces, tp=tp)
+                with torch.no_grad():
+                    for key, dim in (("weight", out), ("bias", 0)):
+                        param = module._parameters.get(key)
+                        if param is not None:
+                            param.copy_(param.index_select(dim, order))
+                            permutations[f"{prefix}.{key}"] = (dim, order)
+            for key, param in list(module._parameters.items()):
+                if param is None or isinstance(param, DTensor):
+                    continue
+                local = distribute_tensor(param.detach(), mesh, [placed.get(f"{prefix}.{key}", Replicate())],
+                                          src_data_rank=None)
+                module._parameters[key] = nn.Parameter(local, requires_grad=param.requires_grad)
+                params.append(module._parameters[key])
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None and not isinstance(buffer, DTensor):
+                    module._buffers[key] = DTensor.from_local(buffer, mesh, [Replicate()], run_check=False)
+            entry = entries.get(prefix)
+            if entry is not None:
+                _hook_module(module, *(None if x is None else (x[1],) for x in (entry.input, entry.output)),
+                             mesh=mesh, cache=cache)
+            if pieces is not None:
+                module.register_forward_hook(_marks_pieces(pieces))
+        layer.forward = _on_stream(layer.forward, mesh, stream, cache, scatter=plan.sp)
+    return params
+
+
+def _on_stream(forward: Any, mesh: Any, stream: Any, cache: dict[int, tuple], *, scatter: bool) -> Any:  # noqa: ANN401
+    """A laid-out layer's forward between Megatron's local tensors (`lay_out_layers`): ``forward`` (the layer's own,
+    or its full recomputation's checkpoint of it, whose replay then runs as planned too)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from autopar.runtime.apply import _checkpointed
+
+    recomputed = isinstance(forward, functools.partial) and forward.func is _checkpointed
+    inner = _scoped(forward.args[1] if recomputed else forward, cache)
+
+    def planned(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        with _as_planned(scatter=scatter):
+            return inner(*args, **kwargs)
+
+    def core(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        if not recomputed:
+            return planned(*args, **kwargs)
+        return checkpoint(planned, *args, use_reentrant=False, **kwargs)
+
+    def enter(x: Any, placement: Any) -> Any:  # noqa: ANN401
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, [placement], run_check=False)
+        return x
+
+    def leave(x: Any, placement: Any) -> Any:  # noqa: ANN401
+        if not isinstance(x, DTensor):
+            return x
+        if tuple(x.placements) != (placement,):
+            x = x.redistribute(mesh, [placement])
+        # a view of the DTensor's shard: FSDP, wrapping the layer, would lose its hook on the output to an in-place
+        # op on the view, so the layer hands on a tensor of its own, as a Megatron layer's residual add does
+        local = x.to_local()
+        return local.clone() if local._base is not None else local
+
+    def run(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        whole = Replicate()
+        if args:
+            args = (enter(args[0], stream), *tree_map(lambda x: enter(x, whole), args[1:]))
+            kwargs = tree_map(lambda x: enter(x, whole), kwargs)
+        else:
+            kwargs = {k: enter(v, stream) if k == "hidden_states" else tree_map(lambda x: enter(x, whole), v)
+                      for k, v in kwargs.items()}
+        out = core(*args, **kwargs)
+        if isinstance(out, DTensor):
+            return leave(out, stream)
+        if isinstance(out, tuple) and out and isinstance(out[0], DTensor):
+            return (leave(out[0], stream), *tree_map(lambda x: leave(x, whole), out[1:]))
+        return tree_map(lambda x: leave(x, whole), out)
+
+    return run

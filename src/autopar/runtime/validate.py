@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ from autopar.runtime.apply import (
     out_features_dim, parallelize, recompute, split_norms, tensor_parallel_placements, tp_partial_names, tp_role,
     whole_attentions,
 )
+from autopar.runtime.intra import laid_out_layers, megatron_part
 from autopar.runtime.source import ModelSource
 from autopar.runtime.thin import thin
 from autopar.runtime.train import LEARNING_RATE, Workload
@@ -119,14 +120,15 @@ def check_runnable(plan: Plan, *, rehearse: bool = True, source: ModelSource | N
             _check_intra(plan, source, model)
         return
     placements = {}
+    megatron = megatron_part(plan)  # what Megatron's layouts apply to: not the layers laid out block by block
     if any(stage.tp > 1 for stage in plan.stages):  # every stage's, before any rank builds its own
-        placements = tensor_parallel_placements(model, plan)
+        placements = tensor_parallel_placements(model, megatron)
     graph = source.chain()
     _check_chain(plan, graph)
     _check_experts(graph, plan, model)
-    _check_divisible(model, plan)
-    _check_split_outputs(graph, plan, model)
-    _check_shared_inputs(graph, plan, model, placements)
+    _check_divisible(model, megatron)
+    _check_split_outputs(graph, megatron, model)
+    _check_shared_inputs(graph, megatron, model, placements)
     _check_batch_norm(model, plan)
     _check_sequence(model, source)
     if plan.pp == 1 and rehearse:  # the rehearsal applies recomputation as the runtime does, on this model first
@@ -314,16 +316,17 @@ def _traced_meta(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> G
 
 def tensor_parallel_proxy(plan: Plan) -> Plan:
     """A pipeline plan's tensor parallelism alone: one stage of its tp devices holding every layer, with each
-    stage's recomputation and checkpointed runs and the plan's module layouts. Every stage applies tp to its own
-    layers with the same code (`runtime.apply`), so tp that would fail on a stage, or form heads other than the
-    traced model's, fails the rehearsal of this plan, which (unlike a pipeline) can be stepped on a fake process
-    group; the pipeline's own cut is checked apart (`pipeline.check_stage_forward`)."""
+    stage's recomputation, checkpointed runs and intra-op layer layouts and the plan's module layouts. Every stage
+    applies tp to its own layers with the same code (`runtime.apply`), so tp that would fail on a stage, or form
+    heads other than the traced model's, fails the rehearsal of this plan, which (unlike a pipeline) can be stepped
+    on a fake process group; the pipeline's own cut is checked apart (`pipeline.check_stage_forward`)."""
     from autopar.plan import Mesh, Stage
 
     first = plan.stages[0]
     stage = Stage(layers=tuple(name for s in plan.stages for name in s.layers), dp=1, tp=first.tp,
                   recompute=tuple(r for s in plan.stages for r in s.recompute),
-                  segments=tuple(r for s in plan.stages for r in s.segments))
+                  segments=tuple(r for s in plan.stages for r in s.segments),
+                  intra=any(s.intra for s in plan.stages), layouts=tuple(x for s in plan.stages for x in s.layouts))
     return dataclasses.replace(plan, mesh=Mesh(shape=(1, first.tp), axes=plan.mesh.axes), stages=(stage,),
                                schedule="1f1b", chunks=1, estimate=None, report=None)
 
@@ -418,8 +421,9 @@ def rehearsal(plan: Plan, *, count: bool = False, source: ModelSource | None = N
             tp = plan.grid[1] if plan.is_pipeline else 1  # an intra-op plan's heads: DTensor's own propagation
             # multi-query attentions the plan keeps whole run all their heads on every rank
             kept = whole_attentions(model, _split_over_tp(applied)) if tp > 1 else []
-            shapes = _AttentionShapes(where, traced, tp, whole=kept) if traced and tp > 1 else \
-                contextlib.nullcontext()
+            # layers laid out block by block run on DTensors, whose own propagation keeps their heads right
+            shapes = _AttentionShapes(where, traced, tp, whole=kept, skip=laid_out_layers(applied)) \
+                if traced and tp > 1 else contextlib.nullcontext()
             # a pipeline schedule logs its whole timetable on any error, which the error below names in a line
             schedule = quiet_log("torch.distributed.pipelining.schedules")
             # on a CPU process group DTensor gathers where an all-to-all would go, and says so once; the
@@ -551,15 +555,18 @@ class _AttentionShapes(TorchDispatchMode):
     whose matrices (not counting the batch of heads) the traced model never multiplies (see `rehearsal`). The
     backward is not checked: grad mode is off there, and its products are the forward's transposed."""
 
-    def __init__(self, where: list[str], traced: TracedShapes, tp: int, *, whole: list[str] = ()) -> None:
+    def __init__(self, where: list[str], traced: TracedShapes, tp: int, *, whole: list[str] = (),
+                 skip: Iterable[str] = ()) -> None:
         super().__init__()
-        self.where, self.tp, self.whole = where, tp, whole
+        self.where, self.tp, self.whole, self.skip = where, tp, whole, tuple(skip)
         self.expected = {(heads // tp, seq, size) for heads, seq, size in traced.attention if heads % tp == 0}
         self.traced = traced
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func.name()
         module = self.where[-1] if self.where else "<root>"
+        if any(module == layer or module.startswith(f"{layer}.") for layer in self.skip):
+            return func(*args, **(kwargs or {}))
         if self.traced.attention and "scaled_dot_product" in name and not name.endswith("backward") and args:
             query = getattr(args[0], "_local_tensor", args[0])  # a DTensor's own shard
             whole = any(module == name or module.startswith(f"{name}.") for name in self.whole)

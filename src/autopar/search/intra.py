@@ -959,22 +959,6 @@ def axis_names(plan: IntraPlan) -> tuple[str, ...]:
     return _axis_labels(plan.space, plan.choice)
 
 
-def _handed_on(space: Space, block: ParallelBlock, cost: Any, computed: tuple) -> tuple:
-    """The layout the leading op's module hands its output on in, in the dims of that output (the value the
-    module's last op in the block makes: a linear layer's output unflattened): where the block converts it to one
-    layout before anything else reads it (a row-parallel projection's pending sum reduce-scattered onto the
-    sequence), that layout; else the layout its last op makes it in (``computed``, the leading op's, where the
-    module ends in another block)."""
-    found = space.cost.handed_on(block, cost)
-    if found is None:
-        return computed
-    last, converted = found
-    if converted is not None:
-        return converted
-    made = cost.strategies.get(last)
-    return tuple(made.outputs[0]) if made is not None and made.outputs else computed
-
-
 def _reduced(use: ParamUse) -> tuple[int, ...]:
     """The axes a parameter's gradient is summed over, as the plan records them: those that hold it whole (a
     gradient priced as summed where its weight is split would be a pricing the runtime cannot follow; left out,
@@ -994,13 +978,9 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
         cand = space.candidates[v][plan.choice[v]]
         bc = ic.block_cost(block, cand)
         leader = space.graph.node(block.leader)
-        strategy = bc.strategies[block.nodes.index(block.leader)]
-        # the input it reads that is no parameter (a lookup's indices may be a buffer: BERT's position ids)
-        act = next((j for j, s in enumerate(leader.sources) if s.state is None or not ic._is_param(s.state)), 0)
         blocks.append(Block(id=block.id, layer=block.layer, module=leader.module, split=ic.describe(block, cand)))
         params.setdefault(leader.module, {})
-        edges[leader.module] = (tuple(strategy.inputs[act]), _handed_on(space, block, bc,
-                                                                        tuple(strategy.outputs[0])))
+        edges[leader.module] = ic.leading_edges(block, cand)
         for p in bc.params:
             fqn = ic.locate(block, p.key)
             params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout),

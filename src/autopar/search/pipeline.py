@@ -174,19 +174,25 @@ class Evaluator:
         return best
 
 
-def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: str = "eager") -> str | None:
+def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: str = "eager",
+                  global_batch: int | None = None) -> str | None:
     """Why ``autopar run`` cannot run ``config`` yet, or None (`autopar.runtime.apply.unsupported`);
     ``pipelines``: whether the runtime can cut this model into stages (`runtime.pipeline.chain_kind`); ``kernels``:
-    the plan's kernels setting."""
-    from autopar.runtime.apply import unsupported
+    the plan's kernels setting; ``global_batch``: the samples of a step, where known (PyTorch's 1F1B schedule needs
+    as many micro-batches as stages)."""
+    from autopar.runtime.apply import intra_layouts_runnable, unsupported
 
     if len(config.stages) > 1 and not pipelines:
         return "the runtime cannot cut this model into pipeline stages: its forward does not trace into a chain of " \
                "layers each handing the next one value, or its stages would not compute what the forward does"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
+    if global_batch is not None and config.schedule == "1f1b" and global_batch // config.micro_batch < config.pp:
+        return (f"the 1F1B schedule needs at least as many micro-batches as stages: "
+                f"{global_batch // config.micro_batch} for pp {config.pp}")
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
-                       intra=any(s.intra for s in config.stages), compiled_selective=compiled_selective,
-                       compiled_experts=kernels == "compiled" and config.ep > 1)
+                       intra=any(s.intra for s in config.stages) and not intra_layouts_runnable(
+                           config.zero, config.stages[0].dp, config.ep, kernels, config.sp),
+                       compiled_selective=compiled_selective, compiled_experts=kernels == "compiled" and config.ep > 1)
 
 
 def shape(config: PipelineConfig) -> tuple:
@@ -888,9 +894,15 @@ def pipeline_plan(
     modules: dict[str, dict[str, tuple]] = {}  # module -> parameter -> (tp placement, summed, shape)
     dp_placement = parse("S(0)" if config.zero == 3 else "R")
     placements = {text: (dp_placement, parse(text)) for text in ("R", "S(0)", "S(1)")}
+    edges: dict[str, tuple] = {}  # an intra-laid-out leading op's module -> its input's and output's layouts
     for index, (stage, report) in enumerate(zip(config.stages, found.result.stages)):
         rows = [model.layers[r] for r in range(stage.start, stage.end)]
-        layouts = model.stage_view(config, index, global_batch=global_batch).layouts
+        view = model.stage_view(config, index, global_batch=global_batch)
+        layouts = view.layouts
+        batch = parse("S(0)" if stage.dp > 1 else "R")  # activations: each dp rank's own samples
+        for r, layout in layouts.items():
+            for fqn, (read, handed) in model.intra_layers.edges(r, view.mesh.axis("tp"), layout, sp=config.sp).items():
+                edges[fqn] = ((batch, *read), (batch, *handed))
         stages.append(PlanStage(
             layers=tuple(row.name for row in rows), dp=stage.dp, tp=stage.tp,
             recompute=tuple((row.name, stage.recompute_of(r)) for r, row in zip(range(stage.start, stage.end), rows)
@@ -935,6 +947,7 @@ def pipeline_plan(
                                shape=tuple(shape), summed=summed) for name, (tp, summed, shape) in params.items())
         for fqn, params in modules.items()
     }
+    entries.update({fqn: () for fqn in edges if fqn not in entries})
     return Plan(
         model=name, kind=kind, mesh=Mesh(shape=(config.pp, model.cluster.num_devices // config.pp),
                                          axes=("pp", "dp_tp")),
@@ -942,7 +955,8 @@ def pipeline_plan(
         micro_batches=global_batch // config.micro_batch, zero=config.zero, sp=config.sp, ep=config.ep,
         kernels=model.kernels,
         stages=tuple(stages),
-        modules=tuple(ModuleLayout(fqn=fqn, params=params) for fqn, params in entries.items()),
+        modules=tuple(ModuleLayout(fqn=fqn, params=params, input=edges.get(fqn, (None, None))[0],
+                                   output=edges.get(fqn, (None, None))[1]) for fqn, params in entries.items()),
         workload=workload, estimate=found.result.estimate,
     )
 
@@ -972,8 +986,12 @@ def config_on(chain: Sequence[str], plan: Plan) -> PipelineConfig:
         start, end = rows[0], rows[-1] + 1
         levels = tuple(entry.recompute_of(chain[r]) for r in range(start, end))
         segments = tuple((index[first], index[last] + 1) for first, last in entry.segments)
+        for layer, _ in entry.layouts:
+            if not start <= index.get(layer, -1) < end:
+                raise ValueError(f"stage {number} of the plan lays out {layer!r}, which is not one of its layers")
+        laid = tuple(sorted((index[layer], splits) for layer, splits in entry.layouts)) if entry.intra else None
         stages.append(Stage(start=start, end=end, tp=entry.tp, dp=entry.dp, recompute=levels, segments=segments,
-                            intra=entry.intra))
+                            intra=entry.intra, layouts=laid))
     if expected != len(chain):
         raise ValueError(f"the plan's stages end at {chain[expected - 1]!r}; the model's chain goes on to "
                          f"{chain[expected]!r} ({len(chain) - expected} more)")
