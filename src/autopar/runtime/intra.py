@@ -238,24 +238,28 @@ def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any
 
 
 def _marks_pieces(pieces: tuple[int, ...]) -> Any:  # noqa: ANN401
-    """A forward hook marking a fused projection's output as cut into ``pieces`` (widths, in the model's order),
-    each rank holding its share of every piece (`lay_out_layers`)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """A forward hook marking a fused projection's output as one its model cuts into ``pieces`` (widths, in the
+    model's order along the last dim), its output features laid out per rank (`lay_out_layers`: each rank's shard
+    holds its share of every piece), for `_cut_pieces`."""
+    from torch.distributed.tensor import DTensor
 
     def hook(_module: nn.Module, _args: tuple, output: Any) -> None:  # noqa: ANN401
-        if isinstance(output, DTensor) and tuple(output.placements) == (Shard(output.ndim - 1),):
+        if isinstance(output, DTensor):
             output._autopar_pieces = pieces
 
     return hook
 
 
 def _cut_pieces(func: Any, args: tuple, kwargs: dict) -> tuple | None:  # noqa: ANN401
-    """A fused projection's output (`_marks_pieces`) cut into its pieces along its features, each rank cutting
-    its own shard into its shares (no conversion: each piece handed on split by features, as Megatron's runtime
-    cuts it); None where the cut is not into those pieces (DTensor then converts, and the rehearsal sees it)."""
-    from torch.distributed.tensor import DTensor
+    """A fused projection's output (`_marks_pieces`) split by features over one axis cut into its pieces as the cost
+    model prices the cut (`analysis.dims`: each shard holds its share of every piece, as Megatron's runtime lays the
+    projection out): each rank cuts its own shard into its shares, with no conversion, each piece handed on split
+    by features. None where the cut is not into those pieces or the value is otherwise laid out (DTensor then
+    converts, and the rehearsal's count of collectives sees what it did)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    x, pieces = args[0], args[0]._autopar_pieces
+    x = args[0]
+    pieces = x._autopar_pieces
     chunks = func in (torch.chunk, torch.Tensor.chunk)
     how = args[1] if len(args) > 1 else kwargs.get("chunks" if chunks else "split_size_or_sections",
                                                       kwargs.get("split_size", kwargs.get("split_sizes")))
@@ -270,8 +274,13 @@ def _cut_pieces(func: Any, args: tuple, kwargs: dict) -> tuple | None:  # noqa: 
         fits = [int(w) for w in how] == list(pieces)
     if not fits:
         return None
-    mesh, placements = x.device_mesh, x.placements
-    tp = mesh.size()
+    mesh, placements = x.device_mesh, list(x.placements)
+    split = [a for a, p in enumerate(placements) if p == Shard(x.ndim - 1)]
+    if len(split) != 1 or any(not p.is_replicate() for a, p in enumerate(placements) if a != split[0]):
+        return None
+    tp = mesh.size(split[0])
+    if any(w % tp for w in pieces):
+        return None
     local = x.to_local().split([w // tp for w in pieces], dim=-1)
     return tuple(_stamped(DTensor.from_local(part, mesh, placements, run_check=False, shape=(*x.shape[:-1], w),
                                              stride=_contiguous(*x.shape[:-1], w)))
