@@ -5,6 +5,9 @@ tests/test_memory_tracker.py: two small zoo models, DP, ZeRO 1/2/3, TP and PP on
 Run: python bench/memory.py [--quick] [--intra]. Single-stage plans are measured on a fake process group with fake
 tensors (seconds each), pipelines on real gloo ranks (about 15 s each). Target: every case within 5%.
 
+``--laid-out`` measures pipeline stages whose layers the intra-op planner lays out (tests/intra_stages.py: GPT
+and LLaMA of 4 layers, hidden 1024, sequence 512, on tp 2, dp 2 x tp 2 under ZeRO 0-3, recomputed or not).
+
 ``--intra`` measures intra-op plans instead (`autopar plan --search ilp`'s estimate): both models in data
 parallelism on 2 ranks and in Megatron's layout on a 2 x 2 mesh, at both sizes, one and two micro-batches, ZeRO
 0-2, with none, half and all of their layers recomputed in full.
@@ -58,9 +61,51 @@ def intra() -> None:
     print(f"largest error {worst:.1%} (target 5%)")
 
 
+LAID_OUT = [  # (model, layout of each layer, plan options)
+    ("gpt", {"attn.qkv": "n", "attn.proj": "n", "mlp.fc1": "n", "mlp.fc2": "k"}, {}),
+    ("gpt", {"attn.qkv": "n", "attn.proj": "n", "mlp.fc1": "n", "mlp.fc2": "k"}, {"recompute": "full"}),
+    ("gpt", {"attn.qkv": "n", "attn.proj": "n", "mlp.fc1": "n", "mlp.fc2": "k"}, {"micro_batch": 4, "batch": 8}),
+    ("gpt", {"attn.qkv": "R", "attn.proj": "R", "mlp.fc1": "m", "mlp.fc2": "R"},
+     {"dp": 2, "batch": 8, "micro_batch": 4}),
+    ("gpt", {"attn.qkv": "R", "attn.proj": "R", "mlp.fc1": "m", "mlp.fc2": "R"},
+     {"dp": 2, "batch": 8, "micro_batch": 4, "zero": 1}),
+    ("gpt", {"attn.qkv": "n", "attn.proj": "n", "mlp.fc1": "n", "mlp.fc2": "k"},
+     {"dp": 2, "batch": 8, "micro_batch": 4, "zero": 3}),
+    ("llama", {"attn.qkv": "n", "attn.proj": "n", "mlp.gate": "n", "mlp.up": "n", "mlp.down": "k"}, {}),
+    ("llama", {"attn.qkv": "n", "attn.proj": "n", "mlp.gate": "n", "mlp.up": "n", "mlp.down": "k"},
+     {"recompute": "full"}),
+    ("llama", {"attn.qkv": "n", "attn.proj": "n", "mlp.gate": "n", "mlp.up": "n", "mlp.down": "k"},
+     {"dp": 2, "batch": 8, "micro_batch": 4, "zero": 2}),
+]
+
+
+def laid_out() -> None:
+    import intra_stages
+
+    from autopar.plan import Plan
+
+    print(f"{'case':60s} {'predicted':>10s} {'measured':>10s} {'error':>7s} {'seconds':>7s}")
+    worst = 0.0
+    for family, splits, options in LAID_OUT:
+        start = time.perf_counter()
+        plan = Plan.from_dict(intra_stages.plan(family, splits, large=True, **options))
+        predicted = plan.stages[0].memory.allocated
+        single_stage_peak(plan)  # as in `intra`: the first run fills fake tensors' caches
+        peak = single_stage_peak(plan)
+        error = (predicted - peak) / peak
+        worst = max(worst, abs(error))
+        name = f"{family} {' '.join(splits.values())} {' '.join(f'{k} {v}' for k, v in options.items())}"
+        print(f"{name:60s} {predicted / MIB:6.1f} MiB {peak / MIB:6.1f} MiB {error:+7.1%} "
+              f"{time.perf_counter() - start:7.1f}")
+    print(f"largest error {worst:.1%} (target 5%)")
+
+
 def main() -> None:
     if "--intra" in sys.argv:
         intra()
+        return
+    if "--laid-out" in sys.argv:
+        laid_out()
         return
     cases = [c for c in CASES if c.kind != "PP"] if "--quick" in sys.argv else CASES
     print(f"{'case':24s} {'stage':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s} {'seconds':>7s}")
