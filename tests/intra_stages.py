@@ -30,8 +30,10 @@ def _model(family: str, *, gpus: int, micro_batch: int, large: bool = False) -> 
     from autopar.zoo import load
 
     name, overrides = (LARGE if large else MODELS)[family]
-    zoo = load(name, batch=micro_batch, seq=LARGE_SEQ if large else SEQ, dtype=torch.float32, dropout=0.0,
-               **overrides)  # as `autopar run` builds it
+    # the larger model (a memory benchmark, whose plans are applied, not checked against the model's chain) is traced
+    # with dropout off, as `autopar run` builds it, so that no dropout mask is priced
+    zoo = load(name, batch=micro_batch, seq=LARGE_SEQ if large else SEQ, dtype=torch.float32,
+               **({"dropout": 0.0} if large else {}), **overrides)
     graph = trace(zoo.module, example_kwargs=zoo.inputs)
     return name, overrides, zoo, PipelineModel(graph, load_cluster("cpu").with_devices(gpus), traced_batch=micro_batch,
                                                dtype="fp32")  # priced as `autopar run` trains it
