@@ -14,6 +14,10 @@ SEQ = 32
 MODELS = {
     "gpt": ("gpt3-125m", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "ffn": 128}),
     "llama": ("llama-7b", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "ffn": 128}),
+    # Hugging Face's own: q, k and v apart, RMSNorm written out (its mean of squares over split features), rotary
+    # tables passed to each layer; Qwen3's q and k norms per head
+    "hf-llama": ("hf:llama-tiny", {}),
+    "hf-qwen3": ("hf:qwen3", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "ffn": 128}),
 }
 # larger, for bench/memory.py --laid-out: activations and weights well above the fixed costs
 LARGE = {

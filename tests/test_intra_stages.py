@@ -19,6 +19,8 @@ from autopar.plan import Plan
 MEGATRON = {"attn.qkv": "n", "attn.proj": "k", "mlp.fc1": "n", "mlp.fc2": "k"}
 GATHERED = {"attn.qkv": "n", "attn.proj": "n", "mlp.fc1": "n", "mlp.fc2": "k"}
 LLAMA = {"attn.qkv": "n", "attn.proj": "n", "mlp.gate": "n", "mlp.up": "n", "mlp.down": "k"}
+HF = {"self_attn.q_proj": "n", "self_attn.k_proj": "n", "self_attn.v_proj": "n", "self_attn.o_proj": "n",
+      "mlp.gate_proj": "n", "mlp.up_proj": "n", "mlp.down_proj": "k"}
 
 
 def _run(tmp_path, data: dict, capsys) -> dict:  # noqa: ANN001
@@ -120,3 +122,12 @@ def test_laid_out_layers_under_zero_train_as_one_process(tmp_path, capsys, zero:
     assert data["check"]["ok"] and data["check_comm"]["ok"]
     summed = [r for r in data["check_comm"]["ranks"][0]["rows"] if (r["kind"], r["axis"]) == ("all_reduce", "tp")]
     assert summed and summed[0]["counted"] > 0
+
+
+@pytest.mark.parametrize("family", ["hf-llama", "hf-qwen3"])
+def test_hugging_face_layers_laid_out_train_as_one_process(tmp_path, capsys, family: str) -> None:
+    """Hugging Face's LLaMA and Qwen3 from config, each layer laid out as the planner lays out LLaMA-70B's: their
+    RMSNorm, written out, takes the mean of its squares over split features (summed in a small all-reduce, as
+    priced); Qwen3's q and k norms per head."""
+    data = _run(tmp_path, intra_stages.plan(family, HF), capsys)
+    assert data["check"]["ok"] and data["check_comm"]["ok"]

@@ -162,6 +162,10 @@ class _AsPlanned(torch.overrides.TorchFunctionMode):
             found = _cut_pieces(func, args, kwargs)
             if found is not None:
                 return found
+        if func in _MEANS and args and isinstance(args[0], DTensor):
+            found = _row_statistic(func, args, kwargs)
+            if found is not None:
+                return found
         if func in _NORMS and args and isinstance(args[0], DTensor):
             x = args[0]
             shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
@@ -200,6 +204,7 @@ def running(*, scatter: bool = True) -> Any:  # noqa: ANN401
 
 
 _SUMS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+_MEANS = (torch.mean, torch.Tensor.mean)
 _CUTS = (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes)
 
 
@@ -235,6 +240,25 @@ def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any
         out = centred * summed(torch.rsqrt(centred.pow(2).mean(-1, keepdim=True).redistribute(mesh, rows) + eps))
     out = out * weight
     return _stamped(out + bias if bias is not None else out)
+
+
+def _row_statistic(func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: ANN401
+    """A mean over the last dim, kept, of a value split by features over an axis (a norm written out, as Hugging
+    Face's RMSNorm is: the mean of the squares): each rank's share summed at once, in an all-reduce of one value per
+    row, and its gradient summed back there, as `_split_norm` runs a norm and the cost model prices it (DTensor
+    would leave the mean pending and, in the backward, reduce-scatter the whole value instead). None otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    last = Shard(x.ndim - 1)
+    if not keep or len(dims) != 1 or dims[0] is None or dims[0] % x.ndim != x.ndim - 1 or last not in x.placements \
+            or not x.is_floating_point() or any(p.is_partial() for p in x.placements):
+        return None
+    rows = [Replicate() if p == last else p for p in x.placements]
+    return _stamped(_Settle.apply(func(*args, **kwargs).redistribute(x.device_mesh, rows)))
 
 
 def _marks_pieces(pieces: tuple[int, ...]) -> Any:  # noqa: ANN401
