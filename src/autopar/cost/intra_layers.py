@@ -429,7 +429,7 @@ class IntraLayers:
         return sizes
 
     def _placed_calls(self, ic: IntraCost, name: str, choice: tuple[Candidate, ...], tp_axis: AxisPlacement,
-                      sp: bool) -> list[tuple[int, int, CommCall]] | None:
+                      sp: bool) -> list[tuple[int, int, CommCall, bool]] | None:
         """The collectives of the blocks led in row ``name`` under ``choice``, per micro-batch at the traced batch,
         as (block index in the row, position of the op it runs at, call, whether it converts a value that op reads,
         before it runs, rather than reduces what the op made): each block's own conversions, those of

@@ -94,6 +94,7 @@ class ParallelModel:
     expert_ranks: int = 1
     # the parameters of layers a pipeline stage lays out by the intra-op planner (`runtime.intra.lay_out_layers`):
     # the pending sums over tp of those kept whole while their work splits are summed in one all-reduce of their own
+    # (under ZeRO 1-3 across dp, FSDP2 sums each such gradient itself before reduce-scattering it, as priced)
     laid_out: list[nn.Parameter] = field(default_factory=list)
 
     def step(self, batch: Mapping[str, torch.Tensor] | LocalBatch) -> float:
@@ -373,6 +374,7 @@ class ParallelModel:
         """Follow parameters the module replaced (``new``: by the old one's id), where this object holds them
         itself: the weights whose gradients it sums over tp, and the pipeline's tied weights."""
         self.tp_partial = [new.get(id(p), p) for p in self.tp_partial]
+        self.laid_out = [new.get(id(p), p) for p in self.laid_out]
         if self.pipeline is not None:
             self.pipeline.tied = [(new.get(id(p), p), group) for p, group in self.pipeline.tied]
 
@@ -439,8 +441,7 @@ def check_supported(plan: Plan) -> None:
         s.tp > 1 and any(level == "selective" for _, level in s.recompute) for s in stages)
     laid = any(s.intra and s.layouts for s in stages)
     reason = unsupported(stages=len(stages), grids={(s.dp, s.tp) for s in stages},
-                         intra=laid and not intra_layouts_runnable(plan.zero, plan.grid[0], plan.ep, plan.kernels,
-                                                                   plan.sp),
+                         intra=laid and not intra_layouts_runnable(plan.ep, plan.kernels, plan.sp),
                          compiled_selective=compiled_selective,
                          compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
     if not reason:
@@ -454,10 +455,10 @@ def check_supported(plan: Plan) -> None:
         raise NotImplementedError(reason)
 
 
-def intra_layouts_runnable(zero: int, dp: int, ep: int, kernels: str, sp: bool) -> bool:
+def intra_layouts_runnable(ep: int, kernels: str, sp: bool) -> bool:
     """Whether the runtime runs a pipeline stage's intra-op layer layouts (`autopar.runtime.intra.lay_out_layers`)
-    in a plan of this ZeRO stage, dp, ep, kernels and sequence parallelism: so far eager, without sequence
-    parallelism (expert parallelism needs tp 1, which such a stage has not)."""
+    in a plan of this ep, kernels and sequence parallelism: so far eager, without sequence parallelism (expert
+    parallelism needs tp 1, which such a stage has not); any ZeRO stage."""
     return ep == 1 and kernels == "eager" and not sp
 
 
@@ -583,7 +584,6 @@ def _one_stage(model: nn.Module, plan: Plan, mesh: Any, axes: dict[str, str], *,
     """A single-stage plan: tensor parallelism over tp, a mixture's experts split over dp (expert parallelism),
     then data parallelism over dp (DDP, by hand, or FSDP2)."""
     from autopar.runtime.experts import expert_parallel_modules, split_by_expert
-
     from autopar.runtime.intra import lay_out_layers, megatron_part
 
     zero, (dp, tp) = plan.zero, plan.grid

@@ -294,8 +294,8 @@ def predictions_on(plan: Plan, graph: Any, dtype: torch.dtype, *,
 
 def _on_gloo(call: dict[str, Any], sizes: dict[str, int], *, gloo: bool | None) -> dict[str, Any]:
     """``call`` as a rank issues it: on gloo (``gloo``, default: no CUDA here), which has no all-to-all, DTensor
-    gathers the whole value instead and keeps its own part, so an all-to-all DTensor converts a value with on an
-    axis of ``sizes`` is counted as that all-gather (expert parallelism's own all-to-alls, on dp, are issued as
+    gathers the whole value instead and keeps its own part, so an all-to-all by which DTensor converts a value on
+    an axis of ``sizes`` is counted as that all-gather (expert parallelism's own all-to-alls, on dp, are issued as
     such)."""
     if gloo is None:
         gloo = not torch.cuda.is_available()

@@ -317,6 +317,8 @@ def _contiguous(*shape: int) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
+
+
 _NORMS = (torch.rms_norm, torch.nn.functional.rms_norm, torch.layer_norm, torch.nn.functional.layer_norm)
 _ROWWISE = (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax, torch.softmax,
             torch.nn.functional.softmax, torch.Tensor.softmax, torch.nn.functional.cross_entropy)
@@ -1415,7 +1417,7 @@ def lay_out_layers(part: nn.Module, plan: Plan, mesh: Any,  # noqa: ANN401 - a D
     A fused projection the model cuts into pieces (q, k and v; `apply.fused_pieces`) whose output features the plan
     splits is laid out as Megatron's runtime lays it out, as the cost model prices it: its rows reordered so that
     each rank's shard holds its share of every piece (recorded in ``permutations``), and its output cut locally
-    (`_Pieces`), each piece handed on split by features, with no conversion.
+    (`_cut_pieces`), each piece handed on split by features, with no conversion.
 
     Each parameter becomes a DTensor in its planned tp placement (cut from the whole weight, nothing sent), buffers
     replicated; each leading op's module converts its input and output as planned (`_hook_module`), as in an
@@ -1482,7 +1484,7 @@ def _on_stream(forward: Any, mesh: Any, stream: Any, cache: dict[int, tuple], *,
     or its full recomputation's checkpoint of it, whose replay then runs as planned too)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.utils._pytree import tree_map
-    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+    from torch.utils.checkpoint import checkpoint
 
     from autopar.runtime.apply import _checkpointed
 
@@ -1496,6 +1498,8 @@ def _on_stream(forward: Any, mesh: Any, stream: Any, cache: dict[int, tuple], *,
     def core(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         if not recomputed:
             return planned(*args, **kwargs)
+        # checkpointing's own early stop: the replay ends after the last op that saves a tensor, as priced
+        # (`cost.intra_layers.IntraLayers._row_calls`)
         return checkpoint(planned, *args, use_reentrant=False, **kwargs)
 
     def enter(x: Any, placement: Any) -> Any:  # noqa: ANN401

@@ -191,7 +191,7 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
                 f"{global_batch // config.micro_batch} for pp {config.pp}")
     return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
                        intra=any(s.intra for s in config.stages) and not intra_layouts_runnable(
-                           config.zero, config.stages[0].dp, config.ep, kernels, config.sp),
+                           config.ep, kernels, config.sp),
                        compiled_selective=compiled_selective, compiled_experts=kernels == "compiled" and config.ep > 1)
 
 
