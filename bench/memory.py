@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -50,15 +51,19 @@ def intra() -> None:
                 start = time.perf_counter()
                 plan, memory = intra_plan_for(model, kind, recomputed=recomputed, size=size, zero=zero,
                                               micro_batches=micro_batches)
-                predicted = memory.total - memory.reserve
-                single_stage_peak(plan)  # the first time a layout runs, fake tensors' caches hold more: let them fill
-                peak = single_stage_peak(plan)
-                error = (predicted - peak) / peak
-                worst = max(worst, abs(error))
                 name = f"{model} {kind} {size} x{micro_batches} ZeRO {zero}, {recomputed}/4 recomputed"
-                print(f"{name:44s} {predicted / MIB:6.1f} MiB {peak / MIB:6.1f} MiB {error:+7.1%} "
-                      f"{time.perf_counter() - start:7.1f}")
+                worst = max(worst, _measured(name, plan, memory.total - memory.reserve, start, width=44))
     print(f"largest error {worst:.1%} (target 5%)")
+
+
+def _measured(name: str, plan: Any, predicted: float, start: float, *, width: int) -> float:
+    """Print ``plan``'s predicted and measured peak (one stage) and return the relative error's size."""
+    single_stage_peak(plan)  # the first time a layout runs, fake tensors' caches hold more: let them fill
+    peak = single_stage_peak(plan)
+    error = (predicted - peak) / peak
+    print(f"{name:{width}s} {predicted / MIB:6.1f} MiB {peak / MIB:6.1f} MiB {error:+7.1%} "
+          f"{time.perf_counter() - start:7.1f}")
+    return abs(error)
 
 
 LAID_OUT = [  # (model, layout of each layer, plan options)
@@ -89,14 +94,8 @@ def laid_out() -> None:
     for family, splits, options in LAID_OUT:
         start = time.perf_counter()
         plan = Plan.from_dict(intra_stages.plan(family, splits, large=True, **options))
-        predicted = plan.stages[0].memory.allocated
-        single_stage_peak(plan)  # as in `intra`: the first run fills fake tensors' caches
-        peak = single_stage_peak(plan)
-        error = (predicted - peak) / peak
-        worst = max(worst, abs(error))
         name = f"{family} {' '.join(splits.values())} {' '.join(f'{k} {v}' for k, v in options.items())}"
-        print(f"{name:60s} {predicted / MIB:6.1f} MiB {peak / MIB:6.1f} MiB {error:+7.1%} "
-              f"{time.perf_counter() - start:7.1f}")
+        worst = max(worst, _measured(name, plan, plan.stages[0].memory.allocated, start, width=60))
     print(f"largest error {worst:.1%} (target 5%)")
 
 

@@ -635,13 +635,9 @@ class PipelineModel:
                 # norm weights' under sequence parallelism, below): once a step under ZeRO 1, every micro-batch
                 # under ZeRO 2 and 3
                 tensors = sum(layout.reduced_tensors for layout in view.layouts.values())
-                times = 1 if config.zero == 1 else m
-                each = reduced * gradient_itemsize(self.dtype) / tensors
-                seconds = times * tensors * collective_seconds(Collective.ALL_REDUCE, each, mesh.axis("tp"),
-                                                               self.cluster)
+                seconds, call = self._one_by_one(reduced, tensors, 1 if config.zero == 1 else m, mesh)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
-                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=each, phase=Phase.SYNC,
-                                            calls=times * tensors))
+                stage_calls.append(call)
             elif reduced:  # weights a layout keeps whole while splitting their work: gradients summed over tp
                 nbytes = reduced * gradient_itemsize(self.dtype)
                 seconds = collective_seconds(Collective.ALL_REDUCE, nbytes, mesh.axis("tp"), self.cluster)
@@ -660,13 +656,9 @@ class PipelineModel:
             fsdp_sums = config.zero > 0 and stage.dp > 1 and partial
             if fsdp_sums:
                 tensors = sum(self.layers[r].sp_partial_tensors * n for r, n in alike if r not in view.layouts)
-                times = 1 if config.zero == 1 else m
-                each = partial * gradient_itemsize(self.dtype) / tensors
-                seconds = times * tensors * collective_seconds(Collective.ALL_REDUCE, each, mesh.axis("tp"),
-                                                               self.cluster)
+                seconds, call = self._one_by_one(partial, tensors, 1 if config.zero == 1 else m, mesh)
                 split.tp_once, comm = split.tp_once + seconds, comm + seconds / m
-                stage_calls.append(CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=each, phase=Phase.SYNC,
-                                            calls=times * tensors))
+                stage_calls.append(call)
                 partial = 0.0
             if partial or heads:
                 nbytes = (partial + heads / (stage.dp if config.zero else 1)) * gradient_itemsize(self.dtype)
@@ -713,6 +705,14 @@ class PipelineModel:
             cluster=self.cluster.name,
         )
         return PipelineEstimate(estimate=estimate, stages=reports, simulation=simulation)
+
+    def _one_by_one(self, params: float, tensors: int, times: int, mesh) -> tuple[float, CommCall]:  # noqa: ANN001
+        """FSDP's sums over tp of ``tensors`` gradients of ``params`` elements in all, each whole on its own,
+        ``times`` a step: their seconds, and the calls."""
+        each = params * gradient_itemsize(self.dtype) / tensors
+        seconds = times * tensors * collective_seconds(Collective.ALL_REDUCE, each, mesh.axis("tp"), self.cluster)
+        return seconds, CommCall(kind=Collective.ALL_REDUCE, axis="tp", bytes=each, phase=Phase.SYNC,
+                                 calls=times * tensors)
 
     def heaviest_first(self, start: int, end: int) -> tuple[int, ...]:
         """Rows ``start`` .. ``end`` - 1, those saving the most activations for backward first: where one more
