@@ -446,13 +446,21 @@ def check_supported(plan: Plan) -> None:
                          compiled_experts=plan.kernels == "compiled" and plan.ep > 1)
     if not reason:
         reason = expert_parallel_limits(plan.ep, [(s.dp, s.tp) for s in stages])
-    if not reason and plan.schedule == "1f1b" and plan.micro_batches < plan.pp:
-        # PyTorch's 1F1B schedule refuses it (Megatron's runs it, warming up with every micro-batch there is)
-        reason = (f"the 1F1B schedule needs at least as many micro-batches as stages: {plan.micro_batches} "
-                  f"micro-batch{'es' if plan.micro_batches > 1 else ''} of {plan.micro_batch_size} samples for pp "
-                  f"{plan.pp}; plan a smaller micro-batch (--mbs), or --schedule gpipe")
+    if not reason:
+        reason = schedule_limit(plan.schedule, plan.micro_batches, plan.micro_batch_size, plan.pp)
     if reason:
         raise NotImplementedError(reason)
+
+
+def schedule_limit(schedule: str, micro_batches: int, micro_batch_size: int, pp: int) -> str | None:
+    """Why PyTorch's schedule cannot run ``micro_batches`` of ``micro_batch_size`` samples on ``pp`` stages, or
+    None: its 1F1B needs at least one micro-batch per stage (Megatron's runs fewer, warming up with every
+    micro-batch there is)."""
+    if schedule == "1f1b" and micro_batches < pp:
+        return (f"the 1F1B schedule needs at least as many micro-batches as stages: {micro_batches} "
+                f"micro-batch{'es' if micro_batches > 1 else ''} of {micro_batch_size} samples for pp {pp}; plan a "
+                "smaller micro-batch (--mbs), or --schedule gpipe")
+    return None
 
 
 def intra_layouts_runnable(ep: int, kernels: str, sp: bool) -> bool:

@@ -213,7 +213,7 @@ def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any
     the input's last dim), run on each rank's features, as the cost model prices it: each rank's share of the
     statistics over the features, summed in an all-reduce of one value per row (two for a LayerNorm: its mean,
     then its variance), instead of gathering the features. None where the norm is not so split."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     names = ("weight", "bias", "eps") if func in (torch.layer_norm, torch.nn.functional.layer_norm) else \
         ("weight", "eps")
@@ -225,19 +225,13 @@ def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any
     if any(w != (Shard(0) if p == last else p) for w, p in zip(weight.placements, x.placements)
            if not p.is_partial()):
         return None
-    mesh = x.device_mesh
-    rows = [Replicate() if p == last or p.is_partial() else p for p in x.placements]
-
-    def summed(share: Any) -> Any:  # noqa: ANN401 - the statistic whole on every rank, its gradient summed back
-        return _Settle.apply(share.redistribute(mesh, rows))
-
     if func in (torch.rms_norm, torch.nn.functional.rms_norm):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
-        out = x * summed(torch.rsqrt(x.pow(2).mean(-1, keepdim=True).redistribute(mesh, rows) + eps))
+        out = x * torch.rsqrt(_mean_of_rows(x.pow(2)) + eps)
     else:
         eps = 1e-5 if eps is None else eps
-        centred = x - summed(x.mean(-1, keepdim=True))
-        out = centred * summed(torch.rsqrt(centred.pow(2).mean(-1, keepdim=True).redistribute(mesh, rows) + eps))
+        centred = x - _mean_of_rows(x)
+        out = centred * torch.rsqrt(_mean_of_rows(centred.pow(2)) + eps)
     out = out * weight
     return _stamped(out + bias if bias is not None else out)
 
@@ -247,7 +241,7 @@ def _row_statistic(func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: ANN401
     Face's RMSNorm is: the mean of the squares): each rank's share summed at once, in an all-reduce of one value per
     row, and its gradient summed back there, as `_split_norm` runs a norm and the cost model prices it (DTensor
     would leave the mean pending and, in the backward, reduce-scatter the whole value instead). None otherwise."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
 
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -257,8 +251,19 @@ def _row_statistic(func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: ANN401
     if not keep or len(dims) != 1 or dims[0] is None or dims[0] % x.ndim != x.ndim - 1 or last not in x.placements \
             or not x.is_floating_point() or any(p.is_partial() for p in x.placements):
         return None
-    rows = [Replicate() if p == last else p for p in x.placements]
-    return _stamped(_Settle.apply(func(*args, **kwargs).redistribute(x.device_mesh, rows)))
+    return _stamped(_mean_of_rows(x, share=func(*args, **kwargs)))
+
+
+def _mean_of_rows(x: Any, *, share: Any = None) -> Any:  # noqa: ANN401
+    """The mean of each row of ``x`` (split by features over an axis) over its last dim, kept, whole on every rank:
+    each rank's share summed in an all-reduce of one value per row, and its gradient summed back there.
+    ``share``: the mean as the model took it, still pending (default ``x.mean(-1, keepdim=True)``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    last = Shard(x.ndim - 1)
+    rows = [Replicate() if p == last or p.is_partial() else p for p in x.placements]
+    share = x.mean(-1, keepdim=True) if share is None else share
+    return _Settle.apply(share.redistribute(x.device_mesh, rows))
 
 
 def _marks_pieces(pieces: tuple[int, ...]) -> Any:  # noqa: ANN401

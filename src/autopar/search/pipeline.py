@@ -180,16 +180,15 @@ def runtime_limit(config: PipelineConfig, *, pipelines: bool = True, kernels: st
     ``pipelines``: whether the runtime can cut this model into stages (`runtime.pipeline.chain_kind`); ``kernels``:
     the plan's kernels setting; ``global_batch``: the samples of a step, where known (PyTorch's 1F1B schedule needs
     as many micro-batches as stages)."""
-    from autopar.runtime.apply import intra_layouts_runnable, unsupported
+    from autopar.runtime.apply import intra_layouts_runnable, schedule_limit, unsupported
 
     if len(config.stages) > 1 and not pipelines:
         return "the runtime cannot cut this model into pipeline stages: its forward does not trace into a chain of " \
                "layers each handing the next one value, or its stages would not compute what the forward does"
     compiled_selective = kernels == "compiled" and any(s.tp > 1 and "selective" in s.recompute for s in config.stages)
-    if global_batch is not None and config.schedule == "1f1b" and global_batch // config.micro_batch < config.pp:
-        return (f"the 1F1B schedule needs at least as many micro-batches as stages: "
-                f"{global_batch // config.micro_batch} for pp {config.pp}")
-    return unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
+    reason = schedule_limit(config.schedule, global_batch // config.micro_batch, config.micro_batch, config.pp) \
+        if global_batch is not None else None
+    return reason or unsupported(stages=len(config.stages), grids={(s.dp, s.tp) for s in config.stages},
                        intra=any(s.intra for s in config.stages) and not intra_layouts_runnable(
                            config.ep, kernels, config.sp),
                        compiled_selective=compiled_selective, compiled_experts=kernels == "compiled" and config.ep > 1)
