@@ -86,6 +86,21 @@ def variant(family: str, splits: dict[str, str], *, base: str = "dp", zero: int 
     return intra.to_plan(name, work).to_dict()
 
 
+def contracted(family: str) -> dict[str, str]:
+    """The splits of the layout `autopar plan gpt3-1.3b --search ilp --mesh 8x8` chooses, for the tiny ``family``
+    model (module -> split, for `variant`): the embedding split by features on the second axis; q, k and v, the
+    attention's output projection and the MLP's last projection split by the features they contract (pending sums
+    the attention and the stream reduce-scatter); the MLP's first projections (GPT's one, LLaMA's gate and up) by
+    the features they make; the batch split on the first axis throughout."""
+    mlp = ("fc1",) if family == "gpt" else ("gate", "up")
+    last = "fc2" if family == "gpt" else "down"
+    splits = {"embed": "batch,n"}
+    for layer in range(MODELS[family][1]["layers"]):
+        splits |= {f"layers.{layer}.attn.qkv": "m,k", f"layers.{layer}.attn.proj": "m,k",
+                   f"layers.{layer}.mlp.{last}": "m,k", **{f"layers.{layer}.mlp.{m}": "m,n" for m in mlp}}
+    return splits
+
+
 def mixed(family: str, *, batch: int = 8) -> dict[str, dict[str, Any]]:
     """Plans (as dicts) of the tiny ``family`` model on a 2 x 2 mesh that split weights: Megatron's layout (with
     its pending sums reduce-scattered over the sequence), and two that are not Megatron's: the attention blocks in

@@ -354,7 +354,8 @@ def _module_rows(plan: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     for block in plan["blocks"]:
         module = block["module"]
         entry = plan["modules"].get(module, {})
-        params = " ".join(f"{k.rpartition('.')[2]}:{v}" for k, v in entry.get("params", {}).items())
+        params = " ".join([*(f"{k.rpartition('.')[2]}:{v}" for k, v in entry.get("params", {}).items()),
+                           *(f"reads {k}:{v}" for k, v in entry.get("reads", {}).items())])
         layers.setdefault(block["layer"], []).append(
             [module, block["split"], entry.get("input", ""), entry.get("output", ""), params]
         )

@@ -208,6 +208,9 @@ class ModuleLayout:
     params: tuple[ParamLayout, ...] = ()
     input: tuple[Placement, ...] | None = None
     output: tuple[Placement, ...] | None = None
+    # weights another module holds that this module's leading op reads in another layout (a head tied to the
+    # embedding reads the table whole where the embedding keeps it split): (name, layout)
+    reads: tuple[tuple[str, tuple[Placement, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         text("fqn", self.fqn, limit=1024, empty=True)
@@ -218,6 +221,7 @@ class ModuleLayout:
         """How many placements each layout has (one per mesh axis): a set, so inconsistent modules show."""
         counts = {len(p.placements) for p in self.params}
         counts |= {len(x) for x in (self.input, self.output) if x is not None}
+        counts |= {len(layout) for _, layout in self.reads}
         return counts
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,12 +239,14 @@ class ModuleLayout:
             value = getattr(self, key)
             if value is not None:
                 entry[key] = layout_text(value)
+        if self.reads:
+            entry["reads"] = {name: layout_text(layout) for name, layout in self.reads}
         return entry
 
     @classmethod
     def from_dict(cls, fqn: str, data: Any) -> ModuleLayout:
         data = mapping("", data)
-        unknown_fields("", data, ("params", "shapes", "summed", "reduced", "input", "output"))
+        unknown_fields("", data, ("params", "shapes", "summed", "reduced", "input", "output", "reads"))
         shapes = mapping("shapes", data.get("shapes", {}))
         layouts = mapping("params", data.get("params", {}))
         summed = strings("summed", data.get("summed", []))
@@ -258,7 +264,9 @@ class ModuleLayout:
                                       shape=None if shape is None else tuple(sequence(f"shapes[{name!r}]", shape)),
                                       summed=name in summed,
                                       reduced=tuple(sequence(f"reduced[{name!r}]", reduced.get(name, [])))))
-        return cls(fqn=fqn, params=tuple(params),
+        reads = tuple((name, _layout(f"reads[{name!r}]", layout))
+                      for name, layout in mapping("reads", data.get("reads", {})).items())
+        return cls(fqn=fqn, params=tuple(params), reads=reads,
                    **{key: _layout(key, data[key]) for key in ("input", "output") if key in data})
 
 

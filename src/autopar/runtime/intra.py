@@ -142,6 +142,14 @@ class _AsPlanned(torch.overrides.TorchFunctionMode):
       feature dim that mean is a pending average, which an in-place op cannot keep.
     - A softmax (or a loss over logits) given a pending sum reduce-scatters it onto a dim it does not reduce over
       (`_scattered`), where the plan scatters pending sums, rather than all-reducing it as DTensor would.
+    - A weight another module holds, read by a module the plan has read it in another layout (`ModuleLayout.reads`:
+      a head tied to an embedding split by features reads the table whole), is converted as the module's ops first
+      read it (`_read`).
+    - The fused attention given a pending sum (q, k and v of a projection split by the features it contracts)
+      reduces it before the call, onto the batch or the heads as the plan prices it (`_attention_inputs`).
+      DTensor would reduce it inside the call, where autograd saves the pending sum, so the attention's backward
+      would reduce it again, and the gradient would return split, to be gathered whole after q, k and v are
+      joined, not piece by piece where the plan prices it.
     - A sum of two values of one shape in different layouts (a residual add of the stream as one block left it and
       a branch as another hands it on) converts the older value (the stream, made in an earlier block) to the
       layout of the newer one (the branch the block made), as the plan converts a value a block reads from another
@@ -158,25 +166,29 @@ class _AsPlanned(torch.overrides.TorchFunctionMode):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         kwargs = kwargs or {}
+        if _READING and any(id(a) in _READING for a in args):
+            args = tuple(_read(a) if id(a) in _READING else a for a in args)
         if func in _CUTS and args and getattr(args[0], "_autopar_pieces", None) is not None:
             found = _cut_pieces(func, args, kwargs)
             if found is not None:
                 return found
         if func in _MEANS and args and isinstance(args[0], DTensor):
-            found = _row_statistic(func, args, kwargs)
+            found = _row_statistic(func, args, kwargs, scatter=self.scatter)
             if found is not None:
                 return found
         if func in _NORMS and args and isinstance(args[0], DTensor):
             x = args[0]
             shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
             first = x.ndim - len(shape)
-            found = _split_norm(func, x, shape, args[2:], kwargs)
+            found = _split_norm(func, x, shape, args[2:], kwargs, scatter=self.scatter)
             if found is not None:
                 return found
             placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim >= first) else p
                           for p in x.placements]
             if placements != list(x.placements):
                 args = (x.redistribute(x.device_mesh, placements), *args[1:])
+        elif func in _ATTENTIONS and len(args) >= 3 and all(isinstance(t, DTensor) for t in args[:3]):
+            args = (*_attention_inputs(args[:3], scatter=self.scatter), *args[3:])
         elif func in _ROWWISE and self.scatter and args and isinstance(args[0], DTensor):
             args = (_scattered(args[0], reduced=-1 if func is not torch.nn.functional.cross_entropy else 1), *args[1:])
         elif func in _SUMS and len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
@@ -208,12 +220,13 @@ _MEANS = (torch.mean, torch.Tensor.mean)
 _CUTS = (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes)
 
 
-def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any:  # noqa: ANN401
+def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict, *,  # noqa: ANN401
+                scatter: bool = False) -> Any:  # noqa: ANN401
     """A norm whose input and weight the plan splits alike by features (a weight ``S(0)`` on the axis that splits
-    the input's last dim), run on each rank's features, as the cost model prices it: each rank's share of the
-    statistics over the features, summed in an all-reduce of one value per row (two for a LayerNorm: its mean,
-    then its variance), instead of gathering the features. None where the norm is not so split."""
-    from torch.distributed.tensor import DTensor, Shard
+    the input's last dim, whole on every other), run on each rank's features, as the cost model prices it: each
+    rank's share of the statistics over the features, summed per row (`_mean_of_rows`; two for a LayerNorm: its
+    mean, then its variance), instead of gathering the features. None where the norm is not so split."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     names = ("weight", "bias", "eps") if func in (torch.layer_norm, torch.nn.functional.layer_norm) else \
         ("weight", "eps")
@@ -222,21 +235,21 @@ def _split_norm(func: Any, x: Any, shape: Any, rest: tuple, kwargs: dict) -> Any
     last = Shard(x.ndim - 1)
     if len(shape) != 1 or not isinstance(weight, DTensor) or last not in x.placements:
         return None
-    if any(w != (Shard(0) if p == last else p) for w, p in zip(weight.placements, x.placements)
+    if any(w != (Shard(0) if p == last else Replicate()) for w, p in zip(weight.placements, x.placements)
            if not p.is_partial()):
         return None
     if func in (torch.rms_norm, torch.nn.functional.rms_norm):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
-        out = x * torch.rsqrt(_mean_of_rows(x.pow(2)) + eps)
+        out = x * torch.rsqrt(_mean_of_rows(x.pow(2), scatter=scatter) + eps)
     else:
         eps = 1e-5 if eps is None else eps
-        centred = x - _mean_of_rows(x)
-        out = centred * torch.rsqrt(_mean_of_rows(centred.pow(2)) + eps)
+        centred = x - _mean_of_rows(x, scatter=scatter)
+        out = centred * torch.rsqrt(_mean_of_rows(centred.pow(2), scatter=scatter) + eps)
     out = out * weight
     return _stamped(out + bias if bias is not None else out)
 
 
-def _row_statistic(func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: ANN401
+def _row_statistic(func: Any, args: tuple, kwargs: dict, *, scatter: bool = False) -> Any:  # noqa: ANN401
     """A mean over the last dim, kept, of a value split by features over an axis (a norm written out, as Hugging
     Face's RMSNorm is: the mean of the squares): each rank's share summed at once, in an all-reduce of one value per
     row, and its gradient summed back there, as `_split_norm` runs a norm and the cost model prices it (DTensor
@@ -251,18 +264,25 @@ def _row_statistic(func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: ANN401
     if not keep or len(dims) != 1 or dims[0] is None or dims[0] % x.ndim != x.ndim - 1 or last not in x.placements \
             or not x.is_floating_point() or any(p.is_partial() for p in x.placements):
         return None
-    return _stamped(_mean_of_rows(x, share=func(*args, **kwargs)))
+    return _stamped(_mean_of_rows(x, share=func(*args, **kwargs), scatter=scatter))
 
 
-def _mean_of_rows(x: Any, *, share: Any = None) -> Any:  # noqa: ANN401
+def _mean_of_rows(x: Any, *, share: Any = None, scatter: bool = False) -> Any:  # noqa: ANN401
     """The mean of each row of ``x`` (split by features over an axis) over its last dim, kept, whole on every rank:
     each rank's share summed in an all-reduce of one value per row, and its gradient summed back there.
-    ``share``: the mean as the model took it, still pending (default ``x.mean(-1, keepdim=True)``)."""
+    ``share``: the mean as the model took it, still pending (default ``x.mean(-1, keepdim=True)``). With
+    ``scatter`` (a plan that reduce-scatters the pending sums an op cannot take, `_scattered`), the sum is
+    reduce-scattered over the rows and then gathered, each a conversion whose gradient is converted back, as
+    such a plan prices it."""
     from torch.distributed.tensor import Replicate, Shard
 
     last = Shard(x.ndim - 1)
     rows = [Replicate() if p == last or p.is_partial() else p for p in x.placements]
     share = x.mean(-1, keepdim=True) if share is None else share
+    if scatter:
+        scattered = _scattered(share, reduced=-1)
+        if scattered is not share:
+            return scattered.redistribute(x.device_mesh, rows)
     return _Settle.apply(share.redistribute(x.device_mesh, rows))
 
 
@@ -329,6 +349,43 @@ _ROWWISE = (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log
             torch.nn.functional.softmax, torch.Tensor.softmax, torch.nn.functional.cross_entropy)
 
 
+_ATTENTIONS = (torch.nn.functional.scaled_dot_product_attention,)
+
+
+def _attention_inputs(qkv: tuple, *, scatter: bool) -> tuple:
+    """Query, key and value with their pending sums reduced, as the plan converts the fused attention's inputs
+    (`autopar.cost.intra.IntraCost._follow`): on each mesh axis the query is split on (its batch or its heads,
+    the dims DTensor's rule for the attention splits, `attention_rules`), all three are split alike; where the
+    query is a pending sum, onto its batch, else its heads, whichever that axis divides (with ``scatter``; else
+    summed whole); on any other axis, whole. Converted with `DTensor.redistribute`, so autograd saves the reduced
+    values and gathers their gradients back where each was reduced."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    query = qkv[0]
+    if not any(isinstance(p, Partial) for t in qkv for p in t.placements):
+        return qkv
+    mesh, targets = query.device_mesh, []
+    for axis, p in enumerate(query.placements):
+        if isinstance(p, Shard) and p.dim in (0, 1):
+            targets.append(p)
+            continue
+        target = Replicate()
+        if isinstance(p, Partial) and p.reduce_op == "sum" and scatter:
+            for dim in (0, 1):
+                ways = math.prod(mesh.size(a) for a, q in enumerate(targets) if isinstance(q, Shard) and q.dim == dim)
+                ways *= math.prod(mesh.size(a) for a, q in enumerate(query.placements)
+                                  if a > axis and isinstance(q, Shard) and q.dim == dim)
+                if query.shape[dim] % (ways * mesh.size(axis)) == 0:
+                    target = Shard(dim)
+                    break
+        targets.append(target)
+    return tuple(t.redistribute(mesh, [targets[a] if isinstance(p, Partial) else p for a, p in enumerate(t.placements)])
+                 if any(isinstance(p, Partial) for p in t.placements) else t for t in qkv)
+
+
+_SCATTERED = ("sum", "avg")  # pending sums and means, which a reduce-scatter makes as it splits them
+
+
 def _scattered(x: Any, *, reduced: int) -> Any:  # noqa: ANN401
     """``x``'s pending sums reduce-scattered onto a dim the op does not reduce over (``reduced``), the one before
     the last first (the sequence, or a flattened loss's rows), as the plan scatters a pending sum an op cannot
@@ -336,13 +393,13 @@ def _scattered(x: Any, *, reduced: int) -> Any:  # noqa: ANN401
     from torch.distributed.tensor import Partial, Shard
 
     placements = list(x.placements)
-    if not any(isinstance(p, Partial) and p.reduce_op == "sum" for p in placements):
+    if not any(isinstance(p, Partial) and p.reduce_op in _SCATTERED for p in placements):
         return x
     mesh, rank = x.device_mesh, x.ndim
     reduced %= rank
     order = sorted((d for d in range(rank) if d != reduced), key=lambda d: d != rank - 2)
     for axis, p in enumerate(placements):
-        if not (isinstance(p, Partial) and p.reduce_op == "sum"):
+        if not (isinstance(p, Partial) and p.reduce_op in _SCATTERED):
             continue
         for dim in order:
             ways = math.prod(mesh.size(a) for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == dim)
@@ -587,6 +644,7 @@ def parallelize_intra(model: nn.Module, plan: Plan, *, mesh: Any = None) -> Intr
     _place_state(model, plan, mesh)
     _reduce_masked_lookups(model)  # first: a masked lookup's sum is made before its output is converted
     converted = _hook_inputs(model, plan, mesh)
+    _reads(model, plan)
     _layers(model, plan, converted)
     axes = {mesh.get_group(a).group_name: name for a, name in enumerate(names)}
     spanning = [name for name, size in zip(names, shape) if size == dist.get_world_size()]
@@ -1134,6 +1192,70 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         loss = self.inner.step(closure)
         shards.write_back()
         return loss
+
+
+# weights being read in another layout than their holder keeps them in, while the module reading them runs:
+# id(weight) -> [weight, layout to read it in, the axes its holder sums its gradient over, the converted weight]
+_READING: dict[int, list] = {}
+
+
+def _read(weight: Any) -> Any:  # noqa: ANN401
+    """``weight`` in the layout the running module reads it in (`_reads`), converted once per call."""
+    entry = _READING[id(weight)]
+    if entry[3] is None:
+        entry[3] = _Read.apply(weight, entry[1], entry[2])
+    return entry[3]
+
+
+class _Read(torch.autograd.Function):
+    """A weight converted to the layout a module reads it in; its gradient converted back to the weight's own
+    layout, the sums over the axes its holder reduces its gradient over left pending for that reduction (as the
+    plan prices a tied weight's gradient), any other sum made here."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Any, layout: tuple, reduced: tuple[int, ...]) -> Any:  # noqa: ANN401
+        from torch.distributed.tensor import Partial, Replicate
+
+        ctx.mesh = weight.device_mesh
+        ctx.back = tuple(Partial() if a in reduced and isinstance(p, Replicate) else p
+                         for a, p in enumerate(weight.placements))
+        return weight.redistribute(ctx.mesh, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple:  # noqa: ANN401
+        from torch.distributed.tensor import Partial, Replicate
+
+        back = tuple(b if isinstance(b, Partial) and isinstance(g, Partial) else
+                     Replicate() if isinstance(b, Partial) else b for b, g in zip(ctx.back, grad.placements))
+        return (grad.redistribute(ctx.mesh, back) if tuple(grad.placements) != back else grad), None, None
+
+
+def _reads(model: nn.Module, plan: Plan) -> None:
+    """For each module the plan has read a weight another module holds in another layout (`ModuleLayout.reads`),
+    hooks that mark the weight to be converted (`_read`) while the module runs."""
+    modules = dict(model.named_modules())
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    reduced = {p.name: tuple(p.reduced) for entry in plan.modules for p in entry.params}
+    for entry in plan.modules:
+        for name, _ in entry.reads:
+            if name not in weights:
+                raise ValueError(f"the plan has module {entry.fqn!r} read weight {name!r}, which the model does "
+                                 "not have: was the plan made for another model?")
+        module = modules.get(entry.fqn)
+        found = [(weights[name], tuple(layout), reduced.get(name, ())) for name, layout in entry.reads]
+        if module is None or not found:
+            continue
+
+        def start(_module: nn.Module, _args: tuple, _found: list = found) -> None:
+            for weight, layout, axes in _found:
+                _READING[id(weight)] = [weight, layout, axes, None]
+
+        def stop(_module: nn.Module, _args: tuple, _output: Any, _found: list = found) -> None:  # noqa: ANN401
+            for weight, _, _, in _found:
+                _READING.pop(id(weight), None)
+
+        module.register_forward_pre_hook(start)
+        module.register_forward_hook(stop, always_call=True)
 
 
 def _place_state(model: nn.Module, plan: Plan, mesh: Any) -> None:

@@ -973,6 +973,7 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
     blocks = []
     params: dict[str, dict[str, ParamLayout]] = {}
     edges: dict[str, tuple] = {}
+    reads: dict[str, dict[str, tuple]] = {}
     for block in space.blocks.blocks:
         v = space.var_of[block.id]
         cand = space.candidates[v][plan.choice[v]]
@@ -985,9 +986,19 @@ def intra_plan(plan: IntraPlan, model: str, workload: Workload | None = None) ->
             fqn = ic.locate(block, p.key)
             params.setdefault(fqn.rpartition(".")[0], {})[fqn] = ParamLayout(name=fqn, placements=tuple(p.layout),
                                                                              reduced=_reduced(p))
+        for key, (need, _) in bc.entries.items():  # a tied weight, read here in the layout the block needs
+            if key[0] == "param":
+                reader = space.graph.node(block.nodes[key[1]]).module
+                reads.setdefault(reader, {})[ic.locate(block, key)] = tuple(need)
+    held = {name: layout.placements for layouts in params.values() for name, layout in layouts.items()}
+    reads = {fqn: {name: need for name, need in found.items() if held.get(name) != need}
+             for fqn, found in reads.items()}
+    for fqn, found in reads.items():
+        if found:
+            params.setdefault(fqn, {})
     modules = tuple(
         ModuleLayout(fqn=fqn, params=tuple(layouts.values()), input=edges.get(fqn, (None, None))[0],
-                     output=edges.get(fqn, (None, None))[1])
+                     output=edges.get(fqn, (None, None))[1], reads=tuple(reads.get(fqn, {}).items()))
         for fqn, layouts in params.items()
     )
     return Plan(model=model, kind=plan.kind, mesh=PlanMesh(shape=tuple(space.mesh.sizes), axes=tuple(names)),
