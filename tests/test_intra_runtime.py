@@ -326,6 +326,11 @@ def test_a_layout_that_splits_q_k_and_v_by_the_features_they_contract_trains_as_
     assert reads == ({"head": {"embed.weight": (Replicate(), Replicate())}} if family == "gpt" else {})
     assert Plan.from_dict(plan.to_dict()) == plan
     check_runnable(plan)
+    if family == "gpt":  # a plan whose reader names a weight the model lacks is refused, naming both
+        data = plan.to_dict()
+        data["modules"]["head"]["reads"] = {"lm.weight": "[R, R]"}
+        with pytest.raises(ValueError, match="module 'head' read weight 'lm.weight', which the model does not have"):
+            check_runnable(Plan.from_dict(data))
     log = run_plan(plan, nproc=4, steps=3, check=True, check_comm=True)
     assert check_ranks(plan, log.collectives)["ok"]
 

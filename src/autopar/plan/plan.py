@@ -324,6 +324,9 @@ def _check_modules(plan: Plan) -> None:
         if counts - {width}:
             raise FieldError(f"modules[{module.fqn!r}]", f"has layouts with {sorted(counts)} placements; the plan's "
                              f"layouts have {width}, one per mesh axis")
+        if plan.stages and module.reads:
+            raise FieldError(f"modules[{module.fqn!r}].reads", "applies to intra-op plans only; a pipeline plan's "
+                             "tied weights are read as their holder keeps them")
         split_on_tp = split_on_tp or bool(plan.stages) and any(isinstance(p.on(1), Shard) for p in module.params)
     megatron_tp = [k for k, s in enumerate(plan.stages) if s.tp > 1 and not s.intra]
     if megatron_tp and not split_on_tp:

@@ -364,21 +364,17 @@ def _attention_inputs(qkv: tuple, *, scatter: bool) -> tuple:
     query = qkv[0]
     if not any(isinstance(p, Partial) for t in qkv for p in t.placements):
         return qkv
-    mesh, targets = query.device_mesh, []
+    mesh, targets = query.device_mesh, list(query.placements)
     for axis, p in enumerate(query.placements):
         if isinstance(p, Shard) and p.dim in (0, 1):
-            targets.append(p)
             continue
-        target = Replicate()
-        if isinstance(p, Partial) and p.reduce_op == "sum" and scatter:
+        targets[axis] = Replicate()
+        if isinstance(p, Partial) and p.reduce_op in _SCATTERED and scatter:
             for dim in (0, 1):
                 ways = math.prod(mesh.size(a) for a, q in enumerate(targets) if isinstance(q, Shard) and q.dim == dim)
-                ways *= math.prod(mesh.size(a) for a, q in enumerate(query.placements)
-                                  if a > axis and isinstance(q, Shard) and q.dim == dim)
                 if query.shape[dim] % (ways * mesh.size(axis)) == 0:
-                    target = Shard(dim)
+                    targets[axis] = Shard(dim)
                     break
-        targets.append(target)
     return tuple(t.redistribute(mesh, [targets[a] if isinstance(p, Partial) else p for a, p in enumerate(t.placements)])
                  if any(isinstance(p, Partial) for p in t.placements) else t for t in qkv)
 
@@ -1241,17 +1237,20 @@ def _reads(model: nn.Module, plan: Plan) -> None:
             if name not in weights:
                 raise ValueError(f"the plan has module {entry.fqn!r} read weight {name!r}, which the model does "
                                  "not have: was the plan made for another model?")
-        module = modules.get(entry.fqn)
-        found = [(weights[name], tuple(layout), reduced.get(name, ())) for name, layout in entry.reads]
-        if module is None or not found:
+        if not entry.reads:
             continue
+        module = modules.get(entry.fqn)
+        if module is None:
+            raise ValueError(f"the plan has module {entry.fqn!r} read weights, but the model has no such module: "
+                             "was the plan made for another model?")
+        found = [(weights[name], tuple(layout), reduced.get(name, ())) for name, layout in entry.reads]
 
         def start(_module: nn.Module, _args: tuple, _found: list = found) -> None:
             for weight, layout, axes in _found:
                 _READING[id(weight)] = [weight, layout, axes, None]
 
         def stop(_module: nn.Module, _args: tuple, _output: Any, _found: list = found) -> None:  # noqa: ANN401
-            for weight, _, _, in _found:
+            for weight, *_ in _found:
                 _READING.pop(id(weight), None)
 
         module.register_forward_pre_hook(start)
