@@ -370,11 +370,9 @@ def _attention_inputs(qkv: tuple, *, scatter: bool) -> tuple:
             continue
         targets[axis] = Replicate()
         if isinstance(p, Partial) and p.reduce_op in _SCATTERED and scatter:
-            for dim in (0, 1):
-                ways = math.prod(mesh.size(a) for a, q in enumerate(targets) if isinstance(q, Shard) and q.dim == dim)
-                if query.shape[dim] % (ways * mesh.size(axis)) == 0:
-                    targets[axis] = Shard(dim)
-                    break
+            dim = _dividing_dim(query.shape, targets, mesh, axis, (0, 1))
+            if dim is not None:
+                targets[axis] = Shard(dim)
     return tuple(t.redistribute(mesh, [targets[a] if isinstance(p, Partial) else p for a, p in enumerate(t.placements)])
                  if any(isinstance(p, Partial) for p in t.placements) else t for t in qkv)
 
@@ -397,12 +395,22 @@ def _scattered(x: Any, *, reduced: int) -> Any:  # noqa: ANN401
     for axis, p in enumerate(placements):
         if not (isinstance(p, Partial) and p.reduce_op in _SCATTERED):
             continue
-        for dim in order:
-            ways = math.prod(mesh.size(a) for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == dim)
-            if x.shape[dim] % (ways * mesh.size(axis)) == 0:
-                placements[axis] = Shard(dim)
-                break
+        dim = _dividing_dim(x.shape, placements, mesh, axis, order)
+        if dim is not None:
+            placements[axis] = Shard(dim)
     return x if placements == list(x.placements) else x.redistribute(mesh, placements)
+
+
+def _dividing_dim(shape: Any, placements: list, mesh: Any, axis: int, order: Any) -> int | None:  # noqa: ANN401
+    """The first dim of ``order`` that mesh ``axis`` can split further, beside the axes ``placements`` already
+    split it over, evenly; None if none can."""
+    from torch.distributed.tensor import Shard
+
+    for dim in order:
+        ways = math.prod(mesh.size(a) for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == dim)
+        if shape[dim] % (ways * mesh.size(axis)) == 0:
+            return dim
+    return None
 
 
 _MADE = itertools.count()  # the order DTensors are made in: `_AsPlanned` and the conversion hooks number them
